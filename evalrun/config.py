@@ -8,6 +8,7 @@ is what fingerprints hash; never the raw flags.
 from __future__ import annotations
 
 import dataclasses
+import re
 import tomllib
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -103,9 +104,9 @@ def _choice(key: str, value: Any, choices: tuple[str, ...], aliases: dict[str, s
 
 def parse_opt_level(value: Any) -> int:
     """'-O2', 'O2', '2' or 2 -> 2; anything outside 0..3 is a ConfigError."""
-    text = str(value).strip().upper().lstrip("-").lstrip("O")
-    if text.isdigit() and 0 <= int(text) <= 3:
-        return int(text)
+    match = re.fullmatch(r"(?:-?O)?([0-3])", str(value).strip().upper())
+    if match:
+        return int(match.group(1))
     raise ConfigError(f"opt level {value!r} is not valid; use -O0, -O1, -O2 or -O3")
 
 

@@ -18,6 +18,7 @@ from __future__ import annotations
 import contextlib
 import importlib.util
 import io
+import json
 import os
 import shutil
 import tempfile
@@ -198,9 +199,15 @@ def converted_gguf_dir(gguf: Path) -> Path:
     try:
         tokenizer = _quietly(AutoTokenizer.from_pretrained, gguf.parent, gguf_file=gguf.name)
         model = _quietly(AutoModelForCausalLM.from_pretrained, gguf.parent, gguf_file=gguf.name, dtype=torch.float32)
-        model.config.quantization_config = None
+        # transformers refuses to re-save a GGUF-loaded model; its weights are plain fp32 tensors by
+        # now, so write them with safetensors and the config without the quantization entry.
+        from safetensors.torch import save_model
+
+        config = model.config.to_dict()
+        config.pop("quantization_config", None)
+        (staging / "config.json").write_text(json.dumps(config, indent=2, sort_keys=True))
+        save_model(model, str(staging / "model.safetensors"), metadata={"format": "pt"})
         tokenizer.save_pretrained(staging)
-        model.save_pretrained(staging)
         try:
             staging.rename(target)
         except OSError:  # another process finished first: theirs is as good as ours

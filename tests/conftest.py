@@ -1,0 +1,87 @@
+"""Shared fixtures: a temporary store, an in-process CLI runner, a tiny loaded model."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+
+from evalrun.cli import main
+
+
+def pytest_collection_modifyitems(config, items):
+    if torch.cuda.is_available():
+        return
+    skip = pytest.mark.skip(reason="needs CUDA")
+    for item in items:
+        if "gpu" in item.keywords:
+            item.add_marker(skip)
+
+
+@pytest.fixture
+def store_path(tmp_path: Path) -> Path:
+    return tmp_path / "store" / "evalrun.db"
+
+
+@pytest.fixture
+def cli(capsys):
+    """cli("run", "--json", ...) -> (exit code, stdout, stderr), run in-process through main()."""
+
+    def invoke(*args: str) -> tuple[int, str, str]:
+        capsys.readouterr()
+        try:
+            main(list(args))
+        except SystemExit as exit:
+            code = exit.code or 0
+        else:
+            code = 0
+        captured = capsys.readouterr()
+        return code, captured.out, captured.err
+
+    return invoke
+
+
+@pytest.fixture
+def tiny_args(store_path) -> list[str]:
+    """Run options for a fast run: random:tiny, smoke prompts, 6 tokens, a temporary store."""
+    return ["--model", "random:tiny", "--prompts", "smoke", "--max-new-tokens", "6", "--store", str(store_path)]
+
+
+@pytest.fixture
+def write_prompts(tmp_path: Path):
+    def write(records: list[dict] | str, name: str = "prompts.jsonl") -> Path:
+        path = tmp_path / name
+        text = records if isinstance(records, str) else "\n".join(json.dumps(r) for r in records) + "\n"
+        path.write_text(text)
+        return path
+
+    return write
+
+
+@pytest.fixture(scope="session")
+def tiny_hf_dir(tmp_path_factory) -> Path:
+    """random:tiny saved as a Hugging Face directory (weights, config, tokenizer)."""
+    from evalrun.models import load_model
+
+    loaded = load_model("random:tiny", "cpu", "float32")
+    directory = tmp_path_factory.mktemp("tiny-hf")
+    loaded.model.save_pretrained(directory)
+    loaded.tokenizer.save_pretrained(directory)
+    return directory
+
+
+def copy_model_dir(source: Path, target: Path, edit=None) -> Path:
+    """Copy a HF directory; `edit(state_dict)` may change weights before saving."""
+    import shutil
+
+    from safetensors.torch import load_file, save_file
+
+    shutil.copytree(source, target)
+    if edit is not None:
+        weights = target / "model.safetensors"
+        state = load_file(weights)
+        edit(state)
+        save_file(state, weights, metadata={"format": "pt"})
+    return target

@@ -1,0 +1,158 @@
+import json
+import os
+
+import pytest
+
+from evalrun.cli import cli as cli_group
+
+
+def test_run_json_stores_a_complete_run(cli, tiny_args):
+    code, out, err = cli("run", *tiny_args, "--json", "--quiet")
+    assert code == 0, err
+    data = json.loads(out)
+    assert data["config"]["model"] == "random:tiny" and len(data["results"]) == 3
+    assert all(len(r["tokens"]) == 6 for r in data["results"])
+    code, out, _ = cli("store", "show", data["run_id"][:8], "--store", tiny_args[-1], "--json")
+    shown = json.loads(out)
+    assert code == 0 and shown["status"] == "complete"
+    assert [r["tokens"] for r in shown["results"]] == [r["tokens"] for r in data["results"]]
+
+
+def test_two_runs_of_one_config_are_identical_on_cpu(cli, tiny_args):
+    first = json.loads(cli("run", *tiny_args, "--json", "--quiet")[1])
+    second = json.loads(cli("run", *tiny_args, "--json", "--quiet")[1])
+    assert first["logits_digest"] == second["logits_digest"] and first["tokens_digest"] == second["tokens_digest"]
+    assert first["run_id"] != second["run_id"]
+
+
+def test_run_text_summary_store_ls_and_check(cli, tiny_args):
+    code, out, _ = cli("run", *tiny_args, "--quiet", "--label", "first")
+    assert code == 0 and "capital" in out and "tok/s" in out and "run " in out
+    code, out, _ = cli("store", "ls", "--store", tiny_args[-1])
+    assert code == 0 and "random:tiny" in out and "first" in out
+    code, out, _ = cli("store", "check", "--store", tiny_args[-1], "--json")
+    assert code == 0 and json.loads(out)["ok"] is True
+
+
+def test_fingerprint_json(cli):
+    code, out, _ = cli("fingerprint", "--model", "random:tiny", "--prompts", "smoke", "--json")
+    data = json.loads(out)
+    assert code == 0
+    assert {"config", "environment", "model", "prompt_set", "config_hash", "environment_hash"} <= set(data)
+    assert set(data["model"]) >= {"weights", "config", "tokenizer", "hash"}
+    assert data["config"]["compilation_mode"] == "none" and data["prompt_set"]["count"] == 3
+
+
+def test_per_prompt_max_new_tokens(cli, tiny_args, write_prompts):
+    path = write_prompts([{"id": "a", "prompt": "one"}, {"id": "b", "prompt": "two", "max_new_tokens": 3}])
+    args = [a if a != "smoke" else str(path) for a in tiny_args]
+    data = json.loads(cli("run", *args, "--batch-size", "2", "--json", "--quiet")[1])
+    assert [len(r["tokens"]) for r in data["results"]] == [6, 3]
+
+
+def _one_line_exit_2(result, *needles):
+    code, out, err = result
+    assert code == 2, (out, err)
+    lines = err.strip().splitlines()
+    assert len(lines) == 1 and "Traceback" not in err, err
+    for needle in needles:
+        assert needle in lines[0], lines[0]
+
+
+def test_bad_input_unknown_model(cli, tiny_args):
+    _one_line_exit_2(cli("run", *tiny_args, "--model", "nosuch-model"), "unknown model", "random:tiny")
+
+
+def test_bad_input_unknown_random_shape(cli, tiny_args):
+    _one_line_exit_2(cli("run", *tiny_args, "--model", "random:huge"), "random:tiny")
+
+
+def test_bad_input_missing_prompt_file(cli, tiny_args):
+    _one_line_exit_2(cli("run", *tiny_args, "--prompts", "/nonexistent/p.jsonl"), "does not exist")
+
+
+def test_bad_input_missing_gguf(cli, tiny_args):
+    _one_line_exit_2(cli("run", *tiny_args, "--model", "/nonexistent/m.gguf"), "does not exist")
+
+
+@pytest.mark.parametrize("text,needle", [('{"id": "a", "prompt": "x"}\n{"id": "b", "prompt": \n', ":2: not valid JSON"),
+                                         ('{"prompt": "x"}\n', ":1: missing 'id'"),
+                                         ('{"id": "a"}\n', ":1: give exactly one of"),
+                                         ('{"id": "a", "prompt": "x", "colour": 1}\n', "unknown keys"),
+                                         ('{"id": "a", "prompt": "x"}\n{"id": "a", "prompt": "y"}\n', "duplicate id")])
+def test_bad_input_broken_jsonl_names_file_and_line(cli, tiny_args, write_prompts, text, needle):
+    path = write_prompts(text)
+    args = [a if a != "smoke" else str(path) for a in tiny_args]
+    _one_line_exit_2(cli("run", *args), str(path), needle)
+
+
+def test_bad_input_unknown_key(cli, tiny_args):
+    _one_line_exit_2(cli("run", *tiny_args, "--set", "bogus=1"), "unknown config key 'bogus'", "valid keys")
+
+
+def test_bad_input_unknown_value(cli, tiny_args):
+    _one_line_exit_2(cli("run", *tiny_args, "--compilation-mode", "turbo"), "turbo", "trace-once")
+
+
+def test_bad_input_opt_level_7(cli, tiny_args):
+    _one_line_exit_2(cli("run", *tiny_args, "-O", "7"), "-O0, -O1, -O2 or -O3")
+
+
+def test_bad_input_unknown_option(cli, tiny_args):
+    _one_line_exit_2(cli("run", *tiny_args, "--frobnicate"), "frobnicate")
+
+
+@pytest.mark.skipif(__import__("torch").cuda.is_available(), reason="machine has a GPU")
+def test_bad_input_cuda_without_gpu(cli, tiny_args):
+    _one_line_exit_2(cli("run", *tiny_args, "--device", "cuda"), "no CUDA GPU", "--device cpu")
+
+
+def test_bad_input_cuda_graphs_on_cpu(cli, tiny_args):
+    _one_line_exit_2(cli("run", *tiny_args, "--device", "cpu", "--cudagraph-mode", "full"), "needs a GPU")
+
+
+@pytest.mark.skipif(os.geteuid() == 0, reason="root can write anywhere")
+def test_bad_input_unwritable_store_as_user(cli, tiny_args, tmp_path):
+    locked = tmp_path / "locked"
+    locked.mkdir(mode=0o500)
+    _one_line_exit_2(cli("run", *tiny_args, "--store", str(locked / "sub" / "x.db")), "store")
+
+
+def test_bad_input_unwritable_store(cli, tiny_args, tmp_path):
+    blocker = tmp_path / "file"
+    blocker.write_text("not a directory")
+    _one_line_exit_2(cli("run", *tiny_args, "--store", str(blocker / "x.db")), "cannot open store", "--store")
+
+
+def test_bad_input_store_that_is_not_sqlite(cli, tiny_args, tmp_path):
+    bogus = tmp_path / "bogus.db"
+    bogus.write_bytes(b"this is not a database" * 100)
+    _one_line_exit_2(cli("run", *tiny_args, "--store", str(bogus)), "store")
+
+
+def test_store_commands_on_missing_store(cli, tmp_path):
+    _one_line_exit_2(cli("store", "ls", "--store", str(tmp_path / "none.db")), "does not exist")
+
+
+def test_store_show_unknown_run(cli, tiny_args):
+    cli("run", *tiny_args, "--quiet")
+    _one_line_exit_2(cli("store", "show", "ffffffff", "--store", tiny_args[-1]), "no run")
+
+
+def _commands(group, prefix=()):
+    for name, command in group.commands.items():
+        if hasattr(command, "commands"):
+            yield from _commands(command, prefix + (name,))
+        else:
+            yield prefix + (name,), command
+
+
+@pytest.mark.parametrize("path,command", list(_commands(cli_group)), ids=lambda v: " ".join(v) if isinstance(v, tuple) else "")
+def test_every_command_is_documented_with_an_example(path, command):
+    assert command.help and "Example:" in command.help and f"evalrun {' '.join(path)}" in command.help
+
+
+def test_every_command_has_machine_output(path=None):
+    for path, command in _commands(cli_group):
+        names = {option.name for option in command.params}
+        assert names & {"as_json", "output_format"}, path

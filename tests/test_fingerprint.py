@@ -1,0 +1,120 @@
+import dataclasses
+import json
+
+import pytest
+import torch
+
+from evalrun.config import RunConfig, resolve
+from evalrun.fingerprint import apply_numerics_flags, backend_flags, environment, environment_hash
+from evalrun.hashing import canonical_json, hash_value
+from evalrun.models import load_model, model_identity
+from evalrun.prompts import PromptRecord, PromptSet, load_prompt_set
+
+from conftest import copy_model_dir
+
+
+def test_canonical_json_ignores_key_order():
+    assert canonical_json({"b": 1, "a": [1, 2]}) == canonical_json({"a": [1, 2], "b": 1}) == '{"a":[1,2],"b":1}'
+
+
+def _effective() -> dict:
+    return resolve(RunConfig(model="random:tiny"), cuda_available=False)
+
+
+@pytest.mark.parametrize("key", list(_effective()))
+def test_changing_any_config_field_changes_the_config_hash(key):
+    base = _effective()
+    changed = dict(base)
+    value = base[key]
+    changed[key] = (not value) if isinstance(value, bool) else (value + 1) if isinstance(value, (int, float)) \
+        else (value + [1]) if isinstance(value, list) else f"{value}-x"
+    assert hash_value(changed) != hash_value(base)
+
+
+def test_environment_covers_the_design_list():
+    env = environment("cpu")
+    for key in ("python", "torch", "cuda", "cudnn", "triton", "transformers", "numpy", "cpu", "os", "env", "backend_flags"):
+        assert key in env
+    assert "float32_matmul_precision" in env["backend_flags"]
+
+
+@pytest.mark.parametrize("key", ["torch", "transformers", "cpu", "python"])
+def test_changing_any_environment_key_changes_only_the_environment_hash(key):
+    env = environment("cpu")
+    config_hash = hash_value(_effective())
+    changed = dict(env, **{key: "something-else"})
+    assert environment_hash(changed) != environment_hash(env)
+    assert hash_value(_effective()) == config_hash
+
+
+def test_numerics_env_vars_are_recorded(monkeypatch):
+    monkeypatch.setenv("CUBLAS_WORKSPACE_CONFIG", ":16:8")
+    assert environment("cpu")["env"]["CUBLAS_WORKSPACE_CONFIG"] == ":16:8"
+
+
+def test_deterministic_flags_are_applied_and_recorded():
+    try:
+        applied = apply_numerics_flags(dict(_effective(), deterministic=True))
+        assert applied["use_deterministic_algorithms"] is True
+        assert backend_flags()["deterministic_algorithms"] is True
+        assert applied["CUBLAS_WORKSPACE_CONFIG"]
+    finally:
+        apply_numerics_flags(_effective())
+    assert backend_flags()["deterministic_algorithms"] is False
+
+
+def _identity(directory) -> dict:
+    return model_identity(load_model(str(directory), "cpu", "float32"))
+
+
+def test_model_identity_parts_change_alone(tiny_hf_dir, tmp_path):
+    base = _identity(tiny_hf_dir)
+    assert base["hash"] == _identity(copy_model_dir(tiny_hf_dir, tmp_path / "same"))["hash"]
+
+    def one_ulp(state):
+        weight = state["model.layers.0.mlp.up_proj.weight"]
+        weight.view(torch.int32)[0, 0] += 1
+
+    weights = _identity(copy_model_dir(tiny_hf_dir, tmp_path / "ulp", one_ulp))
+    assert weights["weights"] != base["weights"]
+    assert (weights["config"], weights["tokenizer"]) == (base["config"], base["tokenizer"])
+
+    config_dir = copy_model_dir(tiny_hf_dir, tmp_path / "cfg")
+    config = json.loads((config_dir / "config.json").read_text())
+    config["rms_norm_eps"] = 1e-5
+    (config_dir / "config.json").write_text(json.dumps(config))
+    changed = _identity(config_dir)
+    assert changed["config"] != base["config"] and changed["weights"] == base["weights"]
+
+    tok_dir = copy_model_dir(tiny_hf_dir, tmp_path / "tok")
+    tok_config = json.loads((tok_dir / "tokenizer_config.json").read_text())
+    tok_config["chat_template"] = "{{ messages[0]['content'] }}"
+    (tok_dir / "tokenizer_config.json").write_text(json.dumps(tok_config))
+    (tok_dir / "chat_template.jinja").unlink(missing_ok=True)
+    changed = _identity(tok_dir)
+    assert changed["tokenizer"] != base["tokenizer"]
+    assert (changed["weights"], changed["config"]) == (base["weights"], base["config"])
+
+
+def test_identity_does_not_depend_on_the_run_dtype(tiny_hf_dir):
+    assert model_identity(load_model(str(tiny_hf_dir), "cpu", "bfloat16"))["hash"] == _identity(tiny_hf_dir)["hash"]
+
+
+def test_random_models_are_seeded_without_torch_rng():
+    torch.manual_seed(123)
+    first = load_model("random:tiny", "cpu", "float32").model.state_dict()
+    torch.manual_seed(456)
+    second = load_model("random:tiny", "cpu", "float32").model.state_dict()
+    assert all(torch.equal(first[name], second[name]) for name in first)
+
+
+def test_prompt_set_hash_covers_records_and_token_ids():
+    tokenizer = load_model("random:tiny", "cpu", "float32").tokenizer
+    base = load_prompt_set("smoke", tokenizer)
+    records = [dataclasses.replace(r) for r in base.records]
+    assert PromptSet("x", "x", records, base.token_ids).hash == base.hash
+    records[0] = PromptRecord(records[0].id, records[0].prompt + "!", None, None)
+    assert PromptSet("x", "x", records, base.token_ids).hash != base.hash
+    ids = [list(t) for t in base.token_ids]
+    ids[1][0] += 1
+    assert PromptSet("x", "x", base.records, ids).hash != base.hash
