@@ -91,10 +91,17 @@ def choose_token(logits: torch.Tensor, temperature: float, row_seeds: torch.Tens
 
 
 def capture_step(logits: torch.Tensor, step: torch.Tensor, buffers: CaptureBuffers, top_k: int,
-                 temperature: float, row_seeds: torch.Tensor) -> torch.Tensor:
-    """Capture one step's logits [B, V] into the buffers at `step` [1]; return the next token [B]."""
-    ids, values, margin = topk_sketch(logits, top_k)
+                 temperature: float, row_seeds: torch.Tensor, capture: bool = True) -> torch.Tensor:
+    """Capture one step's logits [B, V] into the buffers at `step` [1]; return the next token [B].
+
+    `capture=False` only chooses and records the token: the baseline the capture-overhead
+    benchmark compares against.
+    """
     token = choose_token(logits, temperature, row_seeds, step)
+    if not capture:
+        buffers.tokens.index_copy_(1, step, token[:, None])
+        return token
+    ids, values, margin = topk_sketch(logits, top_k)
     buffers.digests.index_copy_(1, step, logits_digest(logits)[:, None])
     buffers.topk_ids.index_copy_(1, step, ids[:, None])
     buffers.topk_values.index_copy_(1, step, values[:, None])
@@ -137,7 +144,7 @@ def generate_batch(model: Transformer, prompts: list[list[int]], max_new_tokens:
                    top_k: int = 8, temperature: float = 0.0, row_seeds: list[int] | None = None,
                    keep_logits: bool = False, padded_length: int | None = None,
                    forward: Callable[..., torch.Tensor] | None = None,
-                   forced_tokens: list[np.ndarray] | None = None) -> BatchOutput:
+                   forced_tokens: list[np.ndarray] | None = None, capture: bool = True) -> BatchOutput:
     """Greedy (or seeded-sampled) generation of one batch with on-device capture of every step.
 
     `padded_length` pads the prompts to a fixed length (a shape bucket); `forward` replaces
@@ -162,14 +169,14 @@ def generate_batch(model: Transformer, prompts: list[list[int]], max_new_tokens:
     clock.start()
     logits = forward(padded.tokens, padded.positions, torch.arange(padded_length, device=device),
                      padded.key_valid, cache)
-    token = capture_step(logits, steps[0:1], buffers, top_k, temperature, seeds)
+    token = capture_step(logits, steps[0:1], buffers, top_k, temperature, seeds, capture)
     clock.mark()
     for step in range(1, max_new_tokens):
         if forced is not None:
             token = forced[:, step - 1]
         position = (padded.lengths + (step - 1))[:, None]  # [B, 1]
         logits = forward(token[:, None], position, decode_slots[step - 1:step], padded.key_valid, cache)
-        token = capture_step(logits, steps[step:step + 1], buffers, top_k, temperature, seeds)
+        token = capture_step(logits, steps[step:step + 1], buffers, top_k, temperature, seeds, capture)
         clock.mark()
     return buffers.to_host(clock.elapsed_ms(), padded_length)
 

@@ -1,0 +1,50 @@
+"""GPU tests: marked `gpu`, skipped without CUDA (see conftest)."""
+
+import json
+
+import numpy as np
+import pytest
+import torch
+
+from evalrun.capture import logits_digest
+from evalrun.engine.generate import generate_batch
+from evalrun.engine.transformer import Transformer
+from evalrun.models import load_model, seeded_uniform
+
+pytestmark = pytest.mark.gpu
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+def test_cuda_digest_equals_cpu_digest_for_the_same_bytes(dtype):
+    logits = torch.randn(3, 50_000, generator=torch.Generator().manual_seed(0)).to(dtype)
+    assert torch.equal(logits_digest(logits.cuda()).cpu(), logits_digest(logits))
+
+
+def test_seeded_weights_are_equal_on_cpu_and_cuda():
+    assert torch.equal(seeded_uniform((257, 33), 7, 0.5, "cuda").cpu(), seeded_uniform((257, 33), 7, 0.5, "cpu"))
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_two_eager_runs_on_cuda_are_bit_identical(dtype):
+    loaded = load_model("random:tiny", "cuda", dtype)
+    model = Transformer(loaded.model)
+    prompts = [loaded.tokenizer(text)["input_ids"] for text in ("A longer prompt on a GPU", "Hi")]
+    first, second = (generate_batch(model, prompts, 16, pad_id=0) for _ in range(2))
+    assert np.array_equal(first.digests, second.digests) and np.array_equal(first.tokens, second.tokens)
+
+
+def test_padded_batch_gives_the_unbatched_tokens_on_cuda():
+    loaded = load_model("random:tiny", "cuda", "float32")
+    model = Transformer(loaded.model)
+    prompts = [loaded.tokenizer(text)["input_ids"] for text in ("Rivers and towns and ledgers", "Hi", "1 2 3")]
+    batched = generate_batch(model, prompts, 10, pad_id=0)
+    for row, ids in enumerate(prompts):
+        assert batched.tokens[row].tolist() == generate_batch(model, [ids], 10, pad_id=0).tokens[0].tolist()
+
+
+def test_cli_run_on_cuda_twice_is_identical(cli, tiny_args):
+    first = json.loads(cli("run", *tiny_args, "--device", "cuda", "-O0", "--json", "--quiet")[1])
+    second = json.loads(cli("run", *tiny_args, "--device", "cuda", "-O0", "--json", "--quiet")[1])
+    assert first["config"]["device"] == "cuda" and first["config"]["dtype"] == "bfloat16"
+    assert first["logits_digest"] == second["logits_digest"]
+    assert first["timings"]["peak_memory"]["kind"] == "cuda_max_allocated"
