@@ -70,6 +70,25 @@ def progress_factory(quiet: bool):
     return make
 
 
+def phase_progress(quiet: bool):
+    """For multi-run commands: (phase, total) -> update callable drawing one bar per phase on stderr."""
+    if quiet:
+        return None
+
+    def start(phase: str, total: int):
+        bar = click.progressbar(length=total, label=f"{phase:>9}", file=sys.stderr, show_pos=True)
+        bar.__enter__()
+
+        def update(count: int) -> None:
+            bar.update(count)
+            if bar.pos >= total:
+                bar.__exit__(None, None, None)
+
+        return update
+
+    return start
+
+
 def handle_errors(function: Callable) -> Callable:
     @functools.wraps(function)
     def wrapper(*args, **kwargs):
@@ -217,6 +236,131 @@ def store_check(store_path, as_json) -> None:
             click.echo(f"  {problem}")
     if not outcome["ok"]:
         raise Failure(None, 1)
+
+
+@cli.group()
+def golden() -> None:
+    """Create, verify, list and show goldens (golden/NAME.db, committed to git).
+
+    \b
+    Example:
+      evalrun golden verify smollm2-cpu
+    """
+
+
+dir_option = click.option("--dir", "directory", type=click.Path(path_type=Path), default=Path("golden"),
+                          show_default=True, help="Folder of golden files.")
+
+
+@golden.command("create")
+@click.argument("name")
+@run_options
+@dir_option
+@click.option("--force", is_flag=True, help="Overwrite an existing golden.")
+@click.option("--json", "as_json", is_flag=True, help="Machine-readable output on stdout.")
+@click.option("--quiet", "-q", is_flag=True, help="No progress bar.")
+@handle_errors
+def golden_create(name, directory, force, as_json, quiet, **kwargs) -> None:
+    """Run the pinned config, the reference config and the oracle; write golden/NAME.db.
+
+    \b
+    Example:
+      evalrun golden create smollm2-cpu
+    """
+    from .golden import create_golden
+
+    created = create_golden(name, config_from(kwargs), directory, force, phase_progress(quiet))
+    summary = created.summary()
+    click.echo(report.to_json(summary) if as_json else
+               f"golden {summary['path']}: {summary['model']} {summary['dtype']} on {summary['device']}, "
+               f"prompts {summary['prompts']}, oracle {summary['oracle_dtype']}, {summary['bytes']:,} bytes")
+
+
+@golden.command("verify")
+@click.argument("name")
+@run_options
+@dir_option
+@click.option("--strict", is_flag=True, help="Drift fails too (exit 1).")
+@click.option("--format", "output_format", type=click.Choice(["text", "json", "markdown"]), default="text",
+              show_default=True, help="Output format on stdout.")
+@click.option("--junit", "junit_path", type=click.Path(path_type=Path), help="Also write a JUnit XML report here.")
+@click.option("--quiet", "-q", is_flag=True, help="No progress bar.")
+@handle_errors
+def golden_verify(name, directory, strict, output_format, junit_path, quiet, **kwargs) -> None:
+    """Verify a candidate config against a golden: identical, drift, changed or incomparable.
+
+    Exit 0 identical or drift (1 with --strict), 1 changed, 2 incomparable or cannot compare.
+
+    \b
+    Example:
+      evalrun golden verify smollm2-cpu -O3 --format markdown > comment.md
+    """
+    from . import verdict_report
+    from .golden import candidate_config, open_golden, verify_golden
+
+    opened = open_golden(name, directory)
+    config_source, sets = kwargs.pop("config_source", None), kwargs.pop("sets", ())
+    flags = {key: kwargs.pop(key, None) for key in RUN_FLAG_NAMES}
+    if flags["opt_level"] is not None:
+        flags["opt_level"] = parse_opt_level(flags["opt_level"])
+    config = candidate_config(opened, config_source, flags, sets)
+    verdict = verify_golden(opened, config, strict, phase_progress(quiet))
+    click.echo(verdict_report.render(verdict, output_format))
+    if junit_path:
+        junit_path.write_text(verdict_report.junit(verdict, strict))
+    if verdict.exit_code:
+        raise Failure(f"evalrun: golden {name}: {verdict.verdict}" if verdict.exit_code == 2 else None,
+                      verdict.exit_code)
+
+
+@golden.command("list")
+@dir_option
+@click.option("--json", "as_json", is_flag=True, help="Machine-readable output on stdout.")
+@handle_errors
+def golden_list(directory, as_json) -> None:
+    """List the goldens in the folder.
+
+    \b
+    Example:
+      evalrun golden list --json
+    """
+    from .golden import list_goldens
+
+    entries = list_goldens(directory)
+    if as_json:
+        click.echo(report.to_json(entries))
+        return
+    rows = [[e["name"], e.get("model", ""), e.get("prompts", ""), e.get("device", ""), e.get("dtype", ""),
+             e.get("oracle_dtype", ""), f"{e['bytes']:,}" if "bytes" in e else "", e.get("error", "")] for e in entries]
+    click.echo(report.table(["golden", "model", "prompts", "device", "dtype", "oracle", "bytes", "problem"], rows))
+
+
+@golden.command("show")
+@click.argument("name")
+@dir_option
+@click.option("--json", "as_json", is_flag=True, help="Machine-readable output on stdout.")
+@handle_errors
+def golden_show(name, directory, as_json) -> None:
+    """Show a golden: its fingerprints, config and pinned outputs.
+
+    \b
+    Example:
+      evalrun golden show smollm2-cpu
+    """
+    from .golden import open_golden
+
+    opened = open_golden(name, directory)
+    pinned = opened.pinned
+    results = opened.results("pinned")
+    if as_json:
+        click.echo(report.to_json({**opened.summary(), "meta": opened.meta, **pinned.json,
+                                   "results": [{"prompt_id": r.prompt_id, "text": r.output_text,
+                                                "tokens": r.arrays["tokens"].tolist()} for r in results]}))
+    else:
+        summary = opened.summary()
+        click.echo(f"golden {name} ({summary['path']}, {summary['bytes']:,} bytes), oracle {summary['oracle_dtype']}, "
+                   f"created {summary['created_at']} by evalrun {summary['evalrun']}")
+        click.echo(report.run_record_text(pinned, results))
 
 
 def main(argv: list[str] | None = None) -> None:

@@ -185,10 +185,14 @@ def load_config_source(name_or_path: str) -> dict[str, Any]:
 
 
 def build_config(
-    config_source: str | None = None, flags: dict[str, Any] | None = None, sets: list[str] | tuple[str, ...] = ()
+    config_source: str | None = None, flags: dict[str, Any] | None = None, sets: list[str] | tuple[str, ...] = (),
+    base: dict[str, Any] | None = None,
 ) -> RunConfig:
-    """Merge preset/file, explicit flags (None = not given) and --set items into a RunConfig."""
-    values: dict[str, Any] = {}
+    """Merge base values, preset/file, explicit flags (None = not given) and --set items into a RunConfig.
+
+    `base` is a requested config stored earlier (a golden's): the user's options go on top of it.
+    """
+    values: dict[str, Any] = {key: value for key, value in (base or {}).items() if key in FIELD_TYPES}
     if config_source:
         values.update(load_config_source(config_source))
     for key, value in (flags or {}).items():

@@ -1,8 +1,9 @@
 """Environment fingerprint and numerics flags: what, beyond the config, can change the bits.
 
 `apply_numerics_flags` sets the deterministic and TF32 flags the effective config asks for and
-returns what it set, one by one; `environment` reads the machine, libraries, numerics-relevant
-environment variables and torch backend flags as they are at the time of the call.
+returns what it set, one by one (stored with the run). `environment` reads the machine, libraries,
+numerics-relevant environment variables and the torch backend flags as the process had them before
+evalrun changed any: flags that the config sets belong to the config, not to the environment.
 """
 
 from __future__ import annotations
@@ -26,6 +27,7 @@ NUMERICS_ENV_VARS = (
     "MKL_NUM_THREADS", "OPENBLAS_NUM_THREADS", "OPENBLAS_CORETYPE", "ATEN_CPU_CAPABILITY", "DNNL_MAX_CPU_ISA",
 )
 CUBLAS_DETERMINISTIC_WORKSPACE = ":4096:8"
+_SET_BY_EVALRUN: set[str] = set()  # variables evalrun set itself (config, not environment)
 
 
 def _version(module_name: str) -> str | None:
@@ -34,6 +36,16 @@ def _version(module_name: str) -> str | None:
     except Exception:  # noqa: BLE001 - an absent or broken optional library is simply not recorded
         return None
     return getattr(module, "__version__", None)
+
+
+_BASELINE: dict[str, Any] = {}
+
+
+def baseline_backend_flags() -> dict[str, Any]:
+    """The process's backend flags before evalrun changed any: the environment's, not the config's."""
+    if not _BASELINE:
+        _BASELINE.update(backend_flags())
+    return dict(_BASELINE)
 
 
 def backend_flags() -> dict[str, Any]:
@@ -97,8 +109,9 @@ def environment(device: str) -> dict[str, Any]:
         "libc": " ".join(platform.libc_ver()),
         "python_implementation": sys.implementation.name,
         **_gpu(device),
-        "env": {name: os.environ.get(name) for name in NUMERICS_ENV_VARS if os.environ.get(name) is not None},
-        "backend_flags": backend_flags(),
+        "env": {name: os.environ.get(name) for name in NUMERICS_ENV_VARS
+                if os.environ.get(name) is not None and name not in _SET_BY_EVALRUN},
+        "backend_flags": baseline_backend_flags(),
     }
 
 
@@ -112,10 +125,13 @@ def apply_numerics_flags(effective: dict[str, Any]) -> dict[str, Any]:
     `CUBLAS_WORKSPACE_CONFIG` only takes effect if set before CUDA initialises: it is set here,
     which the runner calls before it touches the GPU.
     """
+    baseline_backend_flags()
     deterministic, tf32 = bool(effective["deterministic"]), bool(effective["tf32"])
     applied: dict[str, Any] = {}
     if deterministic:
-        os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", CUBLAS_DETERMINISTIC_WORKSPACE)
+        if "CUBLAS_WORKSPACE_CONFIG" not in os.environ:
+            os.environ["CUBLAS_WORKSPACE_CONFIG"] = CUBLAS_DETERMINISTIC_WORKSPACE
+            _SET_BY_EVALRUN.add("CUBLAS_WORKSPACE_CONFIG")
         applied["CUBLAS_WORKSPACE_CONFIG"] = os.environ["CUBLAS_WORKSPACE_CONFIG"]
     torch.use_deterministic_algorithms(deterministic, warn_only=False)
     torch.backends.cudnn.deterministic = deterministic

@@ -29,6 +29,14 @@ Progress = Callable[[int], None]
 
 
 @dataclass
+class Forcing:
+    """Forced decoding: per prompt index, the tokens to feed [N] and the ids to probe each step [N, K]."""
+
+    tokens: dict[int, np.ndarray]
+    probe_ids: dict[int, np.ndarray] | None = None
+
+
+@dataclass
 class Prepared:
     """Everything resolved before generation: the header stored with a run."""
 
@@ -82,19 +90,29 @@ def build_header(effective: dict[str, Any], applied: dict[str, Any], loaded: Loa
     }
 
 
-def prepare(config: RunConfig, dtype_override: str | None = None) -> Prepared:
+def _same_model(effective: dict[str, Any], dtype: str, other: Prepared) -> bool:
+    keys = ("model", "device", "attn_implementation", "prompts")
+    return all(effective[k] == other.effective[k] for k in keys) and dtype == str(other.loaded.model.dtype)[6:]
+
+
+def prepare(config: RunConfig, dtype_override: str | None = None, reuse: Prepared | None = None) -> Prepared:
     """Resolve the effective config, apply numerics flags, load the model and the prompts.
 
     `dtype_override` loads the model in another dtype (the oracle's float64) without touching the
-    effective config that fingerprints hash.
+    effective config that fingerprints hash. `reuse` shares an already loaded model and prompt set
+    when model, device, dtype and prompts are the same (several configs in one process).
     """
     effective = effective_config(config)
+    environment(effective["device"])  # read the environment's own flags before the config changes any
     applied = apply_numerics_flags(effective)  # before anything initialises CUDA
+    dtype = dtype_override or effective["dtype"]
     started = time.perf_counter()
-    loaded = load_model(effective["model"], effective["device"], dtype_override or effective["dtype"],
-                        effective["attn_implementation"])
+    if reuse is not None and _same_model(effective, dtype, reuse):
+        loaded, prompt_set = reuse.loaded, reuse.prompt_set
+    else:
+        loaded = load_model(effective["model"], effective["device"], dtype, effective["attn_implementation"])
+        prompt_set = load_prompt_set(effective["prompts"], loaded.tokenizer)
     load_seconds = time.perf_counter() - started
-    prompt_set = load_prompt_set(effective["prompts"], loaded.tokenizer)
     return Prepared(effective, applied, loaded, prompt_set, build_header(effective, applied, loaded, prompt_set),
                     load_seconds)
 
@@ -122,9 +140,8 @@ def _pad_id(loaded: LoadedModel) -> int:
     return 0
 
 
-def run_batch(prepared: Prepared, mode: ExecutionMode, indices: list[int],
-              forced_tokens: list[np.ndarray] | None = None) -> BatchOutput:
-    """Generate one batch under the execution mode (forced along given tokens when `forced_tokens`)."""
+def run_batch(prepared: Prepared, mode: ExecutionMode, indices: list[int], forced: Forcing | None = None) -> BatchOutput:
+    """Generate one batch under the execution mode (forced along given tokens, probed, when `forced`)."""
     effective, prompt_set = prepared.effective, prepared.prompt_set
     steps = max(steps_for(prompt_set, index, effective) for index in indices)
     prompts = [prompt_set.token_ids[index] for index in indices]
@@ -133,7 +150,8 @@ def run_batch(prepared: Prepared, mode: ExecutionMode, indices: list[int],
         temperature=effective["temperature"],
         row_seeds=[row_seed(prompt_set.records[i].id, effective["seed"]) for i in indices],
         keep_logits=effective["keep_logits"] == "all", padded_length=mode.padded_length(prompts),
-        forward=mode.forward, forced_tokens=forced_tokens)
+        forward=mode.forward, forced_tokens=[forced.tokens[i] for i in indices] if forced else None,
+        probe_ids=[forced.probe_ids[i] for i in indices] if forced and forced.probe_ids else None)
 
 
 def to_results(prepared: Prepared, batch_index: int, indices: list[int], output: BatchOutput) -> list[PromptResult]:
@@ -148,6 +166,8 @@ def to_results(prepared: Prepared, batch_index: int, indices: list[int], output:
                   "margins": output.margins[row, :steps]}
         if output.logits is not None:
             arrays["logits"] = output.logits[row, :steps]
+        if output.probe_values is not None:
+            arrays["probe_values"] = output.probe_values[row, :steps]
         tokens = arrays["tokens"]
         eos_hits = np.flatnonzero(tokens == eos) if eos is not None else np.array([])
         eos_step = int(eos_hits[0]) if eos_hits.size else -1
@@ -180,10 +200,11 @@ def _timings(prepared: Prepared, outputs: list[BatchOutput], warmup_seconds: flo
 
 
 def generate_all(prepared: Prepared, progress: Progress | None = None,
-                 forced: dict[int, np.ndarray] | None = None) -> tuple[list[PromptResult], dict[str, Any], dict, list]:
+                 forced: Forcing | None = None) -> tuple[list[PromptResult], dict[str, Any], dict, list]:
     """Warm up, then run every batch; returns results, timings, evidence and the batch plan.
 
-    `forced` maps prompt index -> tokens to feed instead of the model's own choices (forced decoding).
+    `forced` feeds given tokens instead of the model's own choices (forced decoding) and records
+    the logits at given ids (probing).
     """
     effective = prepared.effective
     device = torch.device(effective["device"])
@@ -200,8 +221,7 @@ def generate_all(prepared: Prepared, progress: Progress | None = None,
     results, outputs = [], []
     started = time.perf_counter()
     for batch_index, indices in enumerate(batches):
-        forced_tokens = [forced[i] for i in indices] if forced is not None else None
-        output = run_batch(prepared, mode, indices, forced_tokens)
+        output = run_batch(prepared, mode, indices, forced)
         outputs.append(output)
         results += to_results(prepared, batch_index, indices, output)
         if progress:

@@ -119,20 +119,35 @@ class RunRecord:
 class Store:
     """A SQLite store of runs. `Store(path)` creates the file and schema if needed."""
 
-    def __init__(self, path: str | Path, create: bool = True):
+    def __init__(self, path: str | Path, create: bool = True, readonly: bool = False):
+        """Open (and create, migrate) a store; `readonly` opens an existing file without writing to it."""
         self.path = Path(path)
-        if not create and not self.path.exists():
+        if (readonly or not create) and not self.path.exists():
             raise StoreError(f"store {self.path} does not exist; run `evalrun run` first or pass --store PATH")
         try:
-            self.path.parent.mkdir(parents=True, exist_ok=True)
-            conn = sqlite3.connect(self.path, timeout=BUSY_TIMEOUT_MS / 1000, isolation_level=None)
-            conn.execute(f"PRAGMA busy_timeout = {BUSY_TIMEOUT_MS}")
-            conn.execute("PRAGMA journal_mode = WAL")
-            conn.execute("PRAGMA foreign_keys = ON")
+            if readonly:
+                conn = sqlite3.connect(f"{self.path.resolve().as_uri()}?mode=ro", uri=True, isolation_level=None)
+            else:
+                self.path.parent.mkdir(parents=True, exist_ok=True)
+                conn = sqlite3.connect(self.path, timeout=BUSY_TIMEOUT_MS / 1000, isolation_level=None)
+                conn.execute(f"PRAGMA busy_timeout = {BUSY_TIMEOUT_MS}")
+                conn.execute("PRAGMA journal_mode = WAL")
+                conn.execute("PRAGMA foreign_keys = ON")
         except (OSError, sqlite3.Error) as error:
             raise StoreError(f"cannot open store {self.path}: {error}; pass a writable --store PATH") from None
         self.db = sqlite_utils.Database(conn)
-        self.migrate()
+        if readonly:
+            if self.schema_version() != SCHEMA_VERSION:
+                raise StoreError(f"{self.path} has schema {self.schema_version()}, this evalrun reads {SCHEMA_VERSION}")
+        else:
+            self.migrate()
+
+    def compact(self) -> None:
+        """Fold the WAL into the file, switch to a rollback journal and VACUUM: one file to commit."""
+        self.db.conn.execute("PRAGMA wal_checkpoint(TRUNCATE)")
+        self.db.conn.execute("PRAGMA journal_mode = DELETE")
+        self.db.conn.execute("VACUUM")
+        self.close()
 
     def close(self) -> None:
         self.db.conn.close()

@@ -35,6 +35,7 @@ class BatchOutput:
     logits: np.ndarray | None  # [B, N, V] in the model dtype's bits, when kept
     step_ms: np.ndarray  # [N] wall time of each step; step 0 is prefill + first token (TTFT)
     padded_length: int = 0  # P, the prompt length the batch was padded to
+    probe_values: np.ndarray | None = None  # [B, N, K'] float64 logits at the probe ids, when probed
 
 
 @dataclass
@@ -47,6 +48,8 @@ class CaptureBuffers:
     topk_values: torch.Tensor
     margins: torch.Tensor
     logits: torch.Tensor | None
+    probe_ids: torch.Tensor | None = None  # [B, N, K'] int64: ids whose logits each step records exactly
+    probe_values: torch.Tensor | None = None  # [B, N, K'] float64
 
     @classmethod
     def allocate(cls, batch: int, steps: int, top_k: int, vocab: int, keep_logits: bool,
@@ -64,9 +67,10 @@ class CaptureBuffers:
         logits = None
         if self.logits is not None:
             logits = self.logits.cpu().view(_bits_dtype(self.logits.dtype)).numpy()
+        probe = self.probe_values.cpu().numpy() if self.probe_values is not None else None
         return BatchOutput(self.tokens.cpu().numpy(), self.digests.cpu().numpy(), self.topk_ids.cpu().numpy(),
                            self.topk_values.cpu().numpy(), self.margins.cpu().numpy(), logits, step_ms,
-                           padded_length)
+                           padded_length, probe)
 
 
 def _bits_dtype(dtype: torch.dtype) -> torch.dtype:
@@ -109,6 +113,9 @@ def capture_step(logits: torch.Tensor, step: torch.Tensor, buffers: CaptureBuffe
     buffers.tokens.index_copy_(1, step, token[:, None])
     if buffers.logits is not None:
         buffers.logits.index_copy_(1, step, logits[:, None])
+    if buffers.probe_ids is not None:
+        probe = buffers.probe_ids.index_select(1, step)[:, 0]  # [B, K']
+        buffers.probe_values.index_copy_(1, step, logits.gather(1, probe).double()[:, None])
     return token
 
 
@@ -144,14 +151,16 @@ def generate_batch(model: Transformer, prompts: list[list[int]], max_new_tokens:
                    top_k: int = 8, temperature: float = 0.0, row_seeds: list[int] | None = None,
                    keep_logits: bool = False, padded_length: int | None = None,
                    forward: Callable[..., torch.Tensor] | None = None,
-                   forced_tokens: list[np.ndarray] | None = None, capture: bool = True) -> BatchOutput:
+                   forced_tokens: list[np.ndarray] | None = None, capture: bool = True,
+                   probe_ids: list[np.ndarray] | None = None) -> BatchOutput:
     """Greedy (or seeded-sampled) generation of one batch with on-device capture of every step.
 
     `padded_length` pads the prompts to a fixed length (a shape bucket); `forward` replaces
     `model.forward` (a compiled version of it, say). Step 0's logits come from prefill.
     `forced_tokens` (one array per row) feeds those tokens back instead of the model's choices:
     forced decoding, to compare logits step by step along another run's path. The buffers still
-    record the model's own choice at each step.
+    record the model's own choice at each step. `probe_ids` (one [N, K'] array per row) records the
+    exact logits at those ids each step, so two runs can be compared on the same ids.
     """
     device, batch = model.device, len(prompts)
     padded_length = padded_length or max(len(ids) for ids in prompts)
@@ -160,11 +169,14 @@ def generate_batch(model: Transformer, prompts: list[list[int]], max_new_tokens:
     cache: KVCache = model.new_cache(batch, slots)
     padded = PaddedBatch.build(prompts, pad_id, padded_length, slots, device)
     buffers = CaptureBuffers.allocate(batch, max_new_tokens, top_k, model.vocab_size, keep_logits, model.dtype, device)
+    if probe_ids is not None:
+        buffers.probe_ids = _row_matrix(probe_ids, batch, max_new_tokens, device)
+        buffers.probe_values = torch.zeros(buffers.probe_ids.shape, dtype=torch.float64, device=device)
     seeds = torch.tensor(row_seeds or [0] * batch, dtype=torch.int64, device=device)
     steps = torch.arange(max_new_tokens, dtype=torch.int64, device=device)  # step index tensors, made once
     decode_slots = steps + padded_length  # [N]: cache slot of each decode step's input token
     clock = StepClock(device)
-    forced = _forced_matrix(forced_tokens, batch, max_new_tokens, device) if forced_tokens is not None else None
+    forced = _row_matrix(forced_tokens, batch, max_new_tokens, device) if forced_tokens is not None else None
 
     clock.start()
     logits = forward(padded.tokens, padded.positions, torch.arange(padded_length, device=device),
@@ -181,12 +193,12 @@ def generate_batch(model: Transformer, prompts: list[list[int]], max_new_tokens:
     return buffers.to_host(clock.elapsed_ms(), padded_length)
 
 
-def _forced_matrix(forced_tokens: list[np.ndarray], batch: int, steps: int, device: torch.device) -> torch.Tensor:
-    """Rows of forced tokens -> [B, N] int64 on the device; short rows are padded with their last token."""
-    matrix = np.zeros((batch, steps), dtype=np.int64)
-    for row, tokens in enumerate(forced_tokens):
-        count = min(len(tokens), steps)
-        matrix[row, :count] = tokens[:count]
+def _row_matrix(rows: list[np.ndarray], batch: int, steps: int, device: torch.device) -> torch.Tensor:
+    """Per-row arrays [N_i, ...] -> one [B, N, ...] int64 tensor; short rows repeat their last entry."""
+    matrix = np.zeros((batch, steps) + np.asarray(rows[0]).shape[1:], dtype=np.int64)
+    for row, values in enumerate(rows):
+        count = min(len(values), steps)
+        matrix[row, :count] = values[:count]
         if 0 < count < steps:
-            matrix[row, count:] = tokens[count - 1]
+            matrix[row, count:] = values[count - 1]
     return torch.from_numpy(matrix).to(device)

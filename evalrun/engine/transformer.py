@@ -66,9 +66,10 @@ class Transformer:
         self.lm_head = hf_model.lm_head.weight  # [V, hidden]
         self.layers = [self._layer(layer) for layer in inner.layers]
         rotary = inner.rotary_emb
-        self.inv_freq = rotary.inv_freq.float()  # [D/2]
-        self.rope_scale = float(getattr(rotary, "attention_scaling", 1.0))
         self.dtype = self.embed.dtype
+        self.compute_dtype = torch.promote_types(self.dtype, torch.float32)  # norms and rotary angles
+        self.inv_freq = rotary.inv_freq.to(self.compute_dtype)  # [D/2]
+        self.rope_scale = float(getattr(rotary, "attention_scaling", 1.0))
         self.device = self.embed.device
         self.vocab_size = self.lm_head.shape[0]
 
@@ -87,14 +88,14 @@ class Transformer:
     # ------------------------------------------------------------ pieces
 
     def rms_norm(self, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
-        """Llama RMSNorm: normalise in fp32, scale in the model dtype (as Hugging Face does)."""
-        x32 = x.float()
+        """Llama RMSNorm: normalise in fp32 (fp64 for an fp64 model), scale in the model dtype, as HF does."""
+        x32 = x.to(self.compute_dtype)
         x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
         return weight * x32.to(x.dtype)
 
     def rotary(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """positions [B, T] -> cos, sin [B, 1, T, D] in the model dtype."""
-        angles = positions.float()[..., None] * self.inv_freq  # [B, T, D/2]
+        angles = positions.to(self.compute_dtype)[..., None] * self.inv_freq  # [B, T, D/2]
         angles = torch.cat((angles, angles), dim=-1)  # [B, T, D]
         cos = (angles.cos() * self.rope_scale).to(self.dtype)
         sin = (angles.sin() * self.rope_scale).to(self.dtype)
