@@ -363,6 +363,47 @@ def golden_show(name, directory, as_json) -> None:
         click.echo(report.run_record_text(pinned, results))
 
 
+@cli.command()
+@click.argument("run_a")
+@click.argument("run_b")
+@store_option
+@click.option("--golden-dir", type=click.Path(path_type=Path), default=Path("golden"), show_default=True,
+              help="Folder of goldens for golden:NAME.")
+@click.option("--prompt", "prompt_ids", multiple=True, metavar="ID", help="Only these prompts (repeatable).")
+@click.option("--format", "output_format", type=click.Choice(["text", "json", "markdown"]), default="text",
+              show_default=True, help="Output format on stdout.")
+@click.option("--plot", "plot_path", type=click.Path(path_type=Path), help="Write a PNG of per-step error.")
+@handle_errors
+def diff(run_a, run_b, store_path, golden_dir, prompt_ids, output_format, plot_path) -> None:
+    """Explain the bit differences between two runs (ids, unique prefixes, or golden:NAME).
+
+    \b
+    Example:
+      evalrun diff golden:smollm2-cpu 9c1e --format markdown
+    """
+    from . import diff_report
+    from .diff import diff_runs, load_run
+
+    needs_store = not (run_a.startswith("golden:") and run_b.startswith("golden:"))
+    store = open_store(store_path, create=False) if needs_store else None
+    a, b = load_run(run_a, store, golden_dir), load_run(run_b, store, golden_dir)
+    result = diff_runs(a, b, tuple(prompt_ids), decode=_decoder(a))
+    click.echo(diff_report.render(result, output_format))
+    if plot_path:
+        diff_report.plot(result, plot_path)
+
+
+def _decoder(run):
+    """Decode token ids with the run's tokenizer when it loads quickly; ids as text otherwise."""
+    from .models import load_tokenizer_for
+
+    try:
+        tokenizer = load_tokenizer_for(run.record.json["model"]["ref"])
+    except Exception:  # noqa: BLE001 - decoding is a convenience; ids still identify tokens
+        return None
+    return lambda ids: tokenizer.decode(ids)
+
+
 def main(argv: list[str] | None = None) -> None:
     """Entry point: click in non-standalone mode so every error becomes one line and exit 2."""
     try:

@@ -12,6 +12,7 @@ close to the oracle does not shrink the budget to nothing.
 from __future__ import annotations
 
 from dataclasses import dataclass
+import warnings
 from typing import Any
 
 import numpy as np
@@ -129,36 +130,53 @@ def ulp_distance(bits_a: np.ndarray, bits_b: np.ndarray) -> np.ndarray:
     return np.abs(ordered_bits(bits_a) - ordered_bits(bits_b))
 
 
+def _matches(ids_a: np.ndarray, ids_b: np.ndarray) -> np.ndarray:
+    """[..., K] ids each -> [..., K, K] bool: a's entry i is b's entry j."""
+    return ids_a[..., :, None] == ids_b[..., None, :]
+
+
 def topk_overlap(ids_a: np.ndarray, ids_b: np.ndarray) -> np.ndarray:
-    """[N, K] ids each -> [N] share of ids in common."""
-    return np.array([len(set(a) & set(b)) / len(a) for a, b in zip(ids_a.tolist(), ids_b.tolist())])
+    """[..., K] ids each -> [...] share of a's ids that b also holds."""
+    return _matches(ids_a, ids_b).any(-1).mean(-1)
+
+
+def values_on_a_ids(ids_a: np.ndarray, ids_b: np.ndarray, values_b: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """b's values at a's ids [..., K] (NaN where b does not hold the id) and the found mask [..., K]."""
+    matches = _matches(ids_a, ids_b)
+    found = matches.any(-1)
+    picked = np.where(matches, values_b[..., None, :], 0.0).sum(-1)
+    return np.where(found, picked, np.nan), found
 
 
 def topk_max_delta(ids_a: np.ndarray, values_a: np.ndarray, ids_b: np.ndarray, values_b: np.ndarray) -> np.ndarray:
-    """[N, K] ids and values each -> [N] max |difference| over the ids both sketches hold (0 when none)."""
-    result = np.zeros(len(ids_a))
-    for step, (ia, va, ib, vb) in enumerate(zip(ids_a, values_a, ids_b, values_b)):
-        lookup = dict(zip(ib.tolist(), vb.tolist()))
-        deltas = [abs(value - lookup[token]) for token, value in zip(ia.tolist(), va.tolist()) if token in lookup]
-        result[step] = max(deltas) if deltas else 0.0
-    return result
+    """[..., K] ids and values each -> [...] max |difference| over the ids both hold (0 when none)."""
+    other, found = values_on_a_ids(ids_a, ids_b, values_b)
+    delta = np.where(found, np.abs(values_a.astype(np.float64) - np.nan_to_num(other)), 0.0)
+    return delta.max(-1)
 
 
 def topk_kl(ids_a: np.ndarray, values_a: np.ndarray, ids_b: np.ndarray, values_b: np.ndarray) -> np.ndarray:
-    """[N, K] each -> [N] KL(a || b) of the softmax over a's top-k ids (b's missing ids get b's minimum)."""
-    result = np.zeros(len(ids_a))
-    for step, (ia, va, ib, vb) in enumerate(zip(ids_a, values_a, ids_b, values_b)):
-        lookup = dict(zip(ib.tolist(), vb.tolist()))
-        floor = float(np.min(vb))
-        other = np.array([lookup.get(token, floor) for token in ia.tolist()], dtype=np.float64)
-        p, q = _softmax(va.astype(np.float64)), _softmax(other)
-        result[step] = float(np.sum(p * (np.log(p) - np.log(q))))
-    return result
+    """[..., K] each -> [...] KL(a || b) of the softmax over a's top-k ids; ids b lacks get b's minimum."""
+    other, found = values_on_a_ids(ids_a, ids_b, values_b)
+    other = np.where(found, other, values_b.min(-1, keepdims=True))
+    log_p, log_q = _log_softmax(values_a.astype(np.float64)), _log_softmax(other.astype(np.float64))
+    return np.sum(np.exp(log_p) * (log_p - log_q), axis=-1)
 
 
-def _softmax(x: np.ndarray) -> np.ndarray:
-    shifted = np.exp(x - x.max())
-    return shifted / shifted.sum()
+def _log_softmax(x: np.ndarray) -> np.ndarray:
+    shifted = x - x.max(-1, keepdims=True)
+    return shifted - np.log(np.exp(shifted).sum(-1, keepdims=True))
+
+
+def shared_ulps(ids_a: np.ndarray, values_a: np.ndarray, ids_b: np.ndarray, values_b: np.ndarray,
+                dtype: str) -> tuple[np.ndarray, np.ndarray]:
+    """[..., K] each -> (max, median) ULP distance in the run dtype over the ids both hold; [...] each."""
+    other, found = values_on_a_ids(ids_a, ids_b, values_b)
+    ulps = sketch_ulps(values_a, np.where(found, other, values_a), dtype).astype(np.float64)
+    ulps = np.where(found, ulps, np.nan)
+    with np.errstate(all="ignore"), warnings.catch_warnings():
+        warnings.simplefilter("ignore", RuntimeWarning)  # steps where no id is shared: all NaN -> 0
+        return np.nan_to_num(np.nanmax(ulps, axis=-1)), np.nan_to_num(np.nanmedian(ulps, axis=-1))
 
 
 def sketch_ulps(values_a: np.ndarray, values_b: np.ndarray, dtype: str) -> np.ndarray:

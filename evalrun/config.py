@@ -22,7 +22,7 @@ COMPILATION_MODES = ("none", "stock", "trace-once", "piecewise")
 CUDAGRAPH_MODES = ("none", "piecewise", "full", "full-decode-only", "full-and-piecewise")
 DTYPES = ("float32", "bfloat16", "float16")
 ATTENTION_IMPLEMENTATIONS = ("sdpa", "eager")
-KEEP_LOGITS = ("none", "all")
+KEEP_LOGITS_PATTERN = re.compile(r"none|all|([^,@\s]+(@\d+(-\d+)?)?)(,[^,@\s]+(@\d+(-\d+)?)?)*")
 
 COMPILATION_ALIASES = {
     "eager": "none",
@@ -217,7 +217,9 @@ def normalize(config: RunConfig) -> RunConfig:
     if config.dtype is not None:
         config.dtype = _choice("dtype", config.dtype, DTYPES, {"fp32": "float32", "bf16": "bfloat16", "fp16": "float16"})
     config.attn_implementation = _choice("attn_implementation", config.attn_implementation, ATTENTION_IMPLEMENTATIONS)
-    config.keep_logits = _choice("keep_logits", config.keep_logits, KEEP_LOGITS)
+    if not KEEP_LOGITS_PATTERN.fullmatch(str(config.keep_logits)):
+        raise ConfigError(f"keep_logits={config.keep_logits!r} is not valid; use none, all, or prompt ids with "
+                          "optional steps, e.g. zh-deploy@0-15,code-fib")
     device = config.device
     if not (device in ("auto", "cpu", "cuda") or (device.startswith("cuda:") and device[5:].isdigit())):
         raise ConfigError(f"device={device!r} is not valid; use auto, cpu, cuda or cuda:N")
@@ -227,6 +229,23 @@ def normalize(config: RunConfig) -> RunConfig:
     if config.temperature < 0:
         raise ConfigError(f"temperature={config.temperature} is negative; use 0 (greedy) or a positive number")
     return config
+
+
+def keep_logits_steps(keep_logits: str, prompt_id: str, steps: int) -> list[int]:
+    """Which steps of prompt `prompt_id` keep full logits under `keep_logits` (see KEEP_LOGITS_PATTERN)."""
+    if keep_logits == "all":
+        return list(range(steps))
+    if keep_logits == "none":
+        return []
+    for item in keep_logits.split(","):
+        name, _, span = item.partition("@")
+        if name != prompt_id:
+            continue
+        if not span:
+            return list(range(steps))
+        low, _, high = span.partition("-")
+        return list(range(int(low), min(steps, int(high or low) + 1)))
+    return []
 
 
 def resolve(config: RunConfig, cuda_available: bool) -> dict[str, Any]:

@@ -251,6 +251,17 @@ def load_tokenizer(directory: Path) -> Any:
     return _quietly(AutoTokenizer.from_pretrained, directory)
 
 
+def load_tokenizer_for(ref: str) -> Any:
+    """The tokenizer of a model reference, without loading weights (for decoding stored runs)."""
+    if ref == "random:tiny":
+        return byte_tokenizer()
+    if ref.startswith("random:") or ref == SMOLLM2_REF:
+        return load_tokenizer(converted_gguf_dir(smollm2_gguf_path()))
+    if ref.endswith(".gguf"):
+        return load_tokenizer(converted_gguf_dir(Path(ref)))
+    return load_tokenizer(Path(ref) if Path(ref).is_dir() else ref)
+
+
 def _load_directory(ref: str, directory: Path, device: torch.device, dtype: torch.dtype, attn: str,
                     source: dict[str, Any]) -> LoadedModel:
     from transformers import AutoModelForCausalLM

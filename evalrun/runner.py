@@ -13,7 +13,7 @@ from typing import Any, Callable
 import numpy as np
 import torch
 
-from .config import RunConfig, resolve
+from .config import RunConfig, keep_logits_steps, resolve
 from .engine.generate import BatchOutput, generate_batch
 from .engine.modes import ExecutionMode, build_execution_mode
 from .engine.timing import latency_summary, peak_memory_bytes, reset_peak_memory
@@ -149,7 +149,8 @@ def run_batch(prepared: Prepared, mode: ExecutionMode, indices: list[int], force
         mode.transformer, prompts, steps, pad_id=_pad_id(prepared.loaded), top_k=effective["top_k"],
         temperature=effective["temperature"],
         row_seeds=[row_seed(prompt_set.records[i].id, effective["seed"]) for i in indices],
-        keep_logits=effective["keep_logits"] == "all", padded_length=mode.padded_length(prompts),
+        keep_logits=any(keep_logits_steps(effective["keep_logits"], prompt_set.records[i].id, steps) for i in indices),
+        padded_length=mode.padded_length(prompts),
         forward=mode.forward, forced_tokens=[forced.tokens[i] for i in indices] if forced else None,
         probe_ids=[forced.probe_ids[i] for i in indices] if forced and forced.probe_ids else None)
 
@@ -164,8 +165,10 @@ def to_results(prepared: Prepared, batch_index: int, indices: list[int], output:
                   "tokens": output.tokens[row, :steps], "digests": output.digests[row, :steps],
                   "topk_ids": output.topk_ids[row, :steps], "topk_values": output.topk_values[row, :steps],
                   "margins": output.margins[row, :steps]}
-        if output.logits is not None:
-            arrays["logits"] = output.logits[row, :steps]
+        kept = keep_logits_steps(prepared.effective["keep_logits"], prepared.prompt_set.records[index].id, steps)
+        if output.logits is not None and kept:
+            arrays["logits"] = output.logits[row, kept]  # raw bits of the model dtype [n_kept, V]
+            arrays["logits_steps"] = np.asarray(kept, dtype=np.int64)
         if output.probe_values is not None:
             arrays["probe_values"] = output.probe_values[row, :steps]
         tokens = arrays["tokens"]

@@ -1,0 +1,183 @@
+"""Pairwise bit-diff investigation of two runs: what differs, where tokens part, by how much.
+
+A run is named by id (or unique prefix) in a store, or `golden:NAME` (the golden's pinned run).
+The numbers come from `compare`; this module matches prompts, picks the divergence, and shapes
+the result (`RunDiff`), which `diff_report` renders.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from .compare import dict_diff, digest_mismatch_steps, first_divergence, shared_ulps, topk_kl, topk_max_delta, topk_overlap, ulp_distance
+from .errors import StoreError
+from .store import PromptResult, RunRecord, Store
+
+CONTEXT_TOKENS = 6  # decoded tokens shown each side of the first divergence
+TOP_SHOWN = 5
+ULP_BUCKETS = (0, 1, 2, 4, 8, 16, 64, 256, 1024)  # histogram lower edges; the last bucket is open
+
+
+@dataclass
+class RunRef:
+    name: str
+    record: RunRecord
+    results: list[PromptResult]
+
+
+def load_run(ref: str, store: Store | None, golden_dir: str | Path = "golden") -> RunRef:
+    """`golden:NAME` or a run id/prefix in `store`; StoreError (exit 2) when missing or not complete."""
+    if ref.startswith("golden:"):
+        from .golden import open_golden
+
+        golden = open_golden(ref.split(":", 1)[1], golden_dir)
+        return RunRef(ref, golden.pinned, golden.results("pinned"))
+    if store is None:
+        raise StoreError(f"run {ref!r}: no store to look in; pass --store PATH")
+    record = store.get_run(ref)
+    if record.status != "complete":
+        raise StoreError(f"run {record.id[:12]} is {record.status}, not complete; diff complete runs only")
+    return RunRef(record.id[:12], record, store.load_results(record.id))
+
+
+@dataclass
+class StepSeries:
+    """Per-step figures over the shared steps of one prompt (lists, for JSON)."""
+
+    digest_equal: list[bool]
+    max_abs_delta: list[float]
+    ulp_max: list[float]
+    ulp_median: list[float]
+    kl: list[float]
+    topk_overlap: list[float]
+
+
+@dataclass
+class PromptDiff:
+    prompt_id: str
+    tokens_identical: bool
+    first_divergent_step: int
+    digest_mismatches: int
+    steps: int
+    context_a: str = ""
+    context_b: str = ""
+    top_a: list[dict[str, Any]] = field(default_factory=list)
+    top_b: list[dict[str, Any]] = field(default_factory=list)
+    margin_a: float | None = None
+    margin_b: float | None = None
+    series: StepSeries | None = None
+    logits: dict[str, Any] | None = None  # element-level figures when both runs kept full logits
+
+
+@dataclass
+class RunDiff:
+    a: str
+    b: str
+    config: list[tuple[str, Any, Any]]
+    environment: list[tuple[str, Any, Any]]
+    model: list[tuple[str, Any, Any]]
+    prompt_set: list[tuple[str, Any, Any]]
+    prompts: list[PromptDiff]
+    not_comparable: list[str]  # prompt ids present in one run only, or with different input tokens
+    note: str = ""
+
+
+def _top(result: PromptResult, step: int, decode) -> list[dict[str, Any]]:
+    ids, values = result.arrays["topk_ids"][step], result.arrays["topk_values"][step]
+    return [{"id": int(i), "token": decode([int(i)]), "value": float(v)} for i, v in zip(ids[:TOP_SHOWN], values[:TOP_SHOWN])]
+
+
+def _context(tokens: np.ndarray, step: int, decode) -> str:
+    before = decode(tokens[max(0, step - CONTEXT_TOKENS):step].tolist())
+    after = decode(tokens[step:step + CONTEXT_TOKENS].tolist())
+    return f"{before}⟦{after}"
+
+
+def step_series(a: PromptResult, b: PromptResult, dtype: str) -> StepSeries:
+    """Per-step comparison over the steps both runs have."""
+    n = min(len(a.arrays["tokens"]), len(b.arrays["tokens"]))
+    ids_a, values_a = a.arrays["topk_ids"][:n], a.arrays["topk_values"][:n]
+    ids_b, values_b = b.arrays["topk_ids"][:n], b.arrays["topk_values"][:n]
+    ulp_max, ulp_median = shared_ulps(ids_a, values_a, ids_b, values_b, dtype)
+    equal = np.all(a.arrays["digests"][:n] == b.arrays["digests"][:n], axis=-1)
+    return StepSeries(equal.tolist(), topk_max_delta(ids_a, values_a, ids_b, values_b).tolist(), ulp_max.tolist(),
+                      ulp_median.tolist(), topk_kl(ids_a, values_a, ids_b, values_b).tolist(),
+                      topk_overlap(ids_a, ids_b).tolist())
+
+
+def logits_figures(bits_a: np.ndarray, bits_b: np.ndarray, dtype: str) -> dict[str, Any]:
+    """Full logits as raw bits [N, V] each -> share bit-identical, ULP histogram, max |delta| and where."""
+    n = min(len(bits_a), len(bits_b))
+    bits_a, bits_b = bits_a[:n], bits_b[:n]
+    ulps = ulp_distance(bits_a, bits_b)
+    values_a, values_b = _bits_to_float(bits_a, dtype), _bits_to_float(bits_b, dtype)
+    delta = np.abs(values_a - values_b)
+    step, token = np.unravel_index(int(np.argmax(delta)), delta.shape) if delta.size else (0, 0)
+    edges = list(ULP_BUCKETS) + [np.iinfo(np.int64).max]
+    histogram = {(f"{low}" if high - low == 1 else f"{low}-{high - 1}" if high < edges[-1] else f">={low}"):
+                 int(np.count_nonzero((ulps >= low) & (ulps < high))) for low, high in zip(edges, edges[1:])}
+    return {"elements": int(ulps.size), "bit_identical_share": float(np.mean(ulps == 0)) if ulps.size else 1.0,
+            "ulp_histogram": histogram, "max_abs_delta": float(delta.max()) if delta.size else 0.0,
+            "max_at_step": int(step), "max_at_token_id": int(token)}
+
+
+def _bits_to_float(bits: np.ndarray, dtype: str) -> np.ndarray:
+    if dtype == "bfloat16":
+        return (bits.astype(np.int32) << 16).view(np.float32).astype(np.float64)
+    if dtype == "float16":
+        return bits.view(np.float16).astype(np.float64)
+    return bits.view(np.float32 if bits.dtype == np.int32 else np.float64).astype(np.float64)
+
+
+def diff_prompt(a: PromptResult, b: PromptResult, dtype: str, decode) -> PromptDiff:
+    tokens_a, tokens_b = a.arrays["tokens"], b.arrays["tokens"]
+    divergence = first_divergence(tokens_a, tokens_b)
+    result = PromptDiff(a.prompt_id, divergence < 0, divergence,
+                        int(digest_mismatch_steps(a.arrays["digests"], b.arrays["digests"]).size),
+                        min(len(tokens_a), len(tokens_b)), series=step_series(a, b, dtype))
+    if 0 <= divergence < result.steps:
+        result.context_a, result.context_b = _context(tokens_a, divergence, decode), _context(tokens_b, divergence, decode)
+        result.top_a, result.top_b = _top(a, divergence, decode), _top(b, divergence, decode)
+        result.margin_a = float(a.arrays["margins"][divergence])
+        result.margin_b = float(b.arrays["margins"][divergence])
+    if "logits" in a.arrays and "logits" in b.arrays:
+        steps, in_a, in_b = np.intersect1d(a.arrays["logits_steps"], b.arrays["logits_steps"], return_indices=True)
+        if steps.size:
+            result.logits = logits_figures(a.arrays["logits"][in_a], b.arrays["logits"][in_b], dtype)
+            result.logits["max_at_step"] = int(steps[result.logits["max_at_step"]])
+            result.logits["steps"] = steps.tolist()
+    return result
+
+
+def diff_runs(a: RunRef, b: RunRef, prompt_ids: tuple[str, ...] = (), decode=None) -> RunDiff:
+    """Compare two runs; `prompt_ids` restricts the per-prompt part; `decode(ids) -> text`."""
+    decode = decode or (lambda ids: " ".join(str(i) for i in ids))
+    ja, jb = a.record.json, b.record.json
+    model_a = {k: ja["model"].get(k) for k in ("ref", "weights", "config", "tokenizer")}
+    model_b = {k: jb["model"].get(k) for k in ("ref", "weights", "config", "tokenizer")}
+    by_id_b = {r.prompt_id: r for r in b.results}
+    prompts, not_comparable = [], []
+    for result in a.results:
+        if prompt_ids and result.prompt_id not in prompt_ids:
+            continue
+        other = by_id_b.get(result.prompt_id)
+        if other is None or not np.array_equal(result.arrays["input_ids"], other.arrays["input_ids"]):
+            not_comparable.append(result.prompt_id)
+            continue
+        prompts.append(diff_prompt(result, other, a.record.config["dtype"], decode))
+    ids_a = {r.prompt_id for r in a.results}
+    not_comparable += [r.prompt_id for r in b.results if r.prompt_id not in ids_a
+                       and (not prompt_ids or r.prompt_id in prompt_ids)]
+    note = ""
+    if ja["prompt_set"]["hash"] != jb["prompt_set"]["hash"]:
+        note = (f"prompt sets differ ({ja['prompt_set']['name']} vs {jb['prompt_set']['name']}): only prompts with the "
+                "same id and input tokens are compared")
+    if prompt_ids and not prompts and not not_comparable:
+        raise StoreError(f"no prompt named {', '.join(prompt_ids)} in run {a.name}; see `evalrun store show {a.name}`")
+    return RunDiff(a.name, b.name, dict_diff(ja["config"], jb["config"]), dict_diff(ja["environment"], jb["environment"]),
+                   dict_diff(model_a, model_b), dict_diff(ja["prompt_set"], jb["prompt_set"], ("path",)),
+                   prompts, not_comparable, note)

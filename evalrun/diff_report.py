@@ -1,0 +1,146 @@
+"""Renderings of a `RunDiff`: text, JSON, Markdown, and a per-step error plot (matplotlib, optional)."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from .diff import PromptDiff, RunDiff
+from .errors import EvalrunError
+from .report import table
+
+
+def _value(value: Any, width: int = 60) -> str:
+    text = json.dumps(value, default=str, ensure_ascii=False) if not isinstance(value, str) else value
+    return text if len(text) <= width else text[: width - 1] + "…"
+
+
+def _key_rows(diff: RunDiff) -> list[list[str]]:
+    rows = []
+    for section in ("config", "environment", "model", "prompt_set"):
+        rows += [[section, key, _value(a), _value(b)] for key, a, b in getattr(diff, section)]
+    return rows
+
+
+def _summary(prompt: PromptDiff) -> dict[str, Any]:
+    series = prompt.series
+    return {"digest_equal_steps": f"{sum(series.digest_equal)}/{prompt.steps}",
+            "max_abs_delta": max(series.max_abs_delta, default=0.0), "ulp_max": max(series.ulp_max, default=0.0),
+            "ulp_median": float(np.median(series.ulp_median)) if series.ulp_median else 0.0,
+            "kl_max": max(series.kl, default=0.0), "overlap_min": min(series.topk_overlap, default=1.0)}
+
+
+PROMPT_HEADERS = ["prompt", "tokens", "first divergent step", "digest-equal steps", "max |delta|", "ULP max",
+                  "ULP median", "KL max", "top-k overlap min"]
+
+
+def _prompt_rows(diff: RunDiff) -> list[list[Any]]:
+    rows = []
+    for prompt in diff.prompts:
+        s = _summary(prompt)
+        rows.append([prompt.prompt_id, "identical" if prompt.tokens_identical else "differ",
+                     prompt.first_divergent_step if prompt.first_divergent_step >= 0 else "-", s["digest_equal_steps"],
+                     f"{s['max_abs_delta']:.3g}", f"{s['ulp_max']:.0f}", f"{s['ulp_median']:.1f}", f"{s['kl_max']:.2g}",
+                     f"{s['overlap_min']:.2f}"])
+    return rows
+
+
+def _divergence_lines(diff: RunDiff, prompt: PromptDiff) -> list[str]:
+    lines = [f"{prompt.prompt_id}: tokens part at step {prompt.first_divergent_step}",
+             f"  {diff.a}: {prompt.context_a!r}  (margin {prompt.margin_a:.4f})",
+             f"  {diff.b}: {prompt.context_b!r}  (margin {prompt.margin_b:.4f})"]
+    rows = [[rank + 1, f"{a['id']} {a['token']!r}", f"{a['value']:.4f}", f"{b['id']} {b['token']!r}", f"{b['value']:.4f}"]
+            for rank, (a, b) in enumerate(zip(prompt.top_a, prompt.top_b))]
+    lines.append("  " + table(["#", f"{diff.a} token", "value", f"{diff.b} token", "value"], rows).replace("\n", "\n  "))
+    return lines
+
+
+def _logits_lines(prompt: PromptDiff) -> list[str]:
+    figures = prompt.logits
+    histogram = ", ".join(f"{k}: {v}" for k, v in figures["ulp_histogram"].items() if v)
+    return [f"{prompt.prompt_id}: full logits over {len(figures['steps'])} steps, {figures['elements']:,} elements: "
+            f"{figures['bit_identical_share']:.2%} bit-identical; max |delta| {figures['max_abs_delta']:.4g} at step "
+            f"{figures['max_at_step']}, token id {figures['max_at_token_id']}; ULPs {histogram}"]
+
+
+def text(diff: RunDiff) -> str:
+    lines = [f"diff {diff.a} vs {diff.b}"]
+    key_rows = _key_rows(diff)
+    lines.append(table(["section", "key", diff.a, diff.b], key_rows) if key_rows else "same config, environment, model and prompt set")
+    if diff.note:
+        lines.append(f"note: {diff.note}")
+    if diff.not_comparable:
+        lines.append(f"not comparable (in one run only, or different input tokens): {', '.join(diff.not_comparable)}")
+    if diff.prompts:
+        lines.append(table(PROMPT_HEADERS, _prompt_rows(diff)))
+    for prompt in diff.prompts:
+        if not prompt.tokens_identical and prompt.top_a:
+            lines += _divergence_lines(diff, prompt)
+        if prompt.logits:
+            lines += _logits_lines(prompt)
+    return "\n".join(lines)
+
+
+def as_json(diff: RunDiff) -> str:
+    data = dataclasses.asdict(diff)
+    for section in ("config", "environment", "model", "prompt_set"):
+        data[section] = [{"key": k, "a": a, "b": b} for k, a, b in getattr(diff, section)]
+    for prompt, entry in zip(diff.prompts, data["prompts"]):
+        entry["summary"] = _summary(prompt)
+    return json.dumps(data, indent=2, sort_keys=True, default=str, ensure_ascii=False)
+
+
+def _md(value: Any) -> str:
+    return str(value).replace("|", "\\|").replace("\n", "\\n")
+
+
+def markdown(diff: RunDiff) -> str:
+    lines = [f"### evalrun diff `{diff.a}` vs `{diff.b}`", ""]
+    key_rows = _key_rows(diff)
+    if key_rows:
+        lines += [f"| section | key | {diff.a} | {diff.b} |", "|---|---|---|---|"]
+        lines += ["| " + " | ".join(_md(c) for c in row) + " |" for row in key_rows]
+        lines.append("")
+    if diff.note:
+        lines += [f"> {diff.note}", ""]
+    if diff.prompts:
+        lines += ["| " + " | ".join(PROMPT_HEADERS) + " |", "|" + "---|" * len(PROMPT_HEADERS)]
+        lines += ["| " + " | ".join(_md(c) for c in row) + " |" for row in _prompt_rows(diff)]
+    for prompt in diff.prompts:
+        if not prompt.tokens_identical and prompt.top_a:
+            lines += ["", "```", *_divergence_lines(diff, prompt), "```"]
+    return "\n".join(lines) + "\n"
+
+
+def render(diff: RunDiff, output_format: str) -> str:
+    return {"text": text, "json": as_json, "markdown": markdown}[output_format](diff)
+
+
+def plot(diff: RunDiff, path: Path) -> None:
+    """Per-step max |delta| over shared top-k ids, one line per prompt (log scale)."""
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        raise EvalrunError("--plot needs matplotlib; install it with pip install 'evalrun[plot]'") from None
+    figure, axis = plt.subplots(figsize=(9, 4.5))
+    for prompt in diff.prompts:
+        values = np.maximum(np.asarray(prompt.series.max_abs_delta), 1e-12)
+        axis.plot(range(len(values)), values, label=prompt.prompt_id, linewidth=1)
+        if prompt.first_divergent_step >= 0:
+            axis.axvline(prompt.first_divergent_step, linestyle=":", linewidth=0.8, color=axis.lines[-1].get_color())
+    axis.set_yscale("log")
+    axis.set_xlabel("decode step")
+    axis.set_ylabel("max |delta| over shared top-k")
+    axis.set_title(f"{diff.a} vs {diff.b}")
+    if len(diff.prompts) <= 20:
+        axis.legend(fontsize=7, ncol=2)
+    figure.tight_layout()
+    figure.savefig(path, dpi=120)
+    plt.close(figure)
