@@ -130,53 +130,42 @@ def ulp_distance(bits_a: np.ndarray, bits_b: np.ndarray) -> np.ndarray:
     return np.abs(ordered_bits(bits_a) - ordered_bits(bits_b))
 
 
-def _matches(ids_a: np.ndarray, ids_b: np.ndarray) -> np.ndarray:
-    """[..., K] ids each -> [..., K, K] bool: a's entry i is b's entry j."""
-    return ids_a[..., :, None] == ids_b[..., None, :]
+def sketch_series(ids_a: np.ndarray, values_a: np.ndarray, ids_b: np.ndarray, values_b: np.ndarray,
+                  dtype: str) -> dict[str, np.ndarray]:
+    """Compare two top-k sketches step by step, over a's ids. Inputs [..., K]; every output [...].
+
+    max_abs_delta  max |a - b| over the ids both hold (0 when none)
+    ulp_max        max ULP distance in the run dtype over those ids; ulp_median their median
+    kl             KL(a || b) of the softmax over a's ids (an id b lacks gets b's minimum value)
+    topk_overlap   share of a's ids that b also holds
+    Vectorised over any leading dimensions, so many prompts can be compared in one call.
+    """
+    matches = ids_a[..., :, None] == ids_b[..., None, :]  # [..., K, K]
+    found = matches.any(-1)  # [..., K]
+    picked = np.where(matches, values_b[..., None, :], 0).sum(-1).astype(values_a.dtype)  # b at a's ids
+    other = np.where(found, picked, values_a)
+    delta = np.abs(values_a.astype(np.float64) - other.astype(np.float64))
+    ulps = sketch_ulps(values_a, other, dtype)  # 0 where b lacks the id
+    missing = np.where(found, other, values_b.min(-1, keepdims=True)).astype(np.float64)
+    log_p, log_q = _log_softmax(values_a.astype(np.float64)), _log_softmax(missing)
+    return {"max_abs_delta": delta.max(-1), "ulp_max": ulps.max(-1).astype(np.float64),
+            "ulp_median": _masked_median(ulps, found), "kl": np.sum(np.exp(log_p) * (log_p - log_q), axis=-1),
+            "topk_overlap": found.mean(-1)}
 
 
-def topk_overlap(ids_a: np.ndarray, ids_b: np.ndarray) -> np.ndarray:
-    """[..., K] ids each -> [...] share of a's ids that b also holds."""
-    return _matches(ids_a, ids_b).any(-1).mean(-1)
-
-
-def values_on_a_ids(ids_a: np.ndarray, ids_b: np.ndarray, values_b: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-    """b's values at a's ids [..., K] (NaN where b does not hold the id) and the found mask [..., K]."""
-    matches = _matches(ids_a, ids_b)
-    found = matches.any(-1)
-    picked = np.where(matches, values_b[..., None, :], 0.0).sum(-1)
-    return np.where(found, picked, np.nan), found
-
-
-def topk_max_delta(ids_a: np.ndarray, values_a: np.ndarray, ids_b: np.ndarray, values_b: np.ndarray) -> np.ndarray:
-    """[..., K] ids and values each -> [...] max |difference| over the ids both hold (0 when none)."""
-    other, found = values_on_a_ids(ids_a, ids_b, values_b)
-    delta = np.where(found, np.abs(values_a.astype(np.float64) - np.nan_to_num(other)), 0.0)
-    return delta.max(-1)
-
-
-def topk_kl(ids_a: np.ndarray, values_a: np.ndarray, ids_b: np.ndarray, values_b: np.ndarray) -> np.ndarray:
-    """[..., K] each -> [...] KL(a || b) of the softmax over a's top-k ids; ids b lacks get b's minimum."""
-    other, found = values_on_a_ids(ids_a, ids_b, values_b)
-    other = np.where(found, other, values_b.min(-1, keepdims=True))
-    log_p, log_q = _log_softmax(values_a.astype(np.float64)), _log_softmax(other.astype(np.float64))
-    return np.sum(np.exp(log_p) * (log_p - log_q), axis=-1)
+def _masked_median(values: np.ndarray, mask: np.ndarray) -> np.ndarray:
+    """Median over the last axis of the entries where `mask` holds; 0 where none does. [..., K] -> [...]."""
+    ordered = np.sort(np.where(mask, values.astype(np.float64), np.inf), axis=-1)
+    count = mask.sum(-1)
+    low = np.clip((count - 1) // 2, 0, None)[..., None]
+    high = np.clip(count // 2, 0, values.shape[-1] - 1)[..., None]
+    median = (np.take_along_axis(ordered, low, -1) + np.take_along_axis(ordered, high, -1))[..., 0] / 2
+    return np.where(count > 0, median, 0.0)
 
 
 def _log_softmax(x: np.ndarray) -> np.ndarray:
     shifted = x - x.max(-1, keepdims=True)
     return shifted - np.log(np.exp(shifted).sum(-1, keepdims=True))
-
-
-def shared_ulps(ids_a: np.ndarray, values_a: np.ndarray, ids_b: np.ndarray, values_b: np.ndarray,
-                dtype: str) -> tuple[np.ndarray, np.ndarray]:
-    """[..., K] each -> (max, median) ULP distance in the run dtype over the ids both hold; [...] each."""
-    other, found = values_on_a_ids(ids_a, ids_b, values_b)
-    ulps = sketch_ulps(values_a, np.where(found, other, values_a), dtype).astype(np.float64)
-    ulps = np.where(found, ulps, np.nan)
-    with np.errstate(all="ignore"), warnings.catch_warnings():
-        warnings.simplefilter("ignore", RuntimeWarning)  # steps where no id is shared: all NaN -> 0
-        return np.nan_to_num(np.nanmax(ulps, axis=-1)), np.nan_to_num(np.nanmedian(ulps, axis=-1))
 
 
 def sketch_ulps(values_a: np.ndarray, values_b: np.ndarray, dtype: str) -> np.ndarray:

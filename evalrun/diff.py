@@ -13,7 +13,7 @@ from typing import Any
 
 import numpy as np
 
-from .compare import dict_diff, digest_mismatch_steps, first_divergence, shared_ulps, topk_kl, topk_max_delta, topk_overlap, ulp_distance
+from .compare import dict_diff, digest_mismatch_steps, first_divergence, sketch_series, ulp_distance
 from .errors import StoreError
 from .store import PromptResult, RunRecord, Store
 
@@ -97,16 +97,24 @@ def _context(tokens: np.ndarray, step: int, decode) -> str:
     return f"{before}⟦{after}"
 
 
-def step_series(a: PromptResult, b: PromptResult, dtype: str) -> StepSeries:
-    """Per-step comparison over the steps both runs have."""
-    n = min(len(a.arrays["tokens"]), len(b.arrays["tokens"]))
-    ids_a, values_a = a.arrays["topk_ids"][:n], a.arrays["topk_values"][:n]
-    ids_b, values_b = b.arrays["topk_ids"][:n], b.arrays["topk_values"][:n]
-    ulp_max, ulp_median = shared_ulps(ids_a, values_a, ids_b, values_b, dtype)
-    equal = np.all(a.arrays["digests"][:n] == b.arrays["digests"][:n], axis=-1)
-    return StepSeries(equal.tolist(), topk_max_delta(ids_a, values_a, ids_b, values_b).tolist(), ulp_max.tolist(),
-                      ulp_median.tolist(), topk_kl(ids_a, values_a, ids_b, values_b).tolist(),
-                      topk_overlap(ids_a, ids_b).tolist())
+SERIES_KEYS = ("max_abs_delta", "ulp_max", "ulp_median", "kl", "topk_overlap")
+
+
+def step_series_many(pairs: list[tuple[PromptResult, PromptResult]], dtype: str) -> list[StepSeries]:
+    """Per-step figures of many prompt pairs: pairs with the same shared step count go through
+    `sketch_series` as one stacked array [P, N, K], which is what keeps a 1,000-prompt diff fast."""
+    series: list[StepSeries | None] = [None] * len(pairs)
+    groups: dict[int, list[int]] = {}
+    for index, (a, b) in enumerate(pairs):
+        groups.setdefault(min(len(a.arrays["tokens"]), len(b.arrays["tokens"])), []).append(index)
+    for steps, members in groups.items():
+        stack = lambda side, name: np.stack([pairs[i][side].arrays[name][:steps] for i in members])  # noqa: E731
+        figures = sketch_series(stack(0, "topk_ids"), stack(0, "topk_values"), stack(1, "topk_ids"),
+                                stack(1, "topk_values"), dtype)
+        equal = np.all(stack(0, "digests") == stack(1, "digests"), axis=-1)  # [P, N]
+        for row, index in enumerate(members):
+            series[index] = StepSeries(equal[row].tolist(), *(figures[key][row].tolist() for key in SERIES_KEYS))
+    return series
 
 
 def logits_figures(bits_a: np.ndarray, bits_b: np.ndarray, dtype: str) -> dict[str, Any]:
@@ -133,12 +141,12 @@ def _bits_to_float(bits: np.ndarray, dtype: str) -> np.ndarray:
     return bits.view(np.float32 if bits.dtype == np.int32 else np.float64).astype(np.float64)
 
 
-def diff_prompt(a: PromptResult, b: PromptResult, dtype: str, decode) -> PromptDiff:
+def diff_prompt(a: PromptResult, b: PromptResult, dtype: str, decode, series: StepSeries) -> PromptDiff:
     tokens_a, tokens_b = a.arrays["tokens"], b.arrays["tokens"]
     divergence = first_divergence(tokens_a, tokens_b)
     result = PromptDiff(a.prompt_id, divergence < 0, divergence,
                         int(digest_mismatch_steps(a.arrays["digests"], b.arrays["digests"]).size),
-                        min(len(tokens_a), len(tokens_b)), series=step_series(a, b, dtype))
+                        min(len(tokens_a), len(tokens_b)), series=series)
     if 0 <= divergence < result.steps:
         result.context_a, result.context_b = _context(tokens_a, divergence, decode), _context(tokens_b, divergence, decode)
         result.top_a, result.top_b = _top(a, divergence, decode), _top(b, divergence, decode)
@@ -160,7 +168,7 @@ def diff_runs(a: RunRef, b: RunRef, prompt_ids: tuple[str, ...] = (), decode=Non
     model_a = {k: ja["model"].get(k) for k in ("ref", "weights", "config", "tokenizer")}
     model_b = {k: jb["model"].get(k) for k in ("ref", "weights", "config", "tokenizer")}
     by_id_b = {r.prompt_id: r for r in b.results}
-    prompts, not_comparable = [], []
+    pairs, not_comparable = [], []
     for result in a.results:
         if prompt_ids and result.prompt_id not in prompt_ids:
             continue
@@ -168,7 +176,9 @@ def diff_runs(a: RunRef, b: RunRef, prompt_ids: tuple[str, ...] = (), decode=Non
         if other is None or not np.array_equal(result.arrays["input_ids"], other.arrays["input_ids"]):
             not_comparable.append(result.prompt_id)
             continue
-        prompts.append(diff_prompt(result, other, a.record.config["dtype"], decode))
+        pairs.append((result, other))
+    dtype = a.record.config["dtype"]
+    prompts = [diff_prompt(x, y, dtype, decode, series) for (x, y), series in zip(pairs, step_series_many(pairs, dtype))]
     ids_a = {r.prompt_id for r in a.results}
     not_comparable += [r.prompt_id for r in b.results if r.prompt_id not in ids_a
                        and (not prompt_ids or r.prompt_id in prompt_ids)]

@@ -1,0 +1,124 @@
+import json
+
+import numpy as np
+import pytest
+
+from evalrun.compare import sketch_series, ulp_distance
+
+
+def _run(cli, tiny_args, *extra):
+    code, out, err = cli("run", *tiny_args, "--json", "--quiet", *extra)
+    assert code == 0, err
+    return json.loads(out)["run_id"]
+
+
+def test_diff_of_identical_runs(cli, tiny_args):
+    a, b = _run(cli, tiny_args), _run(cli, tiny_args)
+    code, out, _ = cli("diff", a[:8], b[:8], "--store", tiny_args[-1], "--format", "json")
+    data = json.loads(out)
+    assert code == 0 and data["config"] == [] and data["not_comparable"] == []
+    for prompt in data["prompts"]:
+        assert prompt["tokens_identical"] and all(prompt["series"]["digest_equal"])
+        assert max(prompt["series"]["ulp_max"]) == 0 and min(prompt["series"]["topk_overlap"]) == 1.0
+
+
+def test_diff_shows_key_changes_and_element_level_figures(cli, tiny_args):
+    a = _run(cli, tiny_args, "--keep-logits", "all")
+    b = _run(cli, tiny_args, "--keep-logits", "capital@1-3", "--batch-size", "3")
+    code, out, _ = cli("diff", a, b, "--store", tiny_args[-1], "--format", "json")
+    data = json.loads(out)
+    keys = {entry["key"] for entry in data["config"]}
+    assert code == 0 and {"batch_size", "keep_logits"} <= keys
+    capital = next(p for p in data["prompts"] if p["prompt_id"] == "capital")
+    figures = capital["logits"]
+    assert figures["steps"] == [1, 2, 3] and figures["elements"] == 3 * 320
+    assert 0.0 <= figures["bit_identical_share"] < 1.0 and figures["max_abs_delta"] > 0
+    assert sum(figures["ulp_histogram"].values()) == figures["elements"]
+    assert all(p["logits"] is None for p in data["prompts"] if p["prompt_id"] != "capital")
+
+
+def test_diff_of_diverging_runs_shows_the_divergence(cli, tiny_args):
+    a = _run(cli, tiny_args)
+    b = _run(cli, tiny_args, "--set", "temperature=1.0")
+    code, out, _ = cli("diff", a, b, "--store", tiny_args[-1], "--prompt", "capital")
+    assert code == 0 and "tokens part at step" in out and "margin" in out
+    code, out, _ = cli("diff", a, b, "--store", tiny_args[-1], "--format", "markdown")
+    assert code == 0 and out.startswith("### evalrun diff") and "| temperature |" in out.replace("config | ", "")
+
+
+def test_diff_against_a_golden_and_across_prompt_sets(cli, tiny_args, write_prompts, tmp_path):
+    code, _, err = cli("golden", "create", "g", "--model", "random:tiny", "--prompts", "smoke", "--max-new-tokens", "6",
+                       "--dir", str(tmp_path / "golden"), "--quiet")
+    assert code == 0, err
+    path = write_prompts([{"id": "capital", "prompt": "The capital of France is"}, {"id": "other", "prompt": "x"}])
+    other = _run(cli, [a if a != "smoke" else str(path) for a in tiny_args])
+    code, out, _ = cli("diff", "golden:g", other, "--store", tiny_args[-1], "--golden-dir", str(tmp_path / "golden"),
+                       "--format", "json")
+    data = json.loads(out)
+    assert code == 0 and "prompt sets differ" in data["note"]
+    assert [p["prompt_id"] for p in data["prompts"]] == ["capital"] and data["prompts"][0]["tokens_identical"]
+    assert set(data["not_comparable"]) == {"chat-hello", "zh-short", "other"}
+
+
+def test_plot(cli, tiny_args, tmp_path):
+    pytest.importorskip("matplotlib")
+    a, b = _run(cli, tiny_args), _run(cli, tiny_args, "--batch-size", "2")
+    code, _, _ = cli("diff", a, b, "--store", tiny_args[-1], "--plot", str(tmp_path / "d.png"))
+    assert code == 0 and (tmp_path / "d.png").read_bytes()[:4] == b"\x89PNG"
+
+
+def test_plot_without_matplotlib_says_how_to_install(cli, tiny_args, tmp_path, monkeypatch):
+    import builtins
+
+    a = _run(cli, tiny_args)
+    real_import = builtins.__import__
+    monkeypatch.setattr(builtins, "__import__", lambda name, *args, **kw: (_ for _ in ()).throw(ImportError(name))
+                        if name.startswith("matplotlib") else real_import(name, *args, **kw))
+    code, _, err = cli("diff", a, a, "--store", tiny_args[-1], "--plot", str(tmp_path / "d.png"))
+    assert code == 2 and "pip install 'evalrun[plot]'" in err
+
+
+@pytest.mark.parametrize("ids,needle", [(("ffffffff", None), "no run"), (("zz", None), "not a hex id")])
+def test_diff_bad_ids(cli, tiny_args, ids, needle):
+    a = _run(cli, tiny_args)
+    code, _, err = cli("diff", ids[0], a, "--store", tiny_args[-1])
+    assert code == 2 and needle in err and len(err.strip().splitlines()) == 1
+
+
+def test_diff_refuses_incomplete_runs(cli, tiny_args):
+    from evalrun.store import Store
+
+    a = _run(cli, tiny_args)
+    store = Store(tiny_args[-1])
+    running = store.begin_run({**store.get_run(a).json, "config_hash": "c", "environment_hash": "e",
+                               "model": store.get_run(a).json["model"], "prompt_set": store.get_run(a).json["prompt_set"]})
+    code, _, err = cli("diff", a, running, "--store", tiny_args[-1])
+    assert code == 2 and "running, not complete" in err
+
+
+def test_diff_unknown_prompt(cli, tiny_args):
+    a = _run(cli, tiny_args)
+    code, _, err = cli("diff", a, a, "--store", tiny_args[-1], "--prompt", "nosuch")
+    assert code == 2 and "no prompt named nosuch" in err
+
+
+def test_sketch_metrics_by_hand():
+    ids_a, values_a = np.array([[1, 2, 3]]), np.array([[3.0, 2.0, 1.0]], dtype=np.float32)
+    ids_b, values_b = np.array([[2, 1, 9]]), np.array([[2.5, 2.0, 0.5]], dtype=np.float32)
+    figures = sketch_series(ids_a, values_a, ids_b, values_b, "float32")
+    assert figures["topk_overlap"].tolist() == pytest.approx([2 / 3])
+    assert figures["max_abs_delta"].tolist() == pytest.approx([1.0])  # id 2: 2.0 vs 2.5 ... id 1: 3.0 vs 2.0
+    assert figures["kl"][0] > 0
+    assert sketch_series(ids_a, values_a, ids_a, values_a, "float32")["kl"].tolist() == pytest.approx([0.0])
+    nudged = values_a.copy()
+    nudged[0, :2] = np.nextafter(values_a[0, :2], np.float32(10))
+    nudged[0, 2] = np.nextafter(np.nextafter(values_a[0, 2], np.float32(10)), np.float32(10))
+    figures = sketch_series(ids_a, values_a, ids_a, nudged, "float32")
+    assert (figures["ulp_max"].tolist(), figures["ulp_median"].tolist()) == ([2.0], [1.0])
+    assert sketch_series(ids_a, values_a, ids_a, nudged, "bfloat16")["ulp_max"].tolist() == [0.0]
+
+
+def test_ulp_distance_across_zero_and_dtypes():
+    a = np.array([0.0, -0.0, 1.0], dtype=np.float32).view(np.int32)
+    b = np.array([-0.0, 1e-45, -1.0], dtype=np.float32).view(np.int32)
+    assert ulp_distance(a, b).tolist() == [0, 1, 2 * 0x3F800000]
