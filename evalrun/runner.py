@@ -46,6 +46,13 @@ class Prepared:
     prompt_set: PromptSet
     header: dict[str, Any]
     load_seconds: float
+    mode: ExecutionMode | None = None  # built on first use, then reused (forced runs reuse compiled code)
+
+    def execution_mode(self) -> ExecutionMode:
+        if self.mode is None:
+            transformer = Transformer(self.loaded.model, self.effective["attn_implementation"])
+            self.mode = build_execution_mode(transformer, self.effective)
+        return self.mode
 
 
 @dataclass
@@ -150,9 +157,8 @@ def run_batch(prepared: Prepared, mode: ExecutionMode, indices: list[int], force
         temperature=effective["temperature"],
         row_seeds=[row_seed(prompt_set.records[i].id, effective["seed"]) for i in indices],
         keep_logits=any(keep_logits_steps(effective["keep_logits"], prompt_set.records[i].id, steps) for i in indices),
-        padded_length=mode.padded_length(prompts),
-        forward=mode.forward, forced_tokens=[forced.tokens[i] for i in indices] if forced else None,
-        probe_ids=[forced.probe_ids[i] for i in indices] if forced and forced.probe_ids else None)
+        forced_tokens=[forced.tokens[i] for i in indices] if forced else None,
+        probe_ids=[forced.probe_ids[i] for i in indices] if forced and forced.probe_ids else None, mode=mode)
 
 
 def to_results(prepared: Prepared, batch_index: int, indices: list[int], output: BatchOutput) -> list[PromptResult]:
@@ -190,6 +196,10 @@ def run_digests(results: list[PromptResult]) -> tuple[str, str]:
 
 def _timings(prepared: Prepared, outputs: list[BatchOutput], warmup_seconds: float, compile_seconds: float,
              generate_seconds: float, device: torch.device) -> dict[str, Any]:
+    """Load, compile (Dynamo + Inductor, wherever it happened), warm-up, TTFT, step latency, throughput, memory.
+
+    `ttft_ms.first_request` is the first measured batch's prefill: with warmup = 0 it carries the
+    compile and capture cost a user sees when serving starts cold."""
     ttft = np.array([output.step_ms[0] for output in outputs])
     decode = np.concatenate([output.step_ms[1:] for output in outputs])
     generated = sum(output.tokens.size for output in outputs)
@@ -202,6 +212,16 @@ def _timings(prepared: Prepared, outputs: list[BatchOutput], warmup_seconds: flo
     }
 
 
+def warmup_batches(batches: list[list[int]], prepared: Prepared, mode: ExecutionMode) -> list[list[int]]:
+    """One batch per distinct shape (batch bucket, prefill bucket): warm-up compiles and captures each
+    shape the run will use, so a trace-once run never compiles while it is measured."""
+    chosen: dict[tuple[int, int], list[int]] = {}
+    for indices in batches:
+        prompts = [prepared.prompt_set.token_ids[i] for i in indices]
+        chosen.setdefault((mode.padded_batch(len(indices)), mode.padded_length(prompts)), indices)
+    return list(chosen.values()) if mode.static else batches[:1]
+
+
 def generate_all(prepared: Prepared, progress: Progress | None = None,
                  forced: Forcing | None = None) -> tuple[list[PromptResult], dict[str, Any], dict, list]:
     """Warm up, then run every batch; returns results, timings, evidence and the batch plan.
@@ -212,12 +232,14 @@ def generate_all(prepared: Prepared, progress: Progress | None = None,
     effective = prepared.effective
     device = torch.device(effective["device"])
     batches = plan_batches(prepared.prompt_set, effective)
+    mode = prepared.execution_mode()
+    prompt_set = prepared.prompt_set
+    mode.plan(max(len(ids) for ids in prompt_set.token_ids),
+              max(steps_for(prompt_set, i, effective) for i in range(len(prompt_set.records))))
     started = time.perf_counter()
-    mode = build_execution_mode(Transformer(prepared.loaded.model, effective["attn_implementation"]), effective)
-    compile_seconds = time.perf_counter() - started
-    started = time.perf_counter()
-    for _ in range(effective["warmup"]):  # discarded: compile, autotune and allocator warm-up
-        run_batch(prepared, mode, batches[0])
+    for _ in range(effective["warmup"]):  # discarded: compile, capture, autotune and allocator warm-up
+        for indices in warmup_batches(batches, prepared, mode):
+            run_batch(prepared, mode, indices, forced)
     warmup_seconds = time.perf_counter() - started
     reset_peak_memory(device)
     mode.start_measuring()
@@ -230,10 +252,11 @@ def generate_all(prepared: Prepared, progress: Progress | None = None,
         if progress:
             progress(len(indices))
     generate_seconds = time.perf_counter() - started
-    timings = _timings(prepared, outputs, warmup_seconds, compile_seconds, generate_seconds, device)
+    evidence = mode.evidence()
+    timings = _timings(prepared, outputs, warmup_seconds, evidence["compile_s"], generate_seconds, device)
     plan = [{"batch": i, "prompt_ids": [prepared.prompt_set.records[j].id for j in indices],
              "padded_length": int(outputs[i].padded_length)} for i, indices in enumerate(batches)]
-    return results, timings, mode.evidence(), plan
+    return results, timings, evidence, plan
 
 
 def execute_run(config: RunConfig, store: Store | None, label: str | None = None,

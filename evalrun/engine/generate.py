@@ -1,12 +1,13 @@
 """Prefill + decode with on-device capture, gpt-fast style.
 
-`generate_batch` runs one padded batch: prefill writes the prompts into a static KV cache, then
-`max_new_tokens` decode steps each produce logits that are captured on the device (digest, top-k,
-margin) into preallocated buffers. Nothing in the loop touches the host; results are copied to the
-host once, at the end of the batch.
+A `Workspace` holds every buffer a batch needs, allocated once: KV cache, capture buffers, the
+key-validity mask, and the decode step's inputs as device tensors (last token, prompt lengths,
+first decode slot, step counter). `decode_step` reads and advances only those tensors, so it has
+static shapes, never touches the host, and can be compiled with `fullgraph=True` or captured in a
+CUDA graph and replayed with no inputs at all. Results reach the host once, at the end of a batch.
 
 Every prompt is decoded for exactly `max_new_tokens` steps (static shapes): an end-of-sequence
-token does not stop the loop; `BatchOutput.eos_step` records where it first appeared.
+token does not stop the loop; the runner records where it first appeared.
 """
 
 from __future__ import annotations
@@ -22,6 +23,8 @@ from ..models import splitmix64
 from .timing import StepClock
 from .transformer import KVCache, Transformer
 
+Forward = Callable[..., torch.Tensor]  # (tokens [B,T], positions [B,T], slots [T], key_valid [B,S], cache) -> [B,V]
+
 
 @dataclass
 class BatchOutput:
@@ -32,22 +35,27 @@ class BatchOutput:
     topk_ids: np.ndarray  # [B, N, K] int64
     topk_values: np.ndarray  # [B, N, K] float32
     margins: np.ndarray  # [B, N] float32
-    logits: np.ndarray | None  # [B, N, V] in the model dtype's bits, when kept
+    logits: np.ndarray | None  # [B, N, V] raw bits of the model dtype, when kept
     step_ms: np.ndarray  # [N] wall time of each step; step 0 is prefill + first token (TTFT)
     padded_length: int = 0  # P, the prompt length the batch was padded to
     probe_values: np.ndarray | None = None  # [B, N, K'] float64 logits at the probe ids, when probed
 
 
+def _bits_dtype(dtype: torch.dtype) -> torch.dtype:
+    return {torch.float32: torch.int32, torch.bfloat16: torch.int16, torch.float16: torch.int16,
+            torch.float64: torch.int64}[dtype]
+
+
 @dataclass
 class CaptureBuffers:
-    """Preallocated device buffers the decode step writes into at index `step` (a tensor)."""
+    """Preallocated device buffers the step writes into at index `step` (a tensor)."""
 
-    tokens: torch.Tensor
-    digests: torch.Tensor
-    topk_ids: torch.Tensor
-    topk_values: torch.Tensor
-    margins: torch.Tensor
-    logits: torch.Tensor | None
+    tokens: torch.Tensor  # [B, N] int64
+    digests: torch.Tensor  # [B, N, 2] int64
+    topk_ids: torch.Tensor  # [B, N, K] int64
+    topk_values: torch.Tensor  # [B, N, K] float32
+    margins: torch.Tensor  # [B, N] float32
+    logits: torch.Tensor | None  # [B, N, V] model dtype
     probe_ids: torch.Tensor | None = None  # [B, N, K'] int64: ids whose logits each step records exactly
     probe_values: torch.Tensor | None = None  # [B, N, K'] float64
 
@@ -63,19 +71,14 @@ class CaptureBuffers:
             logits=torch.zeros(batch, steps, vocab, dtype=dtype, device=device) if keep_logits else None,
         )
 
-    def to_host(self, step_ms: np.ndarray, padded_length: int) -> BatchOutput:
-        logits = None
-        if self.logits is not None:
-            logits = self.logits.cpu().view(_bits_dtype(self.logits.dtype)).numpy()
-        probe = self.probe_values.cpu().numpy() if self.probe_values is not None else None
-        return BatchOutput(self.tokens.cpu().numpy(), self.digests.cpu().numpy(), self.topk_ids.cpu().numpy(),
-                           self.topk_values.cpu().numpy(), self.margins.cpu().numpy(), logits, step_ms,
+    def to_host(self, rows: int, steps: int, step_ms: np.ndarray, padded_length: int) -> BatchOutput:
+        """The first `rows` rows and `steps` steps, copied to the host (the one sync of a batch)."""
+        cut = lambda t: t[:rows, :steps].to("cpu", copy=True)  # noqa: E731 - a copy: the buffers are reused
+        logits = cut(self.logits).view(_bits_dtype(self.logits.dtype)).numpy() if self.logits is not None else None
+        probe = cut(self.probe_values).numpy() if self.probe_values is not None else None
+        return BatchOutput(cut(self.tokens).numpy(), cut(self.digests).numpy(), cut(self.topk_ids).numpy(),
+                           cut(self.topk_values).numpy(), cut(self.margins).numpy(), logits, step_ms,
                            padded_length, probe)
-
-
-def _bits_dtype(dtype: torch.dtype) -> torch.dtype:
-    return {torch.float32: torch.int32, torch.bfloat16: torch.int16, torch.float16: torch.int16,
-            torch.float64: torch.int64}[dtype]
 
 
 def choose_token(logits: torch.Tensor, temperature: float, row_seeds: torch.Tensor, step: torch.Tensor) -> torch.Tensor:
@@ -102,15 +105,14 @@ def capture_step(logits: torch.Tensor, step: torch.Tensor, buffers: CaptureBuffe
     benchmark compares against.
     """
     token = choose_token(logits, temperature, row_seeds, step)
+    buffers.tokens.index_copy_(1, step, token[:, None])
     if not capture:
-        buffers.tokens.index_copy_(1, step, token[:, None])
         return token
     ids, values, margin = topk_sketch(logits, top_k)
     buffers.digests.index_copy_(1, step, logits_digest(logits)[:, None])
     buffers.topk_ids.index_copy_(1, step, ids[:, None])
     buffers.topk_values.index_copy_(1, step, values[:, None])
     buffers.margins.index_copy_(1, step, margin[:, None])
-    buffers.tokens.index_copy_(1, step, token[:, None])
     if buffers.logits is not None:
         buffers.logits.index_copy_(1, step, logits[:, None])
     if buffers.probe_ids is not None:
@@ -120,8 +122,45 @@ def capture_step(logits: torch.Tensor, step: torch.Tensor, buffers: CaptureBuffe
 
 
 @dataclass
+class Workspace:
+    """Everything one batch shape needs on the device, allocated once and reused batch after batch."""
+
+    cache: KVCache  # [layers, B, G, S, D]
+    buffers: CaptureBuffers
+    key_valid: torch.Tensor  # [B, S] bool, False on padding slots
+    token: torch.Tensor  # [B] int64: the token fed to the next decode step
+    lengths: torch.Tensor  # [B] int64: real prompt lengths
+    slot_base: torch.Tensor  # [1] int64: P, the cache slot of the first decode input
+    step: torch.Tensor  # [1] int64: the step index the next call writes
+    seeds: torch.Tensor  # [B] int64 per-row sampling seeds
+    forced: torch.Tensor | None  # [B, N] int64 tokens to feed instead of the model's choices
+    top_k: int
+    temperature: float
+    capture: bool = True
+
+    @classmethod
+    def allocate(cls, model: Transformer, batch: int, slots: int, steps: int, top_k: int, temperature: float,
+                 keep_logits: bool = False, forced: bool = False, probe_width: int | None = None,
+                 capture: bool = True) -> "Workspace":
+        device = model.device
+        buffers = CaptureBuffers.allocate(batch, steps, top_k, model.vocab_size, keep_logits, model.dtype, device)
+        if probe_width:
+            buffers.probe_ids = torch.zeros(batch, steps, probe_width, dtype=torch.int64, device=device)
+            buffers.probe_values = torch.zeros(batch, steps, probe_width, dtype=torch.float64, device=device)
+        zeros = lambda *shape: torch.zeros(*shape, dtype=torch.int64, device=device)  # noqa: E731
+        return cls(model.new_cache(batch, slots), buffers, torch.zeros(batch, slots, dtype=torch.bool, device=device),
+                   zeros(batch), zeros(batch), zeros(1), zeros(1), zeros(batch),
+                   zeros(batch, steps) if forced else None, top_k, temperature, capture)
+
+    @property
+    def shape(self) -> tuple[int, int, int]:
+        """(B, S, N): batch rows, cache slots, capture steps."""
+        return self.key_valid.shape[0], self.key_valid.shape[1], self.buffers.tokens.shape[1]
+
+
+@dataclass
 class PaddedBatch:
-    """Left-padded prompts on the device. P = padded prompt length."""
+    """Left-padded prompts on the device. P = padded prompt length, S = cache slots."""
 
     tokens: torch.Tensor  # [B, P] int64
     positions: torch.Tensor  # [B, P] int64 (padding at position 0)
@@ -143,62 +182,83 @@ class PaddedBatch:
         return cls(tokens.to(device), positions.to(device), valid.to(device), lengths.to(device))
 
 
-DecodeStep = Callable[..., torch.Tensor]
+def row_matrix(rows: list[np.ndarray], batch: int, steps: int) -> torch.Tensor:
+    """Per-row arrays [N_i, ...] -> one [B, N, ...] int64 tensor; short or missing rows repeat the last entry."""
+    matrix = np.zeros((batch, steps) + np.asarray(rows[0]).shape[1:], dtype=np.int64)
+    for row in range(batch):
+        values = rows[min(row, len(rows) - 1)]
+        count = min(len(values), steps)
+        matrix[row, :count] = values[:count]
+        if 0 < count < steps:
+            matrix[row, count:] = values[count - 1]
+    return torch.from_numpy(matrix)
+
+
+def load_batch(workspace: Workspace, padded: PaddedBatch, seeds: list[int], forced: list[np.ndarray] | None,
+               probe_ids: list[np.ndarray] | None) -> None:
+    """Copy one batch's inputs into the workspace's static buffers."""
+    batch, _, steps = workspace.shape
+    workspace.key_valid.copy_(padded.key_valid)
+    workspace.lengths.copy_(padded.lengths)
+    workspace.slot_base.fill_(padded.tokens.shape[1])
+    workspace.seeds.copy_(torch.tensor((seeds + seeds[-1:] * batch)[:batch], dtype=torch.int64))
+    if forced is not None:
+        workspace.forced.copy_(row_matrix(forced, batch, steps))
+    if probe_ids is not None:
+        workspace.buffers.probe_ids.copy_(row_matrix(probe_ids, batch, steps))
+
+
+def prefill_step(forward: Forward, workspace: Workspace, tokens: torch.Tensor, positions: torch.Tensor) -> None:
+    """tokens, positions [B, P]: fill cache slots [0, P), capture step 0, set up the first decode step."""
+    ws = workspace
+    slots = torch.arange(tokens.shape[1], device=tokens.device)
+    logits = forward(tokens, positions, slots, ws.key_valid, ws.cache)
+    ws.step.zero_()
+    ws.token.copy_(capture_step(logits, ws.step, ws.buffers, ws.top_k, ws.temperature, ws.seeds, ws.capture))
+    ws.step.add_(1)
+
+
+def decode_step(forward: Forward, workspace: Workspace) -> None:
+    """One decode step from the workspace's device state alone: feed, forward, capture, advance."""
+    ws = workspace
+    previous = ws.step - 1  # [1]
+    fed = ws.forced.index_select(1, previous)[:, 0] if ws.forced is not None else ws.token  # [B]
+    position = (ws.lengths + previous)[:, None]  # [B, 1]
+    logits = forward(fed[:, None], position, ws.slot_base + previous, ws.key_valid, ws.cache)
+    ws.token.copy_(capture_step(logits, ws.step, ws.buffers, ws.top_k, ws.temperature, ws.seeds, ws.capture))
+    ws.step.add_(1)
 
 
 @torch.no_grad()
 def generate_batch(model: Transformer, prompts: list[list[int]], max_new_tokens: int, *, pad_id: int,
                    top_k: int = 8, temperature: float = 0.0, row_seeds: list[int] | None = None,
-                   keep_logits: bool = False, padded_length: int | None = None,
-                   forward: Callable[..., torch.Tensor] | None = None,
-                   forced_tokens: list[np.ndarray] | None = None, capture: bool = True,
-                   probe_ids: list[np.ndarray] | None = None) -> BatchOutput:
+                   keep_logits: bool = False, forced_tokens: list[np.ndarray] | None = None,
+                   probe_ids: list[np.ndarray] | None = None, capture: bool = True,
+                   mode=None) -> BatchOutput:
     """Greedy (or seeded-sampled) generation of one batch with on-device capture of every step.
 
-    `padded_length` pads the prompts to a fixed length (a shape bucket); `forward` replaces
-    `model.forward` (a compiled version of it, say). Step 0's logits come from prefill.
-    `forced_tokens` (one array per row) feeds those tokens back instead of the model's choices:
-    forced decoding, to compare logits step by step along another run's path. The buffers still
-    record the model's own choice at each step. `probe_ids` (one [N, K'] array per row) records the
-    exact logits at those ids each step, so two runs can be compared on the same ids.
+    `mode` (an `ExecutionMode`) decides padding, workspaces, and how prefill and decode steps run
+    (eager, compiled, CUDA graphs); without one the batch runs eagerly in a fresh workspace.
+    `forced_tokens` (one array per row) feeds those tokens instead of the model's choices: forced
+    decoding along another run's path; the buffers still record the model's own choice.
+    `probe_ids` (one [N, K'] array per row) records the exact logits at those ids each step.
     """
-    device, batch = model.device, len(prompts)
-    padded_length = padded_length or max(len(ids) for ids in prompts)
-    slots = padded_length + max_new_tokens
-    forward = forward or model.forward
-    cache: KVCache = model.new_cache(batch, slots)
-    padded = PaddedBatch.build(prompts, pad_id, padded_length, slots, device)
-    buffers = CaptureBuffers.allocate(batch, max_new_tokens, top_k, model.vocab_size, keep_logits, model.dtype, device)
-    if probe_ids is not None:
-        buffers.probe_ids = _row_matrix(probe_ids, batch, max_new_tokens, device)
-        buffers.probe_values = torch.zeros(buffers.probe_ids.shape, dtype=torch.float64, device=device)
-    seeds = torch.tensor(row_seeds or [0] * batch, dtype=torch.int64, device=device)
-    steps = torch.arange(max_new_tokens, dtype=torch.int64, device=device)  # step index tensors, made once
-    decode_slots = steps + padded_length  # [N]: cache slot of each decode step's input token
-    clock = StepClock(device)
-    forced = _row_matrix(forced_tokens, batch, max_new_tokens, device) if forced_tokens is not None else None
+    from .modes import eager_mode
 
+    mode = mode or eager_mode(model)
+    padded_length, batch = mode.padded_length(prompts), mode.padded_batch(len(prompts))
+    rows = prompts + [prompts[-1]] * (batch - len(prompts))  # batch-bucket filler rows repeat the last prompt
+    workspace = mode.workspace(batch, padded_length, max_new_tokens, top_k=top_k, temperature=temperature,
+                               keep_logits=keep_logits, forced=forced_tokens is not None,
+                               probe_width=probe_ids[0].shape[-1] if probe_ids is not None else None, capture=capture)
+    _, slots, _ = workspace.shape
+    padded = PaddedBatch.build(rows, pad_id, padded_length, slots, model.device)
+    load_batch(workspace, padded, row_seeds or [0] * len(prompts), forced_tokens, probe_ids)
+    clock = StepClock(model.device)
     clock.start()
-    logits = forward(padded.tokens, padded.positions, torch.arange(padded_length, device=device),
-                     padded.key_valid, cache)
-    token = capture_step(logits, steps[0:1], buffers, top_k, temperature, seeds, capture)
+    mode.prefill(workspace, padded.tokens, padded.positions)
     clock.mark()
-    for step in range(1, max_new_tokens):
-        if forced is not None:
-            token = forced[:, step - 1]
-        position = (padded.lengths + (step - 1))[:, None]  # [B, 1]
-        logits = forward(token[:, None], position, decode_slots[step - 1:step], padded.key_valid, cache)
-        token = capture_step(logits, steps[step:step + 1], buffers, top_k, temperature, seeds, capture)
+    for _ in range(1, max_new_tokens):
+        mode.decode(workspace)
         clock.mark()
-    return buffers.to_host(clock.elapsed_ms(), padded_length)
-
-
-def _row_matrix(rows: list[np.ndarray], batch: int, steps: int, device: torch.device) -> torch.Tensor:
-    """Per-row arrays [N_i, ...] -> one [B, N, ...] int64 tensor; short rows repeat their last entry."""
-    matrix = np.zeros((batch, steps) + np.asarray(rows[0]).shape[1:], dtype=np.int64)
-    for row, values in enumerate(rows):
-        count = min(len(values), steps)
-        matrix[row, :count] = values[:count]
-        if 0 < count < steps:
-            matrix[row, count:] = values[count - 1]
-    return torch.from_numpy(matrix).to(device)
+    return workspace.buffers.to_host(len(prompts), max_new_tokens, clock.elapsed_ms(), padded_length)

@@ -1,50 +1,281 @@
-"""Execution modes: how the engine's forward runs (compilation mode x CUDA graph mode).
+"""Execution modes: how the engine runs (compilation mode x CUDA graph mode), and proof that it did.
 
-`build_execution_mode` turns the effective config into an `ExecutionMode`: the forward to call,
-the padded prompt length for a batch (shape buckets), and the evidence of what really happened.
-Only eager execution (`compilation_mode=none`, `cudagraph_mode=none`) exists so far; every other
-mode is refused with a clear message rather than silently run eagerly.
+Compilation modes (vLLM's names in brackets)
+  none        eager                                                             [NONE]
+  stock       torch.compile of the whole forward; guards, breaks, recompiles   [STOCK_TORCH_COMPILE]
+  trace-once  torch.compile(fullgraph=True, dynamic=False) per shape bucket;   [DYNAMO_TRACE_ONCE]
+              a recompile after warm-up is a fallback
+  piecewise   regional: the layer pieces (norm + projections + rotary; output  [VLLM_COMPILE]
+              projection + MLP; head) compiled once and shared by every layer;
+              attention with its KV-cache write runs between them
+CUDA graph modes
+  none                no graphs
+  piecewise           Inductor's CUDA graphs around the compiled pieces (prefill and decode)
+  full                the whole decode step (forward + capture) and each prefill bucket captured
+  full-decode-only    decode captured whole; prefill without graphs
+  full-and-piecewise  decode captured whole; prefill with piecewise graphs
+
+Static modes (anything but none/none) pad prompts to prefill buckets and batches to batch buckets
+and keep one workspace per batch bucket for the whole run, so shapes repeat and graphs replay.
 """
 
 from __future__ import annotations
 
+import copy
+import types
 from dataclasses import dataclass, field
 from typing import Any, Callable
 
 import torch
 
 from ..errors import ConfigError
-from .transformer import Transformer
+from .generate import Workspace, decode_step, prefill_step
+from .transformer import Transformer, head, post_attention, pre_attention
 
-AVAILABLE_COMPILATION_MODES = ("none",)
-AVAILABLE_CUDAGRAPH_MODES = ("none",)
+FULL_DECODE_MODES = ("full", "full-decode-only", "full-and-piecewise")
+PIECEWISE_PREFILL_MODES = ("piecewise", "full-and-piecewise")
+INDUCTOR_KNOBS = ("max_autotune", "coordinate_descent_tuning", "epilogue_fusion", "emulate_precision_casts")
+
+
+def _bucket(value: int, buckets: list[int]) -> int:
+    """Smallest bucket >= value; past the largest, the next multiple of the largest."""
+    for bucket in sorted(buckets):
+        if bucket >= value:
+            return bucket
+    largest = max(buckets)
+    return -(-value // largest) * largest
+
+
+def _clone(function: Callable, tag: str) -> Callable:
+    """The same function under a new code object: torch.compile keeps one cache per code object, so
+    two differently compiled versions of one function must not share it."""
+    code = function.__code__.replace(co_name=f"{function.__name__}_{tag}")
+    return types.FunctionType(code, function.__globals__, code.co_name, function.__defaults__)
+
+
+def _dynamo_snapshot() -> dict[str, Any]:
+    from torch._dynamo.utils import compile_times, counters
+
+    names, values = compile_times(repr="csv", aggregate=True)
+    times = dict(zip(names, values))
+    return {"frames": counters["frames"]["total"], "graphs": counters["stats"]["unique_graphs"],
+            "breaks": dict(counters["graph_break"]), "compile_s": float(times.get("_compile.compile_inner", 0.0)),
+            "cudagraph_skips": counters["inductor"]["cudagraph_skips"]}
 
 
 @dataclass
 class ExecutionMode:
     transformer: Transformer
-    forward: Callable[..., torch.Tensor]
-    compilation_mode: str
-    cudagraph_mode: str
+    compilation_mode: str = "none"
+    cudagraph_mode: str = "none"
+    prefill_buckets: list[int] = field(default_factory=lambda: [16, 32, 64, 128, 256, 512, 1024, 2048])
+    batch_buckets: list[int] = field(default_factory=lambda: [1, 2, 4, 8, 16, 32])
+    inductor_options: dict[str, Any] = field(default_factory=dict)
     fallbacks: list[str] = field(default_factory=list)
 
+    def __post_init__(self) -> None:
+        self.static = (self.compilation_mode, self.cudagraph_mode) != ("none", "none")
+        self.workspaces: dict[tuple, Workspace] = {}
+        self.graphs: dict[tuple, torch.cuda.CUDAGraph] = {}
+        self.graph_inputs: dict[tuple, tuple[torch.Tensor, torch.Tensor]] = {}
+        self.counts = {"cudagraph_captures": 0, "cudagraph_replays": 0}
+        self.plan_slots: int | None = None
+        self.plan_steps: int | None = None
+        self.kernel_launches_per_decode_step: int | None = None
+        self.prefill_forward, self.decode_forward = self._build_forwards()
+        self.started = _dynamo_snapshot()
+        self.measuring = self.started
+
+    # ------------------------------------------------------------ compilation
+
+    def _compile(self, function: Callable, tag: str, graphs: bool, fullgraph: bool, dynamic: bool | None) -> Callable:
+        options = dict(self.inductor_options, **{"triton.cudagraphs": graphs})
+        return torch.compile(_clone(function, tag), fullgraph=fullgraph, dynamic=dynamic, options=options)
+
+    def _pieces(self, tag: str, graphs: bool) -> Transformer:
+        view = copy.copy(self.transformer)
+        view.pre_attention = self._compile(pre_attention, f"{tag}_pre", graphs, True, False)
+        view.post_attention = self._compile(post_attention, f"{tag}_post", graphs, True, False)
+        view.head = self._compile(head, f"{tag}_head", graphs, True, False)
+        return view
+
+    def _build_forwards(self) -> tuple[Callable, Callable]:
+        compilation, graphs = self.compilation_mode, self.cudagraph_mode
+        if compilation == "none":
+            return self.transformer.forward, self.transformer.forward
+        if compilation == "piecewise":
+            prefill = self._pieces("prefill", graphs in PIECEWISE_PREFILL_MODES)
+            decode = self._pieces("decode", graphs == "piecewise")
+            return prefill.forward, decode.forward
+        fullgraph, dynamic = (True, False) if compilation == "trace-once" else (False, None)
+        compiled = self._compile(Transformer.forward, compilation.replace("-", "_"), False, fullgraph, dynamic)
+        forward = self._guarded(lambda *args: compiled(self.transformer, *args), self.transformer.forward)
+        return forward, forward
+
+    def _guarded(self, compiled: Callable, eager: Callable) -> Callable:
+        """Call `compiled`; if Dynamo or Inductor refuses the code, record a fallback and run `eager` from then on."""
+        state = {"function": compiled}
+
+        def call(*args):
+            try:
+                return state["function"](*args)
+            except (torch._dynamo.exc.Unsupported, torch._dynamo.exc.BackendCompilerFailed) as error:
+                if state["function"] is eager:
+                    raise
+                self.fallbacks.append(f"compilation_mode={self.compilation_mode} failed, ran eagerly: "
+                                      f"{str(error).splitlines()[0][:200]}")
+                state["function"] = eager
+                return eager(*args)
+
+        return call
+
+    # ------------------------------------------------------------ shapes and workspaces
+
+    def plan(self, max_prompt_length: int, max_steps: int) -> None:
+        """Fix the cache size and step count of every workspace of the run (static modes)."""
+        self.plan_slots = self.padded_length_for(max_prompt_length) + max_steps
+        self.plan_steps = max_steps
+
+    def padded_length_for(self, length: int) -> int:
+        return _bucket(length, self.prefill_buckets) if self.static else length
+
     def padded_length(self, prompts: list[list[int]]) -> int:
-        """Eager runs pad to the longest prompt of the batch (no buckets needed: nothing recompiles)."""
-        return max(len(ids) for ids in prompts)
+        return self.padded_length_for(max(len(ids) for ids in prompts))
+
+    def padded_batch(self, rows: int) -> int:
+        return _bucket(rows, self.batch_buckets) if self.static else rows
+
+    def workspace(self, batch: int, padded_length: int, steps: int, **options) -> Workspace:
+        """A fresh workspace (eager), or the run's one workspace for this batch bucket (static)."""
+        if not self.static:
+            return Workspace.allocate(self.transformer, batch, padded_length + steps, steps, **options)
+        slots = max(self.plan_slots or 0, padded_length + steps)
+        steps = max(self.plan_steps or 0, steps)
+        key = (batch, slots, steps, tuple(sorted(options.items())))
+        if key not in self.workspaces:
+            self.workspaces[key] = Workspace.allocate(self.transformer, batch, slots, steps, **options)
+        return self.workspaces[key]
+
+    # ------------------------------------------------------------ steps
+
+    def prefill(self, workspace: Workspace, tokens: torch.Tensor, positions: torch.Tensor) -> None:
+        if self.cudagraph_mode != "full":
+            prefill_step(self.prefill_forward, workspace, tokens, positions)
+            return
+        key = ("prefill", id(workspace), tokens.shape)
+        if key not in self.graphs:
+            self.graph_inputs[key] = (tokens.clone(), positions.clone())
+            static_tokens, static_positions = self.graph_inputs[key]
+            self._capture(key, workspace, lambda: prefill_step(self.prefill_forward, workspace,
+                                                                 static_tokens, static_positions))
+        static_tokens, static_positions = self.graph_inputs[key]
+        static_tokens.copy_(tokens)
+        static_positions.copy_(positions)
+        self._replay(key)
+
+    def decode(self, workspace: Workspace) -> None:
+        if self.cudagraph_mode not in FULL_DECODE_MODES:
+            decode_step(self.decode_forward, workspace)
+            return
+        key = ("decode", id(workspace))
+        if key not in self.graphs:
+            self._capture(key, workspace, lambda: decode_step(self.decode_forward, workspace))
+        self._replay(key)
+
+    def _capture(self, key: tuple, workspace: Workspace, step: Callable[[], None]) -> None:
+        """Warm up `step` on a side stream (compiles, autotunes), then capture it in a CUDA graph.
+
+        Warm-up runs mutate the workspace's step counter and token; they are restored afterwards,
+        so the captured graph starts from the state the caller left."""
+        saved = (workspace.step.clone(), workspace.token.clone())
+        stream = torch.cuda.Stream()
+        stream.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(stream):
+            for _ in range(2):
+                step()
+                workspace.step.copy_(saved[0])
+                workspace.token.copy_(saved[1])
+        torch.cuda.current_stream().wait_stream(stream)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            step()
+        self.graphs[key] = graph
+        self.counts["cudagraph_captures"] += 1
+
+    def _replay(self, key: tuple) -> None:
+        self.graphs[key].replay()
+        self.counts["cudagraph_replays"] += 1
+
+    # ------------------------------------------------------------ evidence
 
     def start_measuring(self) -> None:
-        """Called after warm-up: evidence counted from here on describes the measured run."""
+        """Called after warm-up: counts from here describe the measured run."""
+        self.measuring = _dynamo_snapshot()
+        self.counts = {"cudagraph_captures_warmup": self.counts["cudagraph_captures"], "cudagraph_captures": 0,
+                       "cudagraph_replays": 0}
+        if self.transformer.device.type == "cuda" and self.workspaces:
+            self.kernel_launches_per_decode_step = self._count_launches(next(iter(self.workspaces.values())))
+
+    def _count_launches(self, workspace: Workspace) -> int:
+        """Kernel launches (and graph launches) the host issues for one decode step (profiler)."""
+        from torch.profiler import ProfilerActivity, profile
+
+        torch.cuda.synchronize()
+        with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as profiler:
+            self.decode(workspace)
+            torch.cuda.synchronize()
+        names = ("cudaLaunchKernel", "cuLaunchKernel", "cudaLaunchKernelExC", "cuLaunchKernelEx", "cudaGraphLaunch")
+        return sum(1 for event in profiler.events() if event.name in names)
 
     def evidence(self) -> dict[str, Any]:
-        return {"compilation_mode": self.compilation_mode, "cudagraph_mode": self.cudagraph_mode,
-                "executed": "eager", "dynamo_graphs": 0, "graph_breaks": [], "recompiles": 0,
-                "cudagraph_captures": 0, "cudagraph_replays": 0, "fallbacks": list(self.fallbacks)}
+        now, start, measured = _dynamo_snapshot(), self.started, self.measuring
+        breaks = {reason.splitlines()[0][:200]: count - start["breaks"].get(reason, 0)
+                  for reason, count in now["breaks"].items() if count > start["breaks"].get(reason, 0)}
+        evidence = {
+            "compilation_mode": self.compilation_mode, "cudagraph_mode": self.cudagraph_mode,
+            "dynamo_graphs": now["graphs"] - start["graphs"], "frames_compiled": now["frames"] - start["frames"],
+            "graph_breaks": [{"reason": reason, "count": count} for reason, count in breaks.items()],
+            "recompiles_after_warmup": now["graphs"] - measured["graphs"],
+            "compile_s": now["compile_s"] - start["compile_s"],
+            "inductor_cudagraph_skips": now["cudagraph_skips"] - start["cudagraph_skips"],
+            **self.counts, "kernel_launches_per_decode_step": self.kernel_launches_per_decode_step,
+            "prefill_buckets": self.prefill_buckets if self.static else None,
+            "batch_buckets": self.batch_buckets if self.static else None,
+        }
+        evidence["fallbacks"] = self.fallbacks + find_fallbacks(evidence)
+        return evidence
+
+
+def find_fallbacks(evidence: dict[str, Any]) -> list[str]:
+    """Compare what the mode implies with what happened; each mismatch is a fallback (one line each)."""
+    found = []
+    compilation, graphs = evidence["compilation_mode"], evidence["cudagraph_mode"]
+    if compilation != "none" and evidence["dynamo_graphs"] == 0:
+        found.append(f"compilation_mode={compilation} but dynamo compiled no graph: everything ran eagerly")
+    for entry in evidence["graph_breaks"]:
+        found.append(f"graph break ({entry['count']}x): {entry['reason']}")
+    if compilation == "trace-once" and evidence["recompiles_after_warmup"]:
+        found.append(f"trace-once recompiled {evidence['recompiles_after_warmup']}x after warm-up")
+    if graphs in FULL_DECODE_MODES and evidence["cudagraph_replays"] == 0:
+        found.append(f"cudagraph_mode={graphs} but no CUDA graph was replayed")
+    if graphs in ("piecewise",) + PIECEWISE_PREFILL_MODES and evidence["inductor_cudagraph_skips"]:
+        found.append(f"Inductor skipped CUDA graphs {evidence['inductor_cudagraph_skips']}x (piecewise pieces ran without graphs)")
+    return found
+
+
+def eager_mode(transformer: Transformer) -> ExecutionMode:
+    return ExecutionMode(transformer)
 
 
 def build_execution_mode(transformer: Transformer, effective: dict[str, Any]) -> ExecutionMode:
+    """The execution mode an effective config asks for; ConfigError when it cannot exist here."""
     compilation, graphs = effective["compilation_mode"], effective["cudagraph_mode"]
-    if compilation not in AVAILABLE_COMPILATION_MODES or graphs not in AVAILABLE_CUDAGRAPH_MODES:
-        raise ConfigError(
-            f"compilation_mode={compilation} / cudagraph_mode={graphs} is not available yet; "
-            "use -O0 (or --compilation-mode none --cudagraph-mode none)")
-    return ExecutionMode(transformer, transformer.forward, compilation, graphs)
+    if graphs != "none" and transformer.device.type != "cuda":
+        raise ConfigError(f"cudagraph_mode={graphs} needs a GPU; on CPU use --cudagraph-mode none")
+    if graphs in ("piecewise",) + PIECEWISE_PREFILL_MODES and compilation != "piecewise":
+        raise ConfigError(f"cudagraph_mode={graphs} wraps compiled pieces and needs --compilation-mode piecewise; "
+                          "use it, or --cudagraph-mode full / full-decode-only / none")
+    if compilation != "none":
+        torch._dynamo.reset()  # Dynamo's caches are not keyed on Inductor config: never reuse another config's
+    return ExecutionMode(transformer, compilation, graphs, list(effective["prefill_buckets"]),
+                         list(effective["batch_buckets"]), {k: effective[k] for k in INDUCTOR_KNOBS})

@@ -1,0 +1,120 @@
+"""Execution modes on CPU: every compilation mode with real torch.compile, evidence, fallbacks."""
+
+import json
+
+import pytest
+
+from evalrun.config import RunConfig, build_config
+from evalrun.engine.modes import _bucket
+
+MODES = ["stock", "trace-once", "piecewise"]
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_each_compilation_mode_repeats_bit_for_bit_with_evidence(cli, tiny_args, mode):
+    runs = []
+    for _ in range(2):
+        code, out, err = cli("run", *tiny_args, "--compilation-mode", mode, "--json", "--quiet")
+        assert code == 0, err
+        runs.append(json.loads(out))
+    assert runs[0]["logits_digest"] == runs[1]["logits_digest"]
+    evidence = runs[0]["evidence"]
+    assert evidence["compilation_mode"] == mode and evidence["dynamo_graphs"] > 0
+    assert evidence["fallbacks"] == [] and evidence["recompiles_after_warmup"] == 0
+    assert evidence["prefill_buckets"] and runs[0]["timings"]["compile_s"] > 0
+
+
+@pytest.fixture(scope="module")
+def o0_golden(tmp_path_factory):
+    from evalrun.cli import main
+
+    directory = tmp_path_factory.mktemp("modes-golden")
+    with pytest.raises(SystemExit) as exit:
+        main(["golden", "create", "o0", "--model", "random:tiny", "--prompts", "smoke", "--max-new-tokens", "6",
+              "-O0", "--dir", str(directory), "--quiet"])
+    assert exit.value.code == 0
+    return directory
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_o0_golden_under_each_compilation_mode_is_never_changed(cli, o0_golden, mode):
+    code, out, err = cli("golden", "verify", "o0", "--dir", str(o0_golden), "--compilation-mode", mode,
+                         "--quiet", "--format", "json")
+    verdict = json.loads(out)
+    assert code == 0, err
+    assert verdict["verdict"] in ("identical", "drift")
+    assert verdict["candidate_config"]["compilation_mode"] == mode
+
+
+def test_a_graph_break_is_a_reported_fallback_and_fails_strict(cli, tiny_args, monkeypatch):
+    import torch
+
+    from evalrun.engine import transformer
+
+    original = transformer.head
+
+    def head_with_break(last, norm, lm_head, eps):
+        torch._dynamo.graph_break()
+        return original(last, norm, lm_head, eps)
+
+    monkeypatch.setattr(transformer, "head", head_with_break)
+    monkeypatch.setattr(transformer.Transformer, "__init__", _patched_init(transformer.Transformer.__init__, head_with_break))
+    code, out, err = cli("run", *tiny_args, "--compilation-mode", "stock", "--json", "--quiet")
+    evidence = json.loads(out)["evidence"]
+    assert code == 0 and evidence["graph_breaks"]
+    assert any(f.startswith("graph break") for f in evidence["fallbacks"])
+    code, out, err = cli("run", *tiny_args, "--compilation-mode", "stock", "--strict-config", "--quiet")
+    assert code == 2 and "fell back" in err and "graph break" in err
+    assert "FALLBACKS" in out
+
+
+def _patched_init(init, head_function):
+    def patched(self, *args, **kwargs):
+        init(self, *args, **kwargs)
+        self.head = head_function
+    return patched
+
+
+def test_cuda_graph_modes_need_a_gpu_and_piecewise_graphs_need_piecewise(cli, tiny_args):
+    code, _, err = cli("run", *tiny_args, "--cudagraph-mode", "piecewise")
+    assert code == 2 and "needs a GPU" in err
+
+
+def test_piecewise_graphs_need_piecewise_compilation():
+    import torch
+
+    from evalrun.engine.modes import build_execution_mode
+    from evalrun.errors import ConfigError
+
+    class FakeTransformer:
+        device = torch.device("cuda")
+
+    effective = {"compilation_mode": "stock", "cudagraph_mode": "piecewise", "prefill_buckets": [8],
+                 "batch_buckets": [1], "max_autotune": False, "coordinate_descent_tuning": False,
+                 "epilogue_fusion": True, "emulate_precision_casts": False}
+    with pytest.raises(ConfigError, match="needs --compilation-mode piecewise"):
+        build_execution_mode(FakeTransformer(), effective)
+
+
+@pytest.mark.parametrize("value,buckets,expected", [(5, [4, 8, 16], 8), (16, [4, 8, 16], 16), (17, [4, 8, 16], 32),
+                                                    (1, [1, 2], 1)])
+def test_buckets(value, buckets, expected):
+    assert _bucket(value, buckets) == expected
+
+
+def test_o2_fingerprint_lists_every_numerics_knob(cli):
+    code, out, _ = cli("fingerprint", "--model", "random:tiny", "--prompts", "smoke", "-O2", "--json")
+    config = json.loads(out)["config"]
+    for key in ("max_autotune", "coordinate_descent_tuning", "epilogue_fusion", "emulate_precision_casts", "tf32",
+                "deterministic", "attn_implementation", "prefill_buckets", "batch_buckets"):
+        assert key in config
+    assert config["compilation_mode"] == "piecewise"
+
+
+def test_static_workspaces_keep_each_batch_result(cli, tiny_args):
+    """Workspaces are reused batch after batch: results must be copies, not views of the buffers."""
+    eager = json.loads(cli("run", *tiny_args, "--json", "--quiet")[1])
+    code, out, err = cli("run", *tiny_args, "--compilation-mode", "trace-once", "--json", "--quiet")
+    compiled = json.loads(out)
+    assert code == 0, err
+    assert [r["tokens"] for r in compiled["results"]] == [r["tokens"] for r in eager["results"]]
