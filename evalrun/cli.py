@@ -393,6 +393,57 @@ def diff(run_a, run_b, store_path, golden_dir, prompt_ids, output_format, plot_p
         diff_report.plot(result, plot_path)
 
 
+@cli.command()
+@click.option("--model", help="Model reference (default smollm2-135m).")
+@click.option("--prompts", metavar="FILE.jsonl", help="Prompt set.")
+@click.option("--dtype", metavar="T", help="float32|bfloat16|float16.")
+@click.option("--device", metavar="D", help="auto|cpu|cuda[:N].")
+@click.option("--max-new-tokens", type=int, help="Tokens per prompt.")
+@click.option("--batch-size", type=int, help="Prompts per batch.")
+@click.option("--matrix", "matrix_names", metavar="NAMES", default=None,
+              help="Comma-separated configs: -O0..-O3, none, stock, trace-once, piecewise "
+                   "(default: -O0..-O3 on GPU, the compilation modes on CPU).")
+@click.option("--no-baselines", is_flag=True, help="Skip transformers' generate baselines.")
+@click.option("--json", "as_json", is_flag=True, help="Machine-readable output on stdout.")
+@handle_errors
+def bench(model, prompts, dtype, device, max_new_tokens, batch_size, matrix_names, no_baselines, as_json) -> None:
+    """Measure a matrix of configurations side by side, each in a fresh process, with transformers baselines.
+
+    \b
+    Example:
+      evalrun bench --model random:llama3-8b --dtype bfloat16 --max-new-tokens 128 --prompts smoke
+    """
+    import torch
+
+    from .bench import CPU_MATRIX, GPU_MATRIX, run_matrix, table_rows
+
+    common = []
+    for flag, value in (("--model", model), ("--prompts", prompts), ("--dtype", dtype), ("--device", device),
+                        ("--max-new-tokens", max_new_tokens), ("--batch-size", batch_size)):
+        if value is not None:
+            common += [flag, str(value)]
+    on_gpu = (device or "auto") != "cpu" and torch.cuda.is_available()
+    matrix = GPU_MATRIX if on_gpu else CPU_MATRIX
+    if matrix_names:
+        known = {name: options for name, options in GPU_MATRIX + CPU_MATRIX}
+        known.update({"none": ["--compilation-mode", "none"], "O0": ["-O0"], "O1": ["-O1"], "O2": ["-O2"], "O3": ["-O3"]})
+        unknown = [n for n in matrix_names.split(",") if n not in known]
+        if unknown:
+            raise Failure(f"evalrun: error: unknown bench config {unknown[0]!r}; use {', '.join(sorted(known))}", 2)
+        matrix = [(name, known[name]) for name in matrix_names.split(",")]
+    rows = table_rows(run_matrix(common, matrix, not no_baselines,
+                                 lambda name: click.echo(f"bench: {name}", err=True)))
+    if as_json:
+        click.echo(report.to_json(rows))
+        return
+    headers = ["config", "compile s", "peak GiB", "TTFT ms", "first req ms", "tok/s", "p50 ms", "p95 ms", "p99 ms",
+               "identical to first", "launches/step", "fallbacks / error"]
+    keys = ["config", "compile_s", "peak_memory_gib", "ttft_ms", "first_request_ms", "tokens_per_s", "p50_ms",
+            "p95_ms", "p99_ms", "identical_to_first", "kernel_launches_per_decode_step"]
+    click.echo(report.table(headers, [[row.get(k) for k in keys] + ["; ".join(row.get("fallbacks") or [])
+                                                                    or row.get("error") or ""] for row in rows]))
+
+
 def _decoder(run):
     """Decode token ids with the run's tokenizer when it loads quickly; ids as text otherwise."""
     from .models import load_tokenizer_for

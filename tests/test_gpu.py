@@ -48,3 +48,24 @@ def test_cli_run_on_cuda_twice_is_identical(cli, tiny_args):
     assert first["config"]["device"] == "cuda" and first["config"]["dtype"] == "bfloat16"
     assert first["logits_digest"] == second["logits_digest"]
     assert first["timings"]["peak_memory"]["kind"] == "cuda_max_allocated"
+
+
+COMBINATIONS = [(c, g) for c in ("none", "stock", "trace-once", "piecewise")
+                for g in ("none", "piecewise", "full", "full-decode-only", "full-and-piecewise")
+                if c == "piecewise" or g not in ("piecewise", "full-and-piecewise")]
+
+
+@pytest.mark.parametrize("compilation,graphs", COMBINATIONS)
+def test_every_mode_combination_repeats_bit_for_bit_on_cuda(cli, tiny_args, compilation, graphs):
+    options = ["--device", "cuda", "--compilation-mode", compilation, "--cudagraph-mode", graphs, "--json", "--quiet"]
+    runs = []
+    for _ in range(2):
+        code, out, err = cli("run", *tiny_args, *options)
+        assert code == 0, err
+        runs.append(json.loads(out))
+    assert runs[0]["logits_digest"] == runs[1]["logits_digest"]
+    evidence = runs[0]["evidence"]
+    assert evidence["fallbacks"] == [], evidence["fallbacks"]
+    if graphs in ("full", "full-decode-only", "full-and-piecewise"):
+        assert evidence["cudagraph_replays"] > 0
+    assert evidence["kernel_launches_per_decode_step"] is not None

@@ -75,6 +75,7 @@ class ExecutionMode:
 
     def __post_init__(self) -> None:
         self.static = (self.compilation_mode, self.cudagraph_mode) != ("none", "none")
+        self.inductor_graphs = self.cudagraph_mode in PIECEWISE_PREFILL_MODES
         self.workspaces: dict[tuple, Workspace] = {}
         self.graphs: dict[tuple, torch.cuda.CUDAGraph] = {}
         self.graph_inputs: dict[tuple, tuple[torch.Tensor, torch.Tensor]] = {}
@@ -158,7 +159,13 @@ class ExecutionMode:
 
     # ------------------------------------------------------------ steps
 
+    def _new_step(self) -> None:
+        """Inductor's CUDA graph trees need to know where a step starts (outputs of the last one may be reused)."""
+        if self.inductor_graphs:
+            torch.compiler.cudagraph_mark_step_begin()
+
     def prefill(self, workspace: Workspace, tokens: torch.Tensor, positions: torch.Tensor) -> None:
+        self._new_step()
         if self.cudagraph_mode != "full":
             prefill_step(self.prefill_forward, workspace, tokens, positions)
             return
@@ -174,6 +181,7 @@ class ExecutionMode:
         self._replay(key)
 
     def decode(self, workspace: Workspace) -> None:
+        self._new_step()
         if self.cudagraph_mode not in FULL_DECODE_MODES:
             decode_step(self.decode_forward, workspace)
             return

@@ -1,0 +1,12 @@
+# On the H200 (after `source benchmarks/gpu_env.sh`): the issue-4 acceptance runs on SmolLM2 in bf16.
+# golden at O0; verify at O1, O2, O3 and with TF32; then a perturbed copy of the model -> changed.
+set -u
+OUT=${OUT:-/tmp/out}
+G=/root/golden-gpu
+evalrun golden create smollm2-gpu --dtype bfloat16 --device cuda -O0 --dir $G --quiet --force --json > $OUT/create.json
+for variant in "-O1" "-O2" "-O3" "-O0 --set tf32=true"; do
+  name=$(echo "$variant" | tr -cd 'A-Za-z0-9')
+  /usr/bin/time -f "%e s wall" python3 -m evalrun golden verify smollm2-gpu --dir $G $variant --quiet --format json \
+    > $OUT/verify-$name.json 2>> $OUT/verify-times.txt
+  echo "verify $variant: exit $?" >> $OUT/verify-times.txt
+done

@@ -1,0 +1,83 @@
+"""`evalrun bench`: a matrix of configurations, each in a fresh process, measured side by side.
+
+Each configuration is one `evalrun run --json` subprocess (so no config reuses another's compiled
+artefacts); transformers' own `generate` (eager, and static cache + torch.compile) runs on the same
+model and prompts through `evalrun.hf_baseline`, also in fresh processes. One table comes out:
+compile time, peak memory, time to first token, tokens/s with p50/p95/p99 step latency, and whether
+the run's logits are bit-identical to the first (the -O0) run.
+"""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+import tempfile
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Callable
+
+from .errors import EvalrunError
+
+GPU_MATRIX = [("-O0", ["-O0"]), ("-O1", ["-O1"]), ("-O2", ["-O2"]), ("-O3", ["-O3"])]
+CPU_MATRIX = [("-O0", ["-O0"]), ("stock", ["--compilation-mode", "stock"]),
+              ("trace-once", ["--compilation-mode", "trace-once"]), ("piecewise", ["--compilation-mode", "piecewise"])]
+BASELINES = ("eager", "static-compile")
+
+
+@dataclass
+class BenchRow:
+    name: str
+    result: dict[str, Any] | None
+    error: str | None = None
+
+
+def _child(arguments: list[str], timeout: float) -> tuple[dict[str, Any] | None, str | None]:
+    process = subprocess.run([sys.executable, "-m", *arguments], capture_output=True, text=True, timeout=timeout)
+    if process.returncode != 0:
+        lines = process.stderr.strip().splitlines()
+        return None, lines[-1] if lines else f"exit {process.returncode}"
+    return json.loads(process.stdout), None
+
+
+def run_matrix(common: list[str], matrix: list[tuple[str, list[str]]], baselines: bool, on_start: Callable[[str], None],
+               timeout: float = 3600) -> list[BenchRow]:
+    """Run every configuration and baseline in its own process; failures become rows with an error."""
+    rows = []
+    with tempfile.TemporaryDirectory() as directory:
+        store = str(Path(directory) / "bench.db")
+        for name, options in matrix:
+            on_start(name)
+            result, error = _child(["evalrun", "run", "--json", "--quiet", "--store", store, *common, *options], timeout)
+            rows.append(BenchRow(name, result, error))
+        for kind in BASELINES if baselines else ():
+            on_start(f"transformers {kind}")
+            result, error = _child(["evalrun.hf_baseline", "--kind", kind, *common], timeout)
+            rows.append(BenchRow(f"transformers {kind}", result, error))
+    return rows
+
+
+def table_rows(rows: list[BenchRow]) -> list[dict[str, Any]]:
+    """One dict per row with the figures of the table; `identical_to_first` against the first evalrun row."""
+    reference = next((r.result for r in rows if r.result and "logits_digest" in r.result), None)
+    table = []
+    for row in rows:
+        entry: dict[str, Any] = {"config": row.name, "error": row.error}
+        if row.result:
+            timings = row.result["timings"]
+            latency = timings["step_latency"]
+            entry.update(compile_s=timings.get("compile_s"), peak_memory_gib=timings["peak_memory"]["bytes"] / 2**30,
+                         ttft_ms=timings["ttft_ms"]["p50"], first_request_ms=timings["ttft_ms"]["first_request"],
+                         tokens_per_s=timings["tokens_per_s"], p50_ms=latency["p50_ms"], p95_ms=latency["p95_ms"],
+                         p99_ms=latency["p99_ms"])
+            if "logits_digest" in row.result and reference:
+                entry["identical_to_first"] = row.result["logits_digest"] == reference["logits_digest"]
+                entry["fallbacks"] = row.result["evidence"]["fallbacks"]
+                entry["kernel_launches_per_decode_step"] = row.result["evidence"].get("kernel_launches_per_decode_step")
+        table.append(entry)
+    return table
+
+
+def check_options(options: list[str]) -> None:
+    if any(option in ("--store", "--json") for option in options):
+        raise EvalrunError("bench chooses --store and --json itself; drop them")

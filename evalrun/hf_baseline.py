@@ -1,0 +1,80 @@
+"""Baseline: transformers' own `generate` on the same model and prompts, for `evalrun bench`.
+
+  python -m evalrun.hf_baseline --kind eager|static-compile [RUN OPTIONS subset]
+
+`eager` is plain greedy `generate` with its dynamic cache; `static-compile` uses
+`cache_implementation="static"` with the forward compiled by torch.compile (mode reduce-overhead,
+fullgraph), the recipe transformers documents for fast generation. Batch 1, one prompt at a time,
+exactly --max-new-tokens each. Prints the same timing JSON shape as `evalrun run --json`.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import time
+
+import numpy as np
+import torch
+
+from .config import build_config
+from .engine.timing import latency_summary, peak_memory_bytes, reset_peak_memory
+from .models import load_model
+from .prompts import load_prompt_set
+from .runner import effective_config
+
+
+def _synchronize(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def _generate(model, ids: list[int], new_tokens: int, kind: str, device: torch.device) -> float:
+    inputs = torch.tensor([ids], device=device)
+    options = {"cache_implementation": "static"} if kind == "static-compile" else {}
+    _synchronize(device)
+    started = time.perf_counter()
+    model.generate(inputs, attention_mask=torch.ones_like(inputs), max_new_tokens=new_tokens,
+                   min_new_tokens=new_tokens, do_sample=False, **options)
+    _synchronize(device)
+    return time.perf_counter() - started
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__)
+    parser.add_argument("--kind", choices=("eager", "static-compile"), required=True)
+    for name in ("--model", "--prompts", "--dtype", "--device", "--max-new-tokens", "-O", "--batch-size",
+                 "--compilation-mode", "--cudagraph-mode"):
+        parser.add_argument(name)
+    args = parser.parse_args()
+    flags = {"model": args.model, "prompts": args.prompts, "dtype": args.dtype, "device": args.device,
+             "max_new_tokens": args.max_new_tokens}
+    effective = effective_config(build_config(flags=flags))
+    device = torch.device(effective["device"])
+    loaded = load_model(effective["model"], effective["device"], effective["dtype"])
+    model = loaded.model
+    model.generation_config.pad_token_id = loaded.tokenizer.pad_token_id or loaded.tokenizer.eos_token_id
+    started = time.perf_counter()
+    if args.kind == "static-compile":
+        model.forward = torch.compile(model.forward, mode="reduce-overhead", fullgraph=True)
+    prompts = load_prompt_set(effective["prompts"], loaded.tokenizer)
+    steps = effective["max_new_tokens"]
+    first_ids = prompts.token_ids[0]
+    first_request = _generate(model, first_ids, 1, args.kind, device)
+    for _ in range(2):  # warm-up: compile and capture
+        _generate(model, first_ids, steps, args.kind, device)
+    compile_s = time.perf_counter() - started
+    reset_peak_memory(device)
+    ttft, totals = [], []
+    for ids in prompts.token_ids:
+        ttft.append(_generate(model, ids, 1, args.kind, device))
+        totals.append(_generate(model, ids, steps, args.kind, device))
+    decode_ms = [(total - first) / max(1, steps - 1) * 1000 for total, first in zip(totals, ttft)]
+    print(json.dumps({"timings": {
+        "compile_s": compile_s, "ttft_ms": {"p50": float(np.median(ttft)) * 1000, "first_request": first_request * 1000},
+        "tokens_per_s": steps * len(totals) / sum(totals), "step_latency": latency_summary(np.array(decode_ms)),
+        "peak_memory": peak_memory_bytes(device)}}))
+
+
+if __name__ == "__main__":
+    main()
