@@ -10,3 +10,16 @@ for variant in "-O1" "-O2" "-O3" "-O0 --set tf32=true"; do
     > $OUT/verify-$name.json 2>> $OUT/verify-times.txt
   echo "verify $variant: exit $?" >> $OUT/verify-times.txt
 done
+python3 - <<'PY'
+import shutil
+from safetensors.torch import load_file, save_file
+from evalrun.models import converted_gguf_dir, smollm2_gguf_path
+source, target = converted_gguf_dir(smollm2_gguf_path()), "/root/perturbed"
+shutil.copytree(source, target, dirs_exist_ok=True)
+state = load_file(f"{target}/model.safetensors")
+state["model.layers.3.mlp.down_proj.weight"].mul_(1.001)
+save_file(state, f"{target}/model.safetensors", metadata={"format": "pt"})
+PY
+python3 -m evalrun golden verify smollm2-gpu --dir $G --model /root/perturbed --quiet --format json > $OUT/verify-perturbed.json
+echo "verify perturbed: exit $?" >> $OUT/verify-times.txt
+/usr/bin/time -f "%e s wall (plain run -O0)" python3 -m evalrun run --dtype bfloat16 --device cuda -O0 --quiet --store /root/s.db > /dev/null 2>> $OUT/verify-times.txt
