@@ -3,7 +3,7 @@
 set -u
 OUT=${OUT:-/tmp/out}
 G=/root/golden-gpu
-evalrun golden create smollm2-gpu --dtype bfloat16 --device cuda -O0 --dir $G --quiet --force --json > $OUT/create.json
+python3 -m evalrun golden create smollm2-gpu --dtype bfloat16 --device cuda -O0 --dir $G --quiet --force --json > $OUT/create.json
 for variant in "-O1" "-O2" "-O3" "-O0 --set tf32=true"; do
   name=$(echo "$variant" | tr -cd 'A-Za-z0-9')
   /usr/bin/time -f "%e s wall" python3 -m evalrun golden verify smollm2-gpu --dir $G $variant --quiet --format json \

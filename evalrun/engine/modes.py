@@ -80,6 +80,7 @@ class ExecutionMode:
         self.graphs: dict[tuple, torch.cuda.CUDAGraph] = {}
         self.graph_inputs: dict[tuple, tuple[torch.Tensor, torch.Tensor]] = {}
         self.counts = {"cudagraph_captures": 0, "cudagraph_replays": 0}
+        self.last_workspace: Workspace | None = None
         self.plan_slots: int | None = None
         self.plan_steps: int | None = None
         self.kernel_launches_per_decode_step: int | None = None
@@ -149,7 +150,8 @@ class ExecutionMode:
     def workspace(self, batch: int, padded_length: int, steps: int, **options) -> Workspace:
         """A fresh workspace (eager), or the run's one workspace for this batch bucket (static)."""
         if not self.static:
-            return Workspace.allocate(self.transformer, batch, padded_length + steps, steps, **options)
+            self.last_workspace = Workspace.allocate(self.transformer, batch, padded_length + steps, steps, **options)
+            return self.last_workspace
         slots = max(self.plan_slots or 0, padded_length + steps)
         steps = max(self.plan_steps or 0, steps)
         key = (batch, slots, steps, tuple(sorted(options.items())))
@@ -221,13 +223,15 @@ class ExecutionMode:
         self.measuring = _dynamo_snapshot()
         self.counts = {"cudagraph_captures_warmup": self.counts["cudagraph_captures"], "cudagraph_captures": 0,
                        "cudagraph_replays": 0}
-        if self.transformer.device.type == "cuda" and self.workspaces:
-            self.kernel_launches_per_decode_step = self._count_launches(next(iter(self.workspaces.values())))
+        workspace = next(iter(self.workspaces.values()), self.last_workspace)
+        if self.transformer.device.type == "cuda" and workspace is not None:
+            self.kernel_launches_per_decode_step = self._count_launches(workspace)
 
     def _count_launches(self, workspace: Workspace) -> int:
         """Kernel launches (and graph launches) the host issues for one decode step (profiler)."""
         from torch.profiler import ProfilerActivity, profile
 
+        workspace.step.fill_(1)  # a finished workspace points past its last step; the next prefill resets it
         torch.cuda.synchronize()
         with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as profiler:
             self.decode(workspace)
