@@ -16,6 +16,7 @@ import statistics
 import torch
 
 from evalrun.engine.generate import CaptureBuffers, capture_step, generate_batch
+from evalrun.engine.modes import ExecutionMode
 from evalrun.engine.timing import StepClock
 from evalrun.engine.transformer import Transformer
 from evalrun.models import load_model
@@ -23,8 +24,8 @@ from evalrun.models import load_model
 PROMPT = "Benchmarks measure what a change costs, side by side, in one process, on one machine."
 
 
-def decode_ms(model: Transformer, prompts: list[list[int]], steps: int, capture: bool) -> float:
-    output = generate_batch(model, prompts, steps, pad_id=0, capture=capture)
+def decode_ms(model: Transformer, prompts: list[list[int]], steps: int, capture: bool, mode=None) -> float:
+    output = generate_batch(model, prompts, steps, pad_id=0, capture=capture, mode=mode)
     return float(output.step_ms[1:].sum())
 
 
@@ -56,22 +57,26 @@ def main() -> None:
     parser.add_argument("--batch-size", type=int, default=1)
     parser.add_argument("--max-new-tokens", type=int, default=128)
     parser.add_argument("--repeats", type=int, default=5)
+    parser.add_argument("--cudagraph", action="store_true",
+                        help="Replay each decode step as one CUDA graph (eager kernels inside): on a GPU this takes the "
+                             "host's launch jitter out of the A/B, which otherwise exceeds the capture's cost.")
     args = parser.parse_args()
     dtype = args.dtype or ("bfloat16" if args.device.startswith("cuda") else "float32")
     loaded = load_model(args.model, args.device, dtype)
     model = Transformer(loaded.model)
     prompts = [loaded.tokenizer(PROMPT)["input_ids"]] * args.batch_size
+    mode = ExecutionMode(model, "none", "full-decode-only") if args.cudagraph else None
     for capture in (True, False):  # warm-up: allocator, kernels selection, caches
-        decode_ms(model, prompts, args.max_new_tokens, capture)
+        decode_ms(model, prompts, args.max_new_tokens, capture, mode)
     on, off = [], []
     for _ in range(args.repeats):  # alternate so drift in clocks or load hits both alike
-        on.append(decode_ms(model, prompts, args.max_new_tokens, True))
-        off.append(decode_ms(model, prompts, args.max_new_tokens, False))
+        on.append(decode_ms(model, prompts, args.max_new_tokens, True, mode))
+        off.append(decode_ms(model, prompts, args.max_new_tokens, False, mode))
     ratio = statistics.median(on) / statistics.median(off)
     capture_ms = isolated_capture_ms(model, args.batch_size, args.max_new_tokens)
     step_ms = statistics.median(off) / (args.max_new_tokens - 1)
     result = {"model": args.model, "device": args.device, "dtype": dtype, "batch_size": args.batch_size,
-              "max_new_tokens": args.max_new_tokens, "repeats": args.repeats,
+              "max_new_tokens": args.max_new_tokens, "repeats": args.repeats, "cudagraph": args.cudagraph,
               "gpu": torch.cuda.get_device_name() if args.device.startswith("cuda") else None,
               "decode_ms_with_capture": statistics.median(on), "decode_ms_without_capture": statistics.median(off),
               "ratio": ratio, "capture_overhead_percent": (ratio - 1) * 100,

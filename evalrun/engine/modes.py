@@ -219,13 +219,16 @@ class ExecutionMode:
     # ------------------------------------------------------------ evidence
 
     def start_measuring(self) -> None:
-        """Called after warm-up: counts from here describe the measured run."""
-        self.measuring = _dynamo_snapshot()
-        self.counts = {"cudagraph_captures_warmup": self.counts["cudagraph_captures"], "cudagraph_captures": 0,
-                       "cudagraph_replays": 0}
+        """Called after warm-up: counts from here describe the measured run.
+
+        The launch count runs one decode step under the profiler first; the profiler changes global
+        state that Dynamo guards on, so any compile it causes belongs to warm-up, not to the run."""
         workspace = next(iter(self.workspaces.values()), self.last_workspace)
         if self.transformer.device.type == "cuda" and workspace is not None:
             self.kernel_launches_per_decode_step = self._count_launches(workspace)
+        self.measuring = _dynamo_snapshot()
+        self.counts = {"cudagraph_captures_warmup": self.counts["cudagraph_captures"], "cudagraph_captures": 0,
+                       "cudagraph_replays": 0}
 
     def _count_launches(self, workspace: Workspace) -> int:
         """Kernel launches (and graph launches) the host issues for one decode step (profiler)."""
