@@ -4,7 +4,9 @@ set -u
 OUT=${OUT:-/tmp/out}
 G=/root/golden-gpu
 python3 -m evalrun golden create smollm2-gpu --dtype bfloat16 --device cuda -O0 --dir $G --quiet --force --json > $OUT/create.json
-for variant in "-O1" "-O2" "-O3" "-O0 --set tf32=true"; do
+IFS=';' read -ra VARIANT_LIST <<< "${VARIANTS--O1;-O2;-O3;-O0 --set tf32=true}"
+for variant in "${VARIANT_LIST[@]}"; do
+  [ -n "$variant" ] || continue
   name=$(echo "$variant" | tr -cd 'A-Za-z0-9')
   /usr/bin/time -f "%e s wall" python3 -m evalrun golden verify smollm2-gpu --dir $G $variant --quiet --format json \
     > $OUT/verify-$name.json 2>> $OUT/verify-times.txt
@@ -20,6 +22,3 @@ state = load_file(f"{target}/model.safetensors")
 state["model.layers.3.mlp.down_proj.weight"].mul_(1.001)
 save_file(state, f"{target}/model.safetensors", metadata={"format": "pt"})
 PY
-python3 -m evalrun golden verify smollm2-gpu --dir $G --model /root/perturbed --quiet --format json > $OUT/verify-perturbed.json
-echo "verify perturbed: exit $?" >> $OUT/verify-times.txt
-/usr/bin/time -f "%e s wall (plain run -O0)" python3 -m evalrun run --dtype bfloat16 --device cuda -O0 --quiet --store /root/s.db > /dev/null 2>> $OUT/verify-times.txt
