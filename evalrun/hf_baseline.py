@@ -3,8 +3,9 @@
   python -m evalrun.hf_baseline --kind eager|static-compile [RUN OPTIONS subset]
 
 `eager` is plain greedy `generate` with its dynamic cache; `static-compile` uses
-`cache_implementation="static"` with the forward compiled by torch.compile (mode reduce-overhead,
-fullgraph), the recipe transformers documents for fast generation. Batch 1, one prompt at a time,
+`cache_implementation="static"`, for which `generate` compiles the decoding forward itself (its
+`compile_config`). Compiling `model.forward` by hand with mode reduce-overhead broke on the H200
+(CUDA-graph outputs overwritten between generate's steps), so the built-in path is the baseline. Batch 1, one prompt at a time,
 exactly --max-new-tokens each. Prints the same timing JSON shape as `evalrun run --json`.
 """
 
@@ -55,8 +56,6 @@ def main() -> None:
     model = loaded.model
     model.generation_config.pad_token_id = loaded.tokenizer.pad_token_id or loaded.tokenizer.eos_token_id
     started = time.perf_counter()
-    if args.kind == "static-compile":
-        model.forward = torch.compile(model.forward, mode="reduce-overhead", fullgraph=True)
     prompts = load_prompt_set(effective["prompts"], loaded.tokenizer)
     steps = effective["max_new_tokens"]
     first_ids = prompts.token_ids[0]
