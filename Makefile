@@ -19,12 +19,14 @@ $(STAMP): pyproject.toml Makefile
 
 demo: setup
 	$(BIN)/evalrun run
+	$(BIN)/evalrun golden verify smollm2-cpu
 
 test: setup
 	$(BIN)/python -m pytest -n 2 -q
 
 bench: setup
-	$(BIN)/python benchmarks/capture_overhead.py
+	$(BIN)/python benchmarks/capture_overhead.py --model random:smollm2
+	$(BIN)/python benchmarks/diff_speed.py
 
 clean:
 	rm -rf $(VENV)
