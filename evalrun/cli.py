@@ -52,11 +52,19 @@ def run_options(command: Callable) -> Callable:
     return command
 
 
-def config_from(kwargs: dict[str, Any]):
+json_option = click.option("--json", "as_json", is_flag=True, help="Machine-readable output on stdout.")
+
+
+def run_flags(kwargs: dict[str, Any]) -> tuple[str | None, dict[str, Any], tuple[str, ...]]:
+    """Pop the RUN OPTIONS out of a command's kwargs: (config source, explicit flags, --set items)."""
     flags = {name: kwargs.pop(name, None) for name in RUN_FLAG_NAMES}
     if flags["opt_level"] is not None:
         flags["opt_level"] = parse_opt_level(flags["opt_level"])
-    return build_config(kwargs.pop("config_source", None), flags, kwargs.pop("sets", ()))
+    return kwargs.pop("config_source", None), flags, kwargs.pop("sets", ())
+
+
+def config_from(kwargs: dict[str, Any]):
+    return build_config(*run_flags(kwargs))
 
 
 def progress_factory(quiet: bool):
@@ -123,7 +131,7 @@ def cli() -> None:
 @run_options
 @store_option
 @click.option("--label", help="A note stored with the run.")
-@click.option("--json", "as_json", is_flag=True, help="Machine-readable output on stdout.")
+@json_option
 @click.option("--quiet", "-q", is_flag=True, help="No progress bar.")
 @handle_errors
 def run(store_path, label, as_json, quiet, **kwargs) -> None:
@@ -150,7 +158,7 @@ def run(store_path, label, as_json, quiet, **kwargs) -> None:
 
 @cli.command()
 @run_options
-@click.option("--json", "as_json", is_flag=True, help="Machine-readable output on stdout.")
+@json_option
 @handle_errors
 def fingerprint(as_json, **kwargs) -> None:
     """Show the effective config, environment, model identity and prompt-set hash.
@@ -178,7 +186,7 @@ def store() -> None:
 @store.command("ls")
 @store_option
 @click.option("--limit", type=int, default=50, show_default=True, help="Newest runs to list.")
-@click.option("--json", "as_json", is_flag=True, help="Machine-readable output on stdout.")
+@json_option
 @handle_errors
 def store_ls(store_path, limit, as_json) -> None:
     """List runs, newest first.
@@ -194,7 +202,7 @@ def store_ls(store_path, limit, as_json) -> None:
 @store.command("show")
 @click.argument("run_id")
 @store_option
-@click.option("--json", "as_json", is_flag=True, help="Machine-readable output on stdout.")
+@json_option
 @handle_errors
 def store_show(run_id, store_path, as_json) -> None:
     """Show one run by id or unique prefix.
@@ -217,7 +225,7 @@ def store_show(run_id, store_path, as_json) -> None:
 
 @store.command("check")
 @store_option
-@click.option("--json", "as_json", is_flag=True, help="Machine-readable output on stdout.")
+@json_option
 @handle_errors
 def store_check(store_path, as_json) -> None:
     """Check the store: SQLite integrity, schema, orphan rows, incomplete runs (exit 1 on a problem).
@@ -257,7 +265,7 @@ dir_option = click.option("--dir", "directory", type=click.Path(path_type=Path),
 @run_options
 @dir_option
 @click.option("--force", is_flag=True, help="Overwrite an existing golden.")
-@click.option("--json", "as_json", is_flag=True, help="Machine-readable output on stdout.")
+@json_option
 @click.option("--quiet", "-q", is_flag=True, help="No progress bar.")
 @handle_errors
 def golden_create(name, directory, force, as_json, quiet, **kwargs) -> None:
@@ -299,11 +307,7 @@ def golden_verify(name, directory, strict, output_format, junit_path, quiet, **k
     from .golden import candidate_config, open_golden, verify_golden
 
     opened = open_golden(name, directory)
-    config_source, sets = kwargs.pop("config_source", None), kwargs.pop("sets", ())
-    flags = {key: kwargs.pop(key, None) for key in RUN_FLAG_NAMES}
-    if flags["opt_level"] is not None:
-        flags["opt_level"] = parse_opt_level(flags["opt_level"])
-    config = candidate_config(opened, config_source, flags, sets)
+    config = candidate_config(opened, *run_flags(kwargs))
     verdict = verify_golden(opened, config, strict, phase_progress(quiet))
     click.echo(verdict_report.render(verdict, output_format))
     if junit_path:
@@ -315,7 +319,7 @@ def golden_verify(name, directory, strict, output_format, junit_path, quiet, **k
 
 @golden.command("list")
 @dir_option
-@click.option("--json", "as_json", is_flag=True, help="Machine-readable output on stdout.")
+@json_option
 @handle_errors
 def golden_list(directory, as_json) -> None:
     """List the goldens in the folder.
@@ -338,7 +342,7 @@ def golden_list(directory, as_json) -> None:
 @golden.command("show")
 @click.argument("name")
 @dir_option
-@click.option("--json", "as_json", is_flag=True, help="Machine-readable output on stdout.")
+@json_option
 @handle_errors
 def golden_show(name, directory, as_json) -> None:
     """Show a golden: its fingerprints, config and pinned outputs.
@@ -404,7 +408,7 @@ def diff(run_a, run_b, store_path, golden_dir, prompt_ids, output_format, plot_p
               help="Comma-separated configs: -O0..-O3, none, stock, trace-once, piecewise "
                    "(default: -O0..-O3 on GPU, the compilation modes on CPU).")
 @click.option("--no-baselines", is_flag=True, help="Skip transformers' generate baselines.")
-@click.option("--json", "as_json", is_flag=True, help="Machine-readable output on stdout.")
+@json_option
 @handle_errors
 def bench(model, prompts, dtype, device, max_new_tokens, batch_size, matrix_names, no_baselines, as_json) -> None:
     """Measure a matrix of configurations side by side, each in a fresh process, with transformers baselines.

@@ -19,7 +19,7 @@ from .engine.modes import ExecutionMode, build_execution_mode
 from .engine.timing import latency_summary, peak_memory_bytes, reset_peak_memory
 from .engine.transformer import Transformer
 from .errors import ConfigError, DeviceError
-from .fingerprint import apply_numerics_flags, environment, environment_hash
+from .fingerprint import apply_numerics_flags, baseline_backend_flags, environment, environment_hash
 from .hashing import hash_bytes, hash_value
 from .models import LoadedModel, load_model, model_identity
 from .prompts import PromptSet, load_prompt_set
@@ -110,7 +110,7 @@ def prepare(config: RunConfig, dtype_override: str | None = None, reuse: Prepare
     when model, device, dtype and prompts are the same (several configs in one process).
     """
     effective = effective_config(config)
-    environment(effective["device"])  # read the environment's own flags before the config changes any
+    baseline_backend_flags()  # read the environment's own flags before the config changes any
     applied = apply_numerics_flags(effective)  # before anything initialises CUDA
     dtype = dtype_override or effective["dtype"]
     started = time.perf_counter()

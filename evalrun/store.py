@@ -33,6 +33,9 @@ SCHEMA_VERSION = 1
 DEFAULT_STORE = Path("store") / "evalrun.db"
 BUSY_TIMEOUT_MS = 60_000
 RUN_JSON_COLUMNS = ("config", "environment", "model", "prompt_set", "timings", "evidence", "batches", "applied_flags")
+RESULT_COLUMNS = ("run_id", "prompt_index", "prompt_id", "record_json", "batch_index", "batch_row", "input_tokens",
+                  "new_tokens", "eos_step", "output_text", "tokens_digest", "logits_digest")
+ARRAY_COLUMNS = ("run_id", "prompt_index", "name", "dtype", "shape", "encoding", "data")
 
 
 def default_store_path() -> Path:
@@ -217,8 +220,8 @@ class Store:
             for name, array in r.arrays.items():
                 array_rows.append(encode_array_row(run_id, r.prompt_index, name, array))
         with self.transaction() as conn:
-            conn.executemany("INSERT INTO results VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?)", result_rows)
-            conn.executemany("INSERT INTO arrays VALUES (?, ?, ?, ?, ?, ?, ?)", array_rows)
+            conn.executemany(_insert("results", RESULT_COLUMNS), result_rows)
+            conn.executemany(_insert("arrays", ARRAY_COLUMNS), array_rows)
             sets = {f"{name}_json": json.dumps(value, sort_keys=True, default=str) for name, value in extra.items()}
             sets.update(status="complete", finished_at=now(), tokens_digest=tokens_digest, logits_digest=logits_digest)
             assignments = ", ".join(f"{column} = ?" for column in sets)
@@ -295,6 +298,10 @@ class Store:
         statuses = dict(self.db.execute("SELECT status, count(*) FROM runs GROUP BY status").fetchall())
         return {"path": str(self.path), "ok": not problems, "problems": problems, "runs": statuses,
                 "schema_version": self.schema_version()}
+
+
+def _insert(table: str, columns: tuple[str, ...]) -> str:
+    return f"INSERT INTO {table} ({', '.join(columns)}) VALUES ({', '.join('?' * len(columns))})"
 
 
 def encode_array_row(run_id: str, prompt_index: int, name: str, array: np.ndarray) -> list[Any]:
