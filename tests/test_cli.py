@@ -156,3 +156,10 @@ def test_every_command_has_machine_output(path=None):
     for path, command in _commands(cli_group):
         names = {option.name for option in command.params}
         assert names & {"as_json", "output_format"}, path
+
+
+def test_progress_bar_on_stderr_and_quiet_silences_it(cli, tiny_args):
+    code, out, err = cli("run", *tiny_args)
+    assert code == 0 and "generating" in err and "generating" not in out
+    code, _, err = cli("run", *tiny_args, "--quiet")
+    assert code == 0 and err == ""

@@ -118,3 +118,30 @@ def test_static_workspaces_keep_each_batch_result(cli, tiny_args):
     compiled = json.loads(out)
     assert code == 0, err
     assert [r["tokens"] for r in compiled["results"]] == [r["tokens"] for r in eager["results"]]
+
+
+def test_first_request_without_warmup_carries_the_compile(cli, tiny_args):
+    code, out, err = cli("run", *tiny_args, "--compilation-mode", "trace-once", "--set", "warmup=0", "--json", "--quiet")
+    timings = json.loads(out)["timings"]
+    assert code == 0, err
+    assert timings["warmup_s"] < 0.01 and timings["compile_s"] > 0
+    code, out, err = cli("run", *tiny_args, "--compilation-mode", "trace-once", "--json", "--quiet")
+    warm = json.loads(out)["timings"]
+    assert timings["ttft_ms"]["first_request"] > 10 * warm["ttft_ms"]["p50"]
+
+
+def test_bench_measures_side_by_side_with_baselines(cli):
+    code, out, err = cli("bench", "--model", "random:tiny", "--prompts", "smoke", "--max-new-tokens", "4",
+                         "--matrix", "O0,stock", "--json")
+    rows = json.loads(out)
+    assert code == 0, err
+    assert [row["config"] for row in rows] == ["O0", "stock", "transformers eager", "transformers static-compile"]
+    assert all(row["error"] is None for row in rows), rows
+    assert rows[0]["identical_to_first"] is True and "identical_to_first" in rows[1]
+    assert all(row["tokens_per_s"] > 0 and row["p50_ms"] > 0 for row in rows)
+    assert rows[1]["compile_s"] > 0
+
+
+def test_bench_unknown_config(cli):
+    code, _, err = cli("bench", "--model", "random:tiny", "--matrix", "O9")
+    assert code == 2 and "unknown bench config" in err
