@@ -22,6 +22,7 @@ import os
 import re
 import sqlite3
 import tempfile
+import time
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable
@@ -274,45 +275,54 @@ def _flips(tokenizer, golden_r: PromptResult, forced_r: PromptResult, oracle_r: 
                  float(golden_r.arrays["margins"][s]), float(oracle_r.arrays["margins"][s])) for s in steps]
 
 
-def verify_golden(golden: Golden, config: RunConfig, strict: bool = False,
-                  progress: Callable[[str, int], Any] | None = None) -> Verdict:
-    import time
-
-    timings: dict[str, float] = {}
-    started = time.perf_counter()
-    pinned = golden.pinned
-    candidate = prepare(config)
-    effective = candidate.effective
-    header = candidate.header
+def _identity_gate(golden: Golden, candidate: Prepared, config_diff: list, env_diff: list,
+                   causes: list[str]) -> Verdict | None:
+    """Model identity differs -> changed (naming the parts); prompt records differ -> incomparable."""
+    pinned, effective = golden.pinned, candidate.effective
     model_diff = [part for part in ("weights", "config", "tokenizer")
-                  if header["model"][part] != pinned.json["model"][part]]
-    config_diff = dict_diff(pinned.config, effective)
-    env_diff = dict_diff(pinned.json["environment"], header["environment"], ENVIRONMENT_IGNORE)
-    base_causes = [f"config: {k} {a} -> {b}" for k, a, b in config_diff]
-    base_causes += [f"environment: {k} {a} -> {b}" for k, a, b in env_diff]
+                  if candidate.header["model"][part] != pinned.json["model"][part]]
     if model_diff:
-        return Verdict(golden.name, "changed", 1, [f"model identity: {part} differ" for part in model_diff] + base_causes,
-                       [], config_diff, env_diff, model_diff, "skipped: model changed", effective, timings)
+        return Verdict(golden.name, "changed", 1, [f"model identity: {part} differ" for part in model_diff] + causes,
+                       [], config_diff, env_diff, model_diff, "skipped: model changed", effective, {})
     golden_records = [r.record for r in golden.results("pinned")]
-    candidate_records = [r.as_dict() for r in candidate.prompt_set.records]
-    if hash_value(golden_records) != hash_value(candidate_records):
+    if hash_value(golden_records) != hash_value([r.as_dict() for r in candidate.prompt_set.records]):
         return _incomparable(golden, f"prompt set differs from the golden's ({pinned.json['prompt_set']['name']}): "
                              "verify with the golden's prompts or create a new golden", effective)
+    return None
 
-    results, run_timings, _, _ = generate_all(candidate, _tick(progress, "candidate", candidate))
-    timings["candidate_s"] = run_timings["generate_s"]
-    golden_results, verdicts = golden.results("pinned"), []
+
+def _free_run_verdicts(golden_results: list[PromptResult], results: list[PromptResult]) -> list[PromptVerdict]:
+    """Per prompt: identical when every digest and token matches, else provisionally drift."""
+    verdicts = []
     for g, c in zip(golden_results, results):
         mismatches = digest_mismatch_steps(g.arrays["digests"], c.arrays["digests"])
         same = mismatches.size == 0 and np.array_equal(g.arrays["tokens"], c.arrays["tokens"])
         verdicts.append(PromptVerdict(g.prompt_id, "identical" if same else "drift",
                                       first_divergence(g.arrays["tokens"], c.arrays["tokens"]), int(mismatches.size)))
+    return verdicts
+
+
+def verify_golden(golden: Golden, config: RunConfig, strict: bool = False,
+                  progress: Callable[[str, int], Any] | None = None) -> Verdict:
+    """The verdict of `config` against `golden` (see the module docstring for the steps)."""
+    started = time.perf_counter()
+    candidate = prepare(config)
+    effective, pinned = candidate.effective, golden.pinned
+    config_diff = dict_diff(pinned.config, effective)
+    env_diff = dict_diff(pinned.json["environment"], candidate.header["environment"], ENVIRONMENT_IGNORE)
+    causes = [f"config: {k} {a} -> {b}" for k, a, b in config_diff]
+    causes += [f"environment: {k} {a} -> {b}" for k, a, b in env_diff]
+    gated = _identity_gate(golden, candidate, config_diff, env_diff, causes)
+    if gated is not None:
+        return gated
+    results, run_timings, _, _ = generate_all(candidate, _tick(progress, "candidate", candidate))
+    timings = {"candidate_s": run_timings["generate_s"]}
+    golden_results = golden.results("pinned")
+    verdicts = _free_run_verdicts(golden_results, results)
     if all(v.verdict == "identical" for v in verdicts):
         timings["total_s"] = time.perf_counter() - started
-        return Verdict(golden.name, "identical", 0, base_causes or ["every token and logits digest equal"], verdicts,
+        return Verdict(golden.name, "identical", 0, causes or ["every token and logits digest equal"], verdicts,
                        config_diff, env_diff, [], "skipped: identical", effective, timings)
-
-    causes = list(base_causes)
     if not config_diff and not env_diff:
         causes.append("nondeterminism: same config and environment, different bits")
     started_forced = time.perf_counter()
@@ -358,8 +368,6 @@ def _judge_drift(golden: Golden, candidate: Prepared, golden_results: list[Promp
 def _reference_rerun(golden: Golden, candidate: Prepared, env_diff: list, progress,
                      timings: dict[str, float]) -> str:
     """Re-run the golden's reference config when the environment is the golden's; compare bit for bit."""
-    import time
-
     if env_diff:
         return "skipped: environment differs from the golden's"
     started = time.perf_counter()
