@@ -121,7 +121,7 @@ def render(diff: RunDiff, output_format: str) -> str:
 
 
 def plot(diff: RunDiff, path: Path) -> None:
-    """Per-step max |delta| over shared top-k ids, one line per prompt (log scale)."""
+    """Per-step max |delta| over shared top-k ids, one line per prompt (symlog scale: zero stays zero)."""
     try:
         import matplotlib
 
@@ -130,12 +130,14 @@ def plot(diff: RunDiff, path: Path) -> None:
     except ImportError:
         raise EvalrunError("--plot needs matplotlib; install it with pip install 'evalrun[plot]'") from None
     figure, axis = plt.subplots(figsize=(9, 4.5))
+    positive = [v for p in diff.prompts for v in p.series.max_abs_delta if v > 0]
     for prompt in diff.prompts:
-        values = np.maximum(np.asarray(prompt.series.max_abs_delta), 1e-12)
+        values = np.asarray(prompt.series.max_abs_delta)
         axis.plot(range(len(values)), values, label=prompt.prompt_id, linewidth=1)
         if prompt.first_divergent_step >= 0:
             axis.axvline(prompt.first_divergent_step, linestyle=":", linewidth=0.8, color=axis.lines[-1].get_color())
-    axis.set_yscale("log")
+    # symlog: exact zeros (bit-identical steps) stay visible at 0 beside errors spanning decades
+    axis.set_yscale("symlog", linthresh=min(positive) if positive else 1e-8)
     axis.set_xlabel("decode step")
     axis.set_ylabel("max |delta| over shared top-k")
     axis.set_title(f"{diff.a} vs {diff.b}")
