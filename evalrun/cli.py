@@ -242,6 +242,8 @@ def store_check(store_path, as_json) -> None:
                    f"runs {outcome['runs']}")
         for problem in outcome["problems"]:
             click.echo(f"  {problem}")
+        for run_id in outcome["interrupted"]:
+            click.echo(f"  note: run {run_id[:12]} was interrupted (its process is gone); it stays 'running', never complete")
     if not outcome["ok"]:
         raise Failure(None, 1)
 

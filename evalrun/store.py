@@ -297,7 +297,25 @@ class Store:
                 problems.append(f"run {run_id[:12]} is complete with {found} of {expected} results")
         statuses = dict(self.db.execute("SELECT status, count(*) FROM runs GROUP BY status").fetchall())
         return {"path": str(self.path), "ok": not problems, "problems": problems, "runs": statuses,
-                "schema_version": self.schema_version()}
+                "interrupted": self.interrupted_runs(), "schema_version": self.schema_version()}
+
+    def interrupted_runs(self) -> list[str]:
+        """Runs still `running` whose process on this host is gone (killed): never complete, never counted."""
+        host = socket.gethostname()
+        rows = self.db.execute("SELECT id, host, pid FROM runs WHERE status = 'running'").fetchall()
+        return [run_id for run_id, run_host, pid in rows if run_host == host and not _alive(pid)]
+
+
+def _alive(pid: int | None) -> bool:
+    if not pid:
+        return False
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
 
 
 def _insert(table: str, columns: tuple[str, ...]) -> str:

@@ -135,4 +135,13 @@ def test_sigkill_mid_generation_leaves_store_consistent(store_path):
     (run,) = store.list_runs()
     assert run.status == "running"  # never marked complete
     assert store.load_results(run.id) == []
-    assert store.check()["ok"]
+    check = store.check()
+    assert check["ok"] and check["interrupted"] == [run.id]
+
+
+def test_store_path_from_environment(cli, monkeypatch, tmp_path):
+    target = tmp_path / "env-store.db"
+    monkeypatch.setenv("EVALRUN_STORE", str(target))
+    code, _, err = cli("run", "--model", "random:tiny", "--prompts", "smoke", "--max-new-tokens", "2", "--quiet")
+    assert code == 0, err
+    assert [r.status for r in Store(target).list_runs()] == ["complete"]
