@@ -68,15 +68,19 @@ def content_digest(conn: sqlite3.Connection) -> str:
     chunks: list[bytes] = []
     tables = [row[0] for row in conn.execute("SELECT name FROM sqlite_master WHERE type = 'table' "
                                              "AND name NOT LIKE 'sqlite_%' ORDER BY name")]
-    for table in tables:
-        columns = [row[1] for row in conn.execute(f"PRAGMA table_info({table})")]
+    for table in tables:  # names come from an untrusted file: always quoted as identifiers
+        columns = [row[1] for row in conn.execute(f"PRAGMA table_info({_quoted(table)})")]
         chunks.append(f"{table}:{','.join(columns)}".encode())
-        order = ", ".join(columns)
-        for row in conn.execute(f"SELECT * FROM {table} ORDER BY {order}"):
+        order = ", ".join(_quoted(column) for column in columns)
+        for row in conn.execute(f"SELECT * FROM {_quoted(table)} ORDER BY {order}"):
             if table == "golden" and row[0] == "content_digest":
                 continue
             chunks.append(b"".join(_cell_bytes(value) for value in row))
     return hash_bytes(*chunks)
+
+
+def _quoted(identifier: str) -> str:
+    return '"' + identifier.replace('"', '""') + '"'
 
 
 def _cell_bytes(value: Any) -> bytes:

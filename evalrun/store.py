@@ -332,8 +332,15 @@ def encode_array_row(run_id: str, prompt_index: int, name: str, array: np.ndarra
             "zlib" if compress else "raw", data]
 
 
+ARRAY_DTYPES = ("bool", "uint8", "int16", "int32", "int64", "float16", "float32", "float64")
+
+
 def decode_array_row(row: dict[str, Any]) -> np.ndarray:
+    """Raw bytes + dtype + shape -> array; only plain numeric dtypes (stores and goldens are untrusted input)."""
     import zlib
 
+    if row["dtype"] not in ARRAY_DTYPES or row["encoding"] not in ("raw", "zlib"):
+        raise StoreError(f"array {row['name']!r} has dtype {row['dtype']!r} / encoding {row['encoding']!r}; "
+                         f"only {', '.join(ARRAY_DTYPES)} raw or zlib are read")
     data = zlib.decompress(row["data"]) if row["encoding"] == "zlib" else row["data"]
     return array_from_bytes(data, row["dtype"], json.loads(row["shape"]))

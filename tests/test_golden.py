@@ -173,7 +173,23 @@ def _edit_row(path):
     conn.close()
 
 
-@pytest.mark.parametrize("damage", [_truncate, _flip_byte, _edit_row], ids=["truncated", "byte-flipped", "sql-edited"])
+def _hostile_table(path):
+    conn = sqlite3.connect(path)
+    conn.execute('CREATE TABLE "x; DROP TABLE runs; --" ("a""b" TEXT)')
+    conn.execute('INSERT INTO "x; DROP TABLE runs; --" VALUES (?)', ["payload"])
+    conn.commit()
+    conn.close()
+
+
+def _object_dtype(path):
+    conn = sqlite3.connect(path)
+    conn.execute("UPDATE arrays SET dtype = 'object' WHERE name = 'tokens'")
+    conn.commit()
+    conn.close()
+
+
+@pytest.mark.parametrize("damage", [_truncate, _flip_byte, _edit_row, _hostile_table, _object_dtype],
+                         ids=["truncated", "byte-flipped", "sql-edited", "hostile-table", "object-dtype"])
 def test_damaged_golden_is_refused_naming_the_file(cli, tiny_golden, tmp_path, damage):
     directory = _damaged_copy(tiny_golden, tmp_path, damage)
     code, out, err = cli("golden", "verify", "tiny", "--dir", str(directory), "--quiet")
