@@ -1,8 +1,11 @@
 # NOT YET RUN (written when stop 6's device time was spent). On the H200, after `source benchmarks/gpu_env.sh`:
 # issue #3's remaining GPU work in one call: run-to-run for every valid compilation x CUDA-graph combination
 # on random:smollm2 in bf16, then the -O0..-O3 bench on random:llama3-8b with both transformers baselines.
+# A device command may run 10 minutes: `bash benchmarks/h200_modes.sh modes`, then `... bench` in the next call.
 set -u
 OUT=${OUT:-/tmp/out}
+STAGE=${1:-modes}
+if [ "$STAGE" = modes ]; then
 for c in none stock trace-once piecewise; do
   for g in none piecewise full full-decode-only full-and-piecewise; do
     if [ "$c" != piecewise ] && { [ "$g" = piecewise ] || [ "$g" = full-and-piecewise ]; }; then continue; fi
@@ -19,5 +22,6 @@ print('$c', '$g', 'identical' if a['logits_digest'] == b['logits_digest'] else '
 " >> $OUT/modes.txt 2>&1
   done
 done
-timeout 1500 python3 -m evalrun bench --model random:llama3-8b --dtype bfloat16 --device cuda --prompts smoke \
+fi
+[ "$STAGE" = bench ] && timeout 580 python3 -m evalrun bench --model random:llama3-8b --dtype bfloat16 --device cuda --prompts smoke \
   --max-new-tokens 128 --json > $OUT/bench-full.json 2>> $OUT/bench.err
