@@ -17,7 +17,6 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable
 
-from .errors import EvalrunError
 
 GPU_MATRIX = [("-O0", ["-O0"]), ("-O1", ["-O1"]), ("-O2", ["-O2"]), ("-O3", ["-O3"])]
 CPU_MATRIX = [("-O0", ["-O0"]), ("stock", ["--compilation-mode", "stock"]),
@@ -77,7 +76,3 @@ def table_rows(rows: list[BenchRow]) -> list[dict[str, Any]]:
         table.append(entry)
     return table
 
-
-def check_options(options: list[str]) -> None:
-    if any(option in ("--store", "--json") for option in options):
-        raise EvalrunError("bench chooses --store and --json itself; drop them")

@@ -19,14 +19,14 @@ from .models import splitmix64
 _LANE_SEEDS = (0x243F6A8885A308D3, 0x13198A2E03707344)  # pi digits; lane separation
 _INDEX_MULTIPLIER = -7046029254386353131  # odd, so index * M is a bijection mod 2^64
 _WORD_MULTIPLIER = -4658895280553007687  # odd
-_BITS_VIEW = {torch.float32: torch.int32, torch.bfloat16: torch.int16, torch.float16: torch.int16,
-              torch.float64: torch.int64}
+BITS_VIEW = {torch.float32: torch.int32, torch.bfloat16: torch.int16, torch.float16: torch.int16,
+             torch.float64: torch.int64}  # float dtype -> the integer dtype of the same width
 _MASK64 = (1 << 64) - 1
 
 
 def raw_bits(logits: torch.Tensor) -> torch.Tensor:
     """[B, V] floats -> [B, V] int64 holding each element's raw bit pattern (sign-extended)."""
-    return logits.view(_BITS_VIEW[logits.dtype]).to(torch.int64)
+    return logits.view(BITS_VIEW[logits.dtype]).to(torch.int64)
 
 
 def logits_digest(logits: torch.Tensor) -> torch.Tensor:

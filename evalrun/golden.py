@@ -279,8 +279,8 @@ def _flips(tokenizer, golden_r: PromptResult, forced_r: PromptResult, oracle_r: 
                  float(golden_r.arrays["margins"][s]), float(oracle_r.arrays["margins"][s])) for s in steps]
 
 
-def _identity_gate(golden: Golden, candidate: Prepared, config_diff: list, env_diff: list,
-                   causes: list[str]) -> Verdict | None:
+def _identity_gate(golden: Golden, golden_results: list[PromptResult], candidate: Prepared, config_diff: list,
+                   env_diff: list, causes: list[str]) -> Verdict | None:
     """Model identity differs -> changed (naming the parts); prompt records differ -> incomparable."""
     pinned, effective = golden.pinned, candidate.effective
     model_diff = [part for part in ("weights", "config", "tokenizer")
@@ -288,7 +288,7 @@ def _identity_gate(golden: Golden, candidate: Prepared, config_diff: list, env_d
     if model_diff:
         return Verdict(golden.name, "changed", 1, [f"model identity: {part} differ" for part in model_diff] + causes,
                        [], config_diff, env_diff, model_diff, "skipped: model changed", effective, {})
-    golden_records = [r.record for r in golden.results("pinned")]
+    golden_records = [r.record for r in golden_results]
     if hash_value(golden_records) != hash_value([r.as_dict() for r in candidate.prompt_set.records]):
         return _incomparable(golden, f"prompt set differs from the golden's ({pinned.json['prompt_set']['name']}): "
                              "verify with the golden's prompts or create a new golden", effective)
@@ -316,12 +316,12 @@ def verify_golden(golden: Golden, config: RunConfig, strict: bool = False,
     env_diff = dict_diff(pinned.json["environment"], candidate.header["environment"], ENVIRONMENT_IGNORE)
     causes = [f"config: {k} {a} -> {b}" for k, a, b in config_diff]
     causes += [f"environment: {k} {a} -> {b}" for k, a, b in env_diff]
-    gated = _identity_gate(golden, candidate, config_diff, env_diff, causes)
+    golden_results = golden.results("pinned")
+    gated = _identity_gate(golden, golden_results, candidate, config_diff, env_diff, causes)
     if gated is not None:
         return gated
     results, run_timings, _, _ = generate_all(candidate, _tick(progress, "candidate", candidate))
     timings = {"candidate_s": run_timings["generate_s"]}
-    golden_results = golden.results("pinned")
     verdicts = _free_run_verdicts(golden_results, results)
     if all(v.verdict == "identical" for v in verdicts):
         timings["total_s"] = time.perf_counter() - started

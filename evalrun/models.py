@@ -180,7 +180,7 @@ def _quietly(function, *args, **kwargs):
         hf_logging.enable_progress_bar()
 
 
-def converted_gguf_dir(gguf: Path) -> Path:
+def converted_gguf_dir(gguf: Path, digest: str | None = None) -> Path:
     """A Hugging Face directory converted from `gguf`, made once and reused.
 
     The cache key is the GGUF file's own content digest plus the transformers version, so an edited
@@ -190,7 +190,7 @@ def converted_gguf_dir(gguf: Path) -> Path:
     import transformers
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    key = hash_value([file_digest(gguf), transformers.__version__])[:24]
+    key = hash_value([digest or file_digest(gguf), transformers.__version__])[:24]
     target = cache_root() / "gguf" / f"{gguf.stem}-{key}"
     if (target / "config.json").exists():
         return target
@@ -292,8 +292,9 @@ def load_model(ref: str, device: str, dtype: str, attn_implementation: str = "sd
         else:
             gguf = None
         if gguf is not None:
-            directory = converted_gguf_dir(gguf)
-            source = {"kind": "gguf", "file": gguf.name, "file_digest": file_digest(gguf)}
+            digest = file_digest(gguf)
+            directory = converted_gguf_dir(gguf, digest)
+            source = {"kind": "gguf", "file": gguf.name, "file_digest": digest}
         elif Path(ref).is_dir():
             directory, source = Path(ref), {"kind": "directory", "path": str(Path(ref).resolve())}
         elif "/" in ref and not Path(ref).exists() and ref.count("/") == 1:

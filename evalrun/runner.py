@@ -99,7 +99,7 @@ def build_header(effective: dict[str, Any], applied: dict[str, Any], loaded: Loa
 
 def _same_model(effective: dict[str, Any], dtype: str, other: Prepared) -> bool:
     keys = ("model", "device", "attn_implementation", "prompts")
-    return all(effective[k] == other.effective[k] for k in keys) and dtype == str(other.loaded.model.dtype)[6:]
+    return all(effective[k] == other.effective[k] for k in keys) and getattr(torch, dtype) == other.loaded.model.dtype
 
 
 def prepare(config: RunConfig, dtype_override: str | None = None, reuse: Prepared | None = None) -> Prepared:

@@ -69,12 +69,6 @@ MIGRATIONS = {1: _migration_1}  # version -> function that brings the schema fro
 
 
 @dataclass
-class StoredArray:
-    name: str
-    array: np.ndarray
-
-
-@dataclass
 class PromptResult:
     """One prompt's outcome in a run; `arrays` holds tokens, digests, topk_ids, topk_values, margins, ..."""
 

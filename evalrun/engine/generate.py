@@ -18,7 +18,7 @@ from typing import Callable
 import numpy as np
 import torch
 
-from ..capture import logits_digest, topk_sketch
+from ..capture import BITS_VIEW, logits_digest, topk_sketch
 from ..models import splitmix64
 from .timing import StepClock
 from .transformer import KVCache, Transformer
@@ -39,11 +39,6 @@ class BatchOutput:
     step_ms: np.ndarray  # [N] wall time of each step; step 0 is prefill + first token (TTFT)
     padded_length: int = 0  # P, the prompt length the batch was padded to
     probe_values: np.ndarray | None = None  # [B, N, K'] float64 logits at the probe ids, when probed
-
-
-def _bits_dtype(dtype: torch.dtype) -> torch.dtype:
-    return {torch.float32: torch.int32, torch.bfloat16: torch.int16, torch.float16: torch.int16,
-            torch.float64: torch.int64}[dtype]
 
 
 @dataclass
@@ -74,7 +69,7 @@ class CaptureBuffers:
     def to_host(self, rows: int, steps: int, step_ms: np.ndarray, padded_length: int) -> BatchOutput:
         """The first `rows` rows and `steps` steps, copied to the host (the one sync of a batch)."""
         cut = lambda t: t[:rows, :steps].to("cpu", copy=True)  # noqa: E731 - a copy: the buffers are reused
-        logits = cut(self.logits).view(_bits_dtype(self.logits.dtype)).numpy() if self.logits is not None else None
+        logits = cut(self.logits).view(BITS_VIEW[self.logits.dtype]).numpy() if self.logits is not None else None
         probe = cut(self.probe_values).numpy() if self.probe_values is not None else None
         return BatchOutput(cut(self.tokens).numpy(), cut(self.digests).numpy(), cut(self.topk_ids).numpy(),
                            cut(self.topk_values).numpy(), cut(self.margins).numpy(), logits, step_ms,
