@@ -32,7 +32,10 @@ class BenchRow:
 
 
 def _child(arguments: list[str], timeout: float) -> tuple[dict[str, Any] | None, str | None]:
-    process = subprocess.run([sys.executable, "-m", *arguments], capture_output=True, text=True, timeout=timeout)
+    try:
+        process = subprocess.run([sys.executable, "-m", *arguments], capture_output=True, text=True, timeout=timeout)
+    except subprocess.TimeoutExpired:
+        return None, f"timed out after {timeout:.0f} s (raise --config-timeout)"
     if process.returncode != 0:
         lines = process.stderr.strip().splitlines()
         return None, lines[-1] if lines else f"exit {process.returncode}"

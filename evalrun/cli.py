@@ -410,9 +410,12 @@ def diff(run_a, run_b, store_path, golden_dir, prompt_ids, output_format, plot_p
               help="Comma-separated configs: -O0..-O3, none, stock, trace-once, piecewise "
                    "(default: -O0..-O3 on GPU, the compilation modes on CPU).")
 @click.option("--no-baselines", is_flag=True, help="Skip transformers' generate baselines.")
+@click.option("--config-timeout", type=click.FloatRange(min=1), default=3600, show_default=True, metavar="SECONDS",
+              help="Stop a configuration that runs longer (its row shows the timeout); the others still run.")
 @json_option
 @handle_errors
-def bench(model, prompts, dtype, device, max_new_tokens, batch_size, matrix_names, no_baselines, as_json) -> None:
+def bench(model, prompts, dtype, device, max_new_tokens, batch_size, matrix_names, no_baselines, config_timeout,
+          as_json) -> None:
     """Measure a matrix of configurations side by side, each in a fresh process, with transformers baselines.
 
     \b
@@ -438,10 +441,18 @@ def bench(model, prompts, dtype, device, max_new_tokens, batch_size, matrix_name
             raise Failure(f"evalrun: error: unknown bench config {unknown[0]!r}; use {', '.join(sorted(known))}", 2)
         matrix = [(name, known[name]) for name in matrix_names.split(",")]
     rows = table_rows(run_matrix(common, matrix, not no_baselines,
-                                 lambda name: click.echo(f"bench: {name}", err=True)))
+                                 lambda name: click.echo(f"bench: {name}", err=True), config_timeout))
     if as_json:
         click.echo(report.to_json(rows))
-        return
+    else:
+        _print_bench_table(rows)
+    failed = [row["config"] for row in rows if row.get("error")]
+    if failed:
+        raise Failure(f"evalrun: error: {len(failed)} of {len(rows)} bench configurations failed ({', '.join(failed)}); "
+                      "their rows say why", 2)
+
+
+def _print_bench_table(rows: list[dict]) -> None:
     headers = ["config", "compile s", "peak GiB", "TTFT ms", "first req ms", "tok/s", "p50 ms", "p95 ms", "p99 ms",
                "identical to first", "launches/step", "fallbacks / error"]
     keys = ["config", "compile_s", "peak_memory_gib", "ttft_ms", "first_request_ms", "tokens_per_s", "p50_ms",

@@ -93,6 +93,23 @@ def _gpu(device: str) -> dict[str, Any]:
             "gpu_count": torch.cuda.device_count(), "driver": driver}
 
 
+# The package's own code that computes logits and their capture: a change there can change bits.
+ENGINE_SOURCES = ("engine/*.py", "capture.py")
+
+
+def engine_code_digest() -> str:
+    """xxh3-128 over the engine's source files (name and bytes), so a golden made before an engine
+    change is explained by the environment diff ("engine_code"), not taken for nondeterminism."""
+    from pathlib import Path
+
+    from .hashing import hash_bytes
+
+    package = Path(__file__).resolve().parent
+    files = sorted(path for pattern in ENGINE_SOURCES for path in package.glob(pattern))
+    return hash_bytes(*[chunk for path in files for chunk in (path.relative_to(package).as_posix().encode(),
+                                                             path.read_bytes())])
+
+
 def environment(device: str) -> dict[str, Any]:
     """The environment fingerprint for a run on `device`."""
     return {
@@ -108,6 +125,7 @@ def environment(device: str) -> dict[str, Any]:
         "os": f"{platform.system()} {platform.release()}",
         "libc": " ".join(platform.libc_ver()),
         "python_implementation": sys.implementation.name,
+        "engine_code": engine_code_digest(),
         **_gpu(device),
         "env": {name: os.environ.get(name) for name in NUMERICS_ENV_VARS
                 if os.environ.get(name) is not None and name not in _SET_BY_EVALRUN},

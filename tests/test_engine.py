@@ -92,3 +92,51 @@ def test_seeded_sampling_is_reproducible_and_depends_on_the_seed(tiny):
     greedy = generate_batch(model, ids, 12, pad_id=0)
     assert a.tokens.tolist() == b.tokens.tolist()
     assert a.tokens.tolist() != c.tokens.tolist() or a.tokens.tolist() != greedy.tokens.tolist()
+
+
+def test_stacked_projections_are_views_of_the_models_own_weights():
+    loaded = load_model("random:tiny", "cpu", "float32")
+    attention = loaded.model.model.layers[0].self_attn
+    before = torch.cat([attention.q_proj.weight, attention.k_proj.weight, attention.v_proj.weight]).clone()
+    first = Transformer(loaded.model, "sdpa")
+    qkv = first.layers[0].qkv
+    assert torch.equal(qkv, before)
+    assert attention.q_proj.weight.data_ptr() == qkv.data_ptr()  # the module now reads the stacked rows
+    assert attention.k_proj.weight.data_ptr() == qkv[attention.q_proj.weight.shape[0]:].data_ptr()
+    second = Transformer(loaded.model, "eager")  # a second engine over the same module stacks nothing again
+    assert second.layers[0].qkv.data_ptr() == qkv.data_ptr()
+    assert second.layers[1].gate_up.data_ptr() == first.layers[1].gate_up.data_ptr()
+
+
+def test_grouped_query_attention_equals_attention_over_repeated_heads():
+    from evalrun.engine.transformer import attention, build_mask
+
+    generator = torch.Generator().manual_seed(0)
+    batch, heads, kv_heads, tokens, slots, dim = 2, 6, 2, 3, 21, 8
+    q = torch.randn(batch, heads, tokens, dim, generator=generator, dtype=torch.float64)
+    k, v = (torch.randn(batch, kv_heads, slots, dim, generator=generator, dtype=torch.float64) for _ in range(2))
+    key_valid = torch.ones(batch, slots, dtype=torch.bool)
+    key_valid[1, :4] = False  # row 1 left-padded
+    query_slots = torch.tensor([9, 10, 11])
+    mask = build_mask(query_slots, key_valid, slots, heads // kv_heads, torch.float64)
+    assert mask.shape == (batch, 1, heads // kv_heads * tokens, slots)
+    repeated_k, repeated_v = (t.repeat_interleave(heads // kv_heads, dim=1) for t in (k, v))
+    visible = (torch.arange(slots)[None, :] <= query_slots[:, None])[None] & key_valid[:, None, :]  # [B, T, S]
+    scores = (q @ repeated_k.transpose(-1, -2)) * dim**-0.5
+    expected = torch.softmax(scores.masked_fill(~visible[:, None], float("-inf")), dim=-1) @ repeated_v
+    for implementation in ("sdpa", "eager"):
+        torch.testing.assert_close(attention(q, k, v, mask, implementation), expected, rtol=1e-12, atol=1e-12)
+
+
+def test_rms_norm_matches_transformers_bit_for_bit_in_bfloat16():
+    from transformers.models.llama.modeling_llama import LlamaRMSNorm
+
+    from evalrun.engine.transformer import rms_norm
+
+    generator = torch.Generator().manual_seed(1)
+    reference = LlamaRMSNorm(96, eps=1e-5).to(torch.bfloat16)
+    with torch.no_grad():
+        reference.weight.copy_(torch.randn(96, generator=generator))
+    x = (torch.randn(2, 5, 96, generator=generator) * 4).to(torch.bfloat16)
+    with torch.no_grad():
+        assert torch.equal(rms_norm(x, reference.weight, 1e-5), reference(x))

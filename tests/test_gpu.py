@@ -1,6 +1,7 @@
 """GPU tests: marked `gpu`, skipped without CUDA (see conftest)."""
 
 import json
+import os
 
 import numpy as np
 import pytest
@@ -55,9 +56,14 @@ COMBINATIONS = [(c, g) for c in ("none", "stock", "trace-once", "piecewise")
                 if c == "piecewise" or g not in ("piecewise", "full-and-piecewise")]
 
 
+# The issue asks for random:smollm2 in bf16 on the H200: EVALRUN_GPU_MODEL=random:smollm2 (needs the GGUF).
+GPU_MODEL = os.environ.get("EVALRUN_GPU_MODEL", "random:tiny")
+
+
 @pytest.mark.parametrize("compilation,graphs", COMBINATIONS)
 def test_every_mode_combination_repeats_bit_for_bit_on_cuda(cli, tiny_args, compilation, graphs):
-    options = ["--device", "cuda", "--compilation-mode", compilation, "--cudagraph-mode", graphs, "--json", "--quiet"]
+    options = ["--device", "cuda", "--dtype", "bfloat16", "--compilation-mode", compilation, "--cudagraph-mode", graphs,
+               "--json", "--quiet", "--model", GPU_MODEL, "--max-new-tokens", "16"]
     runs = []
     for _ in range(2):
         code, out, err = cli("run", *tiny_args, *options)
@@ -69,3 +75,11 @@ def test_every_mode_combination_repeats_bit_for_bit_on_cuda(cli, tiny_args, comp
     if graphs in ("full", "full-decode-only", "full-and-piecewise"):
         assert evidence["cudagraph_replays"] > 0
     assert evidence["kernel_launches_per_decode_step"] is not None
+    # After warm-up nothing compiles or records a graph: a measured prefill costs about a decode step.
+    timings = runs[0]["timings"]
+    assert timings["ttft_ms"]["p50"] < 10 * timings["step_latency"]["p50_ms"] + 2.0, timings
+    print(json.dumps({"model": GPU_MODEL, "compilation": compilation, "graphs": graphs,
+                      "digest": runs[0]["logits_digest"][:12], "tokens_per_s": round(timings["tokens_per_s"], 1),
+                      "ttft_ms": round(timings["ttft_ms"]["p50"], 2), "step_p50_ms": round(timings["step_latency"]["p50_ms"], 3),
+                      "launches_per_step": evidence["kernel_launches_per_decode_step"],
+                      "captures": evidence["cudagraph_captures_warmup"], "replays": evidence["cudagraph_replays"]}))

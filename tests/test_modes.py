@@ -128,6 +128,8 @@ def test_first_request_without_warmup_carries_the_compile(cli, tiny_args):
     code, out, err = cli("run", *tiny_args, "--compilation-mode", "trace-once", "--json", "--quiet")
     warm = json.loads(out)["timings"]
     assert timings["ttft_ms"]["first_request"] > 10 * warm["ttft_ms"]["p50"]
+    # With warm-up, first_request is still the cold first request (the warm-up's), not a warm one.
+    assert warm["ttft_ms"]["first_request"] > 10 * warm["ttft_ms"]["p50"]
 
 
 def test_bench_measures_side_by_side_with_baselines(cli):
@@ -140,6 +142,14 @@ def test_bench_measures_side_by_side_with_baselines(cli):
     assert rows[0]["identical_to_first"] is True and "identical_to_first" in rows[1]
     assert all(row["tokens_per_s"] > 0 and row["p50_ms"] > 0 for row in rows)
     assert rows[1]["compile_s"] > 0
+
+
+def test_bench_config_timeout_stops_one_configuration_and_says_so(cli):
+    code, out, err = cli("bench", "--model", "random:tiny", "--prompts", "smoke", "--matrix", "stock",
+                         "--no-baselines", "--config-timeout", "1", "--json")
+    rows = json.loads(out)
+    assert code == 2 and "1 of 1 bench configurations failed (stock)" in err
+    assert rows[0]["config"] == "stock" and rows[0]["error"].startswith("timed out after 1 s")
 
 
 def test_bench_unknown_config(cli):

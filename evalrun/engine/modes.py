@@ -161,6 +161,12 @@ class ExecutionMode:
 
     # ------------------------------------------------------------ steps
 
+    @property
+    def calls_to_warm(self) -> int:
+        """Calls per shape before one runs as measured: Inductor's CUDA graph trees run a new path
+        eagerly on its first call and record it on the second, so they need two."""
+        return 2 if self.inductor_graphs else 1
+
     def _new_step(self) -> None:
         """Inductor's CUDA graph trees need to know where a step starts (outputs of the last one may be reused)."""
         if self.inductor_graphs:

@@ -1,11 +1,19 @@
 """A Llama-family decoder forward over a Hugging Face model's weights, gpt-fast style.
 
-The weights stay in the Hugging Face module (no copies); this module only changes how the
-forward runs: a static KV cache allocated once at a fixed size, positions and cache slots given as
+The weights stay in the Hugging Face module: q/k/v and gate/up are stacked into one matrix each,
+and the module's parameters become views of it (no copies). This module only changes how the forward
+runs: a static KV cache allocated once at a fixed size, positions and cache slots given as
 tensors, and a boolean mask built from them, so that every decode step has the same shapes and can
 be compiled with `fullgraph=True` and captured in a CUDA graph.
 
-Shapes: B batch, T tokens in this call, S cache slots, H query heads, G key/value heads, D head dim.
+Shapes: B batch, T tokens in this call, S cache slots, H query heads, G key/value heads, D head dim,
+R = H/G query heads per key/value head.
+
+Grouped-query attention runs without copying keys and values: the R query heads that share a
+key/value head are stacked as R*T query rows of that head ([B, G, R*T, D]), so attention sees G heads
+on every side and the additive mask [B, 1, R*T, S], built once per forward, serves every layer. That
+keeps CUDA's SDPA on its fused memory-efficient kernel (one launch per layer) where `enable_gqa` with
+a mask falls back to the unfused math path.
 """
 
 from __future__ import annotations
@@ -23,14 +31,34 @@ SUPPORTED_ARCHITECTURES = ("llama",)
 @dataclass
 class LayerWeights:
     input_norm: torch.Tensor  # [hidden]
-    q: torch.Tensor  # [H*D, hidden]
-    k: torch.Tensor  # [G*D, hidden]
-    v: torch.Tensor  # [G*D, hidden]
+    qkv: torch.Tensor  # [(H+2G)*D, hidden]: q, k and v projections stacked
     o: torch.Tensor  # [hidden, H*D]
     post_norm: torch.Tensor  # [hidden]
-    gate: torch.Tensor  # [inter, hidden]
-    up: torch.Tensor  # [inter, hidden]
+    gate_up: torch.Tensor  # [2*inter, hidden]: gate and up projections stacked
     down: torch.Tensor  # [hidden, inter]
+
+
+def stack_rows(module_weights: list[torch.nn.Parameter]) -> torch.Tensor:
+    """Stack weight matrices [n_i, hidden] row-wise into one [sum n_i, hidden] tensor, and make each
+    parameter a view of its rows, so the stacked tensor costs no memory beyond the model's own.
+
+    One matrix product over the stack replaces several (vLLM's merged QKV and gate/up projections).
+    Parameters that already are consecutive rows of one storage (stacked before) are reused as they are.
+    """
+    first, rows = module_weights[0], sum(w.shape[0] for w in module_weights)
+    offsets = [first.storage_offset()]
+    for weight in module_weights[:-1]:
+        offsets.append(offsets[-1] + weight.numel())
+    adjacent = all(w.untyped_storage().data_ptr() == first.untyped_storage().data_ptr() and w.is_contiguous()
+                   and w.storage_offset() == offset for w, offset in zip(module_weights, offsets))
+    if adjacent:
+        return first.detach().as_strided((rows, first.shape[1]), (first.shape[1], 1))
+    stacked = torch.cat([w.detach() for w in module_weights])
+    start = 0
+    for weight in module_weights:
+        weight.data = stacked[start:start + weight.shape[0]]
+        start += weight.shape[0]
+    return stacked
 
 
 class KVCache:
@@ -80,9 +108,10 @@ class Transformer:
         attention, mlp = layer.self_attn, layer.mlp
         if getattr(attention.q_proj, "bias", None) is not None:
             raise ModelError("attention biases are not supported by evalrun's engine")
-        return LayerWeights(layer.input_layernorm.weight, attention.q_proj.weight, attention.k_proj.weight,
-                            attention.v_proj.weight, attention.o_proj.weight, layer.post_attention_layernorm.weight,
-                            mlp.gate_proj.weight, mlp.up_proj.weight, mlp.down_proj.weight)
+        qkv = stack_rows([attention.q_proj.weight, attention.k_proj.weight, attention.v_proj.weight])
+        gate_up = stack_rows([mlp.gate_proj.weight, mlp.up_proj.weight])
+        return LayerWeights(layer.input_layernorm.weight, qkv, attention.o_proj.weight,
+                            layer.post_attention_layernorm.weight, gate_up, mlp.down_proj.weight)
 
     def new_cache(self, batch: int, slots: int) -> KVCache:
         return KVCache(len(self.layers), batch, self.kv_heads, slots, self.head_dim, self.dtype, self.device)
@@ -103,19 +132,19 @@ class Transformer:
         keys, values = cache.keys[index], cache.values[index]  # [B, G, S, D]
         keys.index_copy_(2, slots, k)
         values.index_copy_(2, slots, v)
-        return attention(q, keys, values, mask, self.attn_implementation, self.heads // self.kv_heads)
+        return attention(q, keys, values, mask, self.attn_implementation)
 
     def forward(self, tokens: torch.Tensor, positions: torch.Tensor, slots: torch.Tensor,
                 key_valid: torch.Tensor, cache: KVCache) -> torch.Tensor:
         """tokens/positions [B, T], slots [T], key_valid [B, S] -> logits of the last token [B, V]."""
         x = F.embedding(tokens, self.embed)  # [B, T, hidden]
         cos, sin = self.rotary(positions)
-        mask = build_mask(slots, key_valid, cache.slots)
+        mask = build_mask(slots, key_valid, cache.slots, self.heads // self.kv_heads, self.dtype)
         shape = (self.heads, self.kv_heads, self.head_dim, self.eps)
         for index, w in enumerate(self.layers):
-            q, k, v = self.pre_attention(x, cos, sin, w.input_norm, w.q, w.k, w.v, *shape)
+            q, k, v = self.pre_attention(x, cos, sin, w.input_norm, w.qkv, *shape)
             attended = self.attend(index, q, k, v, slots, mask, cache)
-            x = self.post_attention(x, attended, w.o, w.post_norm, w.gate, w.up, w.down, self.eps)
+            x = self.post_attention(x, attended, w.o, w.post_norm, w.gate_up, w.down, self.eps)
         return self.head(x[:, -1], self.final_norm, self.lm_head, self.eps)
 
 
@@ -123,10 +152,9 @@ class Transformer:
 # serves every layer: same code, same shapes); attention and its KV-cache write stay between them.
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
-    """Llama RMSNorm: normalise in fp32 (fp64 for an fp64 model), scale in the model dtype, as HF does."""
-    wide = x.to(torch.promote_types(x.dtype, torch.float32))
-    wide = wide * torch.rsqrt(wide.pow(2).mean(-1, keepdim=True) + eps)
-    return weight * wide.to(x.dtype)
+    """Llama RMSNorm as transformers computes it: normalise in fp32 (PyTorch's fused kernel accumulates
+    in fp32 and rounds once to x's dtype), then scale in the model dtype."""
+    return weight * F.rms_norm(x, x.shape[-1:], eps=eps)
 
 
 def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
@@ -136,24 +164,22 @@ def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch
 
 
 def pre_attention(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, input_norm: torch.Tensor,
-                  wq: torch.Tensor, wk: torch.Tensor, wv: torch.Tensor, heads: int, kv_heads: int, head_dim: int,
+                  wqkv: torch.Tensor, heads: int, kv_heads: int, head_dim: int,
                   eps: float) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """x [B, T, hidden] -> q [B, H, T, D], k and v [B, G, T, D], rotary applied to q and k."""
     batch, tokens, _ = x.shape
-    h = rms_norm(x, input_norm, eps)
-    q = F.linear(h, wq).view(batch, tokens, heads, head_dim).transpose(1, 2)
-    k = F.linear(h, wk).view(batch, tokens, kv_heads, head_dim).transpose(1, 2)
-    v = F.linear(h, wv).view(batch, tokens, kv_heads, head_dim).transpose(1, 2)
+    qkv = F.linear(rms_norm(x, input_norm, eps), wqkv).view(batch, tokens, heads + 2 * kv_heads, head_dim)
+    q, k, v = qkv.transpose(1, 2).split([heads, kv_heads, kv_heads], dim=1)
     return apply_rotary(q, cos, sin), apply_rotary(k, cos, sin), v
 
 
 def post_attention(x: torch.Tensor, attended: torch.Tensor, wo: torch.Tensor, post_norm: torch.Tensor,
-                   gate: torch.Tensor, up: torch.Tensor, down: torch.Tensor, eps: float) -> torch.Tensor:
+                   gate_up: torch.Tensor, down: torch.Tensor, eps: float) -> torch.Tensor:
     """x [B, T, hidden], attended [B, H, T, D] -> x after the output projection and the MLP."""
     batch, tokens, _ = x.shape
     x = x + F.linear(attended.transpose(1, 2).reshape(batch, tokens, -1), wo)
-    h = rms_norm(x, post_norm, eps)
-    return x + F.linear(F.silu(F.linear(h, gate)) * F.linear(h, up), down)
+    gate, up = F.linear(rms_norm(x, post_norm, eps), gate_up).chunk(2, dim=-1)
+    return x + F.linear(F.silu(gate) * up, down)
 
 
 def head(last: torch.Tensor, final_norm: torch.Tensor, lm_head: torch.Tensor, eps: float) -> torch.Tensor:
@@ -161,23 +187,39 @@ def head(last: torch.Tensor, final_norm: torch.Tensor, lm_head: torch.Tensor, ep
     return F.linear(rms_norm(last, final_norm, eps), lm_head)
 
 
-def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor, implementation: str,
-              groups: int) -> torch.Tensor:
-    """q [B, H, T, D], k/v [B, G, S, D], mask [B, 1, T, S] bool -> [B, H, T, D]."""
+def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor, implementation: str) -> torch.Tensor:
+    """q [B, H, T, D], k/v [B, G, S, D], mask [B, 1, R*T, S] additive -> [B, H, T, D].
+
+    Query head h attends with key/value head h // R (transformers' `repeat_kv` order)."""
+    batch, heads, tokens, dim = q.shape
+    grouped = q.reshape(batch, k.shape[1], -1, dim)  # [B, G, R*T, D]
     if implementation == "sdpa":
-        return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=groups > 1)
-    k, v = k.repeat_interleave(groups, dim=1), v.repeat_interleave(groups, dim=1)
-    scores = (q @ k.transpose(-1, -2)) * q.shape[-1] ** -0.5  # [B, H, T, S]
-    scores = scores.masked_fill(~mask, float("-inf"))
-    return torch.softmax(scores.float(), dim=-1).to(q.dtype) @ v
+        out = F.scaled_dot_product_attention(grouped, k, v, attn_mask=mask)
+    else:  # explicit math, as transformers' eager attention: softmax in fp32 (fp64 for an fp64 model)
+        scores = (grouped @ k.transpose(-1, -2)) * dim**-0.5 + mask  # [B, G, R*T, S]
+        wide = torch.promote_types(q.dtype, torch.float32)
+        out = torch.softmax(scores, dim=-1, dtype=wide).to(q.dtype) @ v
+    return out.view(batch, heads, tokens, dim)
 
 
-def build_mask(slots: torch.Tensor, key_valid: torch.Tensor, cache_slots: int) -> torch.Tensor:
-    """slots [T], key_valid [B, S] -> [B, 1, T, S]: causal, padding hidden, each query sees itself.
+MASK_ALIGNMENT = 16  # fused attention kernels want the mask's row stride a multiple of 16 elements
 
-    A padding query would otherwise see no key at all (a NaN row that poisons the cache).
+
+def build_mask(slots: torch.Tensor, key_valid: torch.Tensor, cache_slots: int, rows_per_key_head: int,
+               dtype: torch.dtype) -> torch.Tensor:
+    """slots [T], key_valid [B, S] -> additive mask [B, 1, R*T, S] (0 or -inf): causal, padding hidden,
+    each query sees itself; row r*T + t belongs to query token t (R = rows_per_key_head).
+
+    A padding query would otherwise see no key at all (a NaN row that poisons the cache). The mask is
+    a view of rows padded to MASK_ALIGNMENT, so the fused kernels take it without a copy.
     """
-    key_index = torch.arange(cache_slots, device=slots.device)  # [S]
-    causal = key_index[None, :] <= slots[:, None]  # [T, S]
-    itself = key_index[None, :] == slots[:, None]  # [T, S]
-    return ((causal[None] & key_valid[:, None, :]) | itself[None])[:, None]  # [B, 1, T, S]
+    aligned = -(-cache_slots // MASK_ALIGNMENT) * MASK_ALIGNMENT
+    key_index = torch.arange(aligned, device=slots.device)  # [S']
+    valid = F.pad(key_valid, (0, aligned - cache_slots))  # [B, S'], the padding columns never valid
+    causal = key_index[None, :] <= slots[:, None]  # [T, S']
+    itself = key_index[None, :] == slots[:, None]  # [T, S']
+    visible = (causal[None] & valid[:, None, :]) | itself[None]  # [B, T, S']
+    rows = visible[:, None].expand(-1, rows_per_key_head, -1, -1).reshape(key_valid.shape[0], 1, -1, aligned)
+    zero = torch.zeros((), dtype=dtype, device=slots.device)
+    blocked = torch.full((), float("-inf"), dtype=dtype, device=slots.device)
+    return torch.where(rows, zero, blocked)[..., :cache_slots]  # [B, 1, R*T, S]

@@ -1,0 +1,152 @@
+"""Where a decode step's time goes on the GPU: the bandwidth ceiling, each projection's bandwidth,
+and the engine's decode step under three modes with its kernel time by kind.
+
+  python benchmarks/decode_breakdown.py --model random:llama3-8b --dtype bfloat16 [--json PATH]
+
+1. Ceiling: a device-to-device copy of 4 GiB (bytes read + written per second).
+2. Each projection's matrix-vector product at batch 1, over every layer's weights in turn (so the
+   L2 cache never holds them), replayed from one CUDA graph: time per layer and bytes read per second.
+3. One decode step (batch 1) in eager, piecewise-compiled without graphs, and -O2 (piecewise pieces,
+   whole decode step in one CUDA graph): step time p50, kernels per step, GPU kernel time by kind
+   (profiler), and the share of the step with no kernel running (launch gaps, host time).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from collections import defaultdict
+from pathlib import Path
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+from evalrun.engine.generate import generate_batch  # noqa: E402
+from evalrun.engine.modes import ExecutionMode  # noqa: E402
+from evalrun.engine.transformer import Transformer  # noqa: E402
+from evalrun.models import load_model  # noqa: E402
+
+
+def timed_ms(function, repeats: int) -> float:
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    function()
+    torch.cuda.synchronize()
+    start.record()
+    for _ in range(repeats):
+        function()
+    end.record()
+    end.synchronize()
+    return start.elapsed_time(end) / repeats
+
+
+def copy_bandwidth() -> float:
+    """Bytes read + written per second by a 4 GiB device-to-device copy, in TB/s."""
+    source = torch.empty(2**32, dtype=torch.uint8, device="cuda")
+    target = torch.empty_like(source)
+    ms = timed_ms(lambda: target.copy_(source), 10)
+    return 2 * source.numel() / ms / 1e9
+
+
+def projection_bandwidth(weights: list[torch.Tensor]) -> dict[str, float]:
+    """weights: L matrices [N, K]; x [1, K] @ each, in one graph. Time per matrix and read TB/s."""
+    x = torch.randn(1, weights[0].shape[1], dtype=weights[0].dtype, device="cuda")
+    graph = torch.cuda.CUDAGraph()
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        for w in weights:
+            F.linear(x, w)
+    torch.cuda.current_stream().wait_stream(stream)
+    with torch.cuda.graph(graph):
+        for w in weights:
+            F.linear(x, w)
+    ms = timed_ms(graph.replay, 20) / len(weights)
+    nbytes = weights[0].numel() * weights[0].element_size()
+    return {"shape": list(weights[0].shape), "us": ms * 1000, "tb_per_s": nbytes / ms / 1e9}
+
+
+def kind_of(kernel: str) -> str:
+    name = kernel.lower()
+    if any(tag in name for tag in ("gemv", "gemm", "cutlass", "nvjet", "sm90_xmma", "cublas", "splitk")):
+        return "matmul"
+    if any(tag in name for tag in ("fmha", "attention", "flash", "efficient")):
+        return "attention"
+    if name.startswith("triton"):
+        return "triton (fused)"
+    return "other"
+
+
+def profile_decode(mode: ExecutionMode, workspace, steps: int) -> dict[str, dict[str, float]]:
+    """Kernel count and GPU time by kind over `steps` decode steps, per step."""
+    from torch.profiler import ProfilerActivity, profile
+
+    workspace.step.fill_(1)
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as profiler:
+        for _ in range(steps):
+            mode.decode(workspace)
+        torch.cuda.synchronize()
+    kinds: dict[str, dict[str, float]] = defaultdict(lambda: {"kernels": 0.0, "ms": 0.0})
+    for event in profiler.events():
+        if event.device_type == torch.autograd.DeviceType.CUDA and not event.name.startswith("Memcpy"):
+            kinds[kind_of(event.name)]["kernels"] += 1 / steps
+            kinds[kind_of(event.name)]["ms"] += event.time_range.elapsed_us() / 1000 / steps
+    return dict(kinds)
+
+
+def decode_step(transformer: Transformer, compilation: str, graphs: str, prompt: list[int], steps: int) -> dict:
+    mode = ExecutionMode(transformer, compilation, graphs)
+    mode.plan(len(prompt), steps)
+    for _ in range(1 + mode.calls_to_warm):  # compile, record, then one more warm pass
+        output = generate_batch(transformer, [prompt], steps, pad_id=0, mode=mode)
+    row = {"mode": f"{compilation}/{graphs}", "step_p50_ms": float(np.median(output.step_ms[1:])),
+           "ttft_ms": float(output.step_ms[0])}
+    workspace = next(iter(mode.workspaces.values()), mode.last_workspace)
+    kinds = profile_decode(mode, workspace, 8)
+    kernel_ms = sum(k["ms"] for k in kinds.values())
+    row.update(kernels_per_step=round(sum(k["kernels"] for k in kinds.values()), 1), kernel_ms=kernel_ms,
+               idle_share=max(0.0, 1 - kernel_ms / row["step_p50_ms"]),
+               by_kind={name: {"kernels": round(k["kernels"], 1), "ms": round(k["ms"], 4)} for name, k in kinds.items()})
+    return row
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--model", default="random:llama3-8b")
+    parser.add_argument("--dtype", default="bfloat16")
+    parser.add_argument("--steps", type=int, default=64)
+    parser.add_argument("--json", metavar="PATH")
+    args = parser.parse_args()
+    loaded = load_model(args.model, "cuda", args.dtype)
+    transformer = Transformer(loaded.model)
+    weights_bytes = sum(p.numel() * p.element_size() for name, p in loaded.model.named_parameters()
+                        if "embed_tokens" not in name)
+    report = {"device": torch.cuda.get_device_name(), "torch": torch.__version__, "model": args.model,
+              "dtype": args.dtype, "weights_read_per_step_gb": weights_bytes / 1e9, "copy_tb_per_s": copy_bandwidth()}
+    report["bandwidth_limit_tokens_per_s"] = report["copy_tb_per_s"] * 1e12 / weights_bytes
+    layers = transformer.layers
+    report["projections"] = {name: projection_bandwidth([getattr(w, name) for w in layers])
+                             for name in ("qkv", "o", "gate_up", "down")}
+    report["projections"]["lm_head"] = projection_bandwidth([transformer.lm_head] * 2)
+    prompt = loaded.tokenizer("The capital of France is")["input_ids"]
+    report["decode"] = [decode_step(transformer, c, g, prompt, args.steps)
+                        for c, g in (("none", "none"), ("piecewise", "none"), ("piecewise", "full-and-piecewise"))]
+    print(f"{report['device']}  torch {report['torch']}  {args.model} {args.dtype}")
+    print(f"copy bandwidth {report['copy_tb_per_s']:.2f} TB/s -> limit {report['bandwidth_limit_tokens_per_s']:.0f} tok/s "
+          f"({report['weights_read_per_step_gb']:.2f} GB read per step)")
+    for name, row in report["projections"].items():
+        print(f"  {name:8s} {str(row['shape']):16s} {row['us']:8.1f} us  {row['tb_per_s']:.2f} TB/s")
+    for row in report["decode"]:
+        kinds = "  ".join(f"{k} {v['kernels']:.0f}x {v['ms']:.3f} ms" for k, v in sorted(row["by_kind"].items()))
+        print(f"  {row['mode']:30s} step {row['step_p50_ms']:.3f} ms ({1000 / row['step_p50_ms']:.1f} tok/s)  "
+              f"TTFT {row['ttft_ms']:.1f} ms  {row['kernels_per_step']:.0f} kernels  idle {row['idle_share']:.0%}  {kinds}")
+    if args.json:
+        Path(args.json).write_text(json.dumps(report, indent=1))
+
+
+if __name__ == "__main__":
+    main()
