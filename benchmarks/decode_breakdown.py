@@ -80,8 +80,8 @@ def kind_of(kernel: str) -> str:
     return "other"
 
 
-def profile_decode(mode: ExecutionMode, workspace, steps: int) -> dict[str, dict[str, float]]:
-    """Kernel count and GPU time by kind over `steps` decode steps, per step."""
+def profile_decode(mode: ExecutionMode, workspace, steps: int) -> tuple[dict[str, dict[str, float]], list]:
+    """Kernel count and GPU time by kind over `steps` decode steps, per step; the most launched kernels."""
     from torch.profiler import ProfilerActivity, profile
 
     workspace.step.fill_(1)
@@ -91,11 +91,16 @@ def profile_decode(mode: ExecutionMode, workspace, steps: int) -> dict[str, dict
             mode.decode(workspace)
         torch.cuda.synchronize()
     kinds: dict[str, dict[str, float]] = defaultdict(lambda: {"kernels": 0.0, "ms": 0.0})
+    names: dict[str, list[float]] = defaultdict(lambda: [0.0, 0.0])
     for event in profiler.events():
         if event.device_type == torch.autograd.DeviceType.CUDA and not event.name.startswith("Memcpy"):
+            ms = event.time_range.elapsed_us() / 1000 / steps
             kinds[kind_of(event.name)]["kernels"] += 1 / steps
-            kinds[kind_of(event.name)]["ms"] += event.time_range.elapsed_us() / 1000 / steps
-    return dict(kinds)
+            kinds[kind_of(event.name)]["ms"] += ms
+            names[event.name[:90]][0] += 1 / steps
+            names[event.name[:90]][1] += ms
+    top = sorted(names.items(), key=lambda item: -item[1][0])[:15]
+    return dict(kinds), [{"kernel": name, "per_step": round(n, 1), "ms": round(ms, 4)} for name, (n, ms) in top]
 
 
 def decode_step(transformer: Transformer, compilation: str, graphs: str, prompt: list[int], steps: int) -> dict:
@@ -106,11 +111,12 @@ def decode_step(transformer: Transformer, compilation: str, graphs: str, prompt:
     row = {"mode": f"{compilation}/{graphs}", "step_p50_ms": float(np.median(output.step_ms[1:])),
            "ttft_ms": float(output.step_ms[0])}
     workspace = next(iter(mode.workspaces.values()), mode.last_workspace)
-    kinds = profile_decode(mode, workspace, 8)
+    kinds, top = profile_decode(mode, workspace, 8)
     kernel_ms = sum(k["ms"] for k in kinds.values())
     row.update(kernels_per_step=round(sum(k["kernels"] for k in kinds.values()), 1), kernel_ms=kernel_ms,
                idle_share=max(0.0, 1 - kernel_ms / row["step_p50_ms"]),
-               by_kind={name: {"kernels": round(k["kernels"], 1), "ms": round(k["ms"], 4)} for name, k in kinds.items()})
+               by_kind={name: {"kernels": round(k["kernels"], 1), "ms": round(k["ms"], 4)} for name, k in kinds.items()},
+               top_kernels=top)
     return row
 
 
@@ -132,6 +138,11 @@ def main() -> None:
     report["projections"] = {name: projection_bandwidth([getattr(w, name) for w in layers])
                              for name in ("qkv", "o", "gate_up", "down")}
     report["projections"]["lm_head"] = projection_bandwidth([transformer.lm_head] * 2)
+    default_blas = torch.backends.cuda.preferred_blas_library()
+    torch.backends.cuda.preferred_blas_library("cublaslt")  # the other cuBLAS front end, for comparison
+    report["projections_cublaslt"] = {name: projection_bandwidth([getattr(w, name) for w in layers])
+                                      for name in ("qkv", "o", "gate_up", "down")}
+    torch.backends.cuda.preferred_blas_library(default_blas)
     prompt = loaded.tokenizer("The capital of France is")["input_ids"]
     report["decode"] = [decode_step(transformer, c, g, prompt, args.steps)
                         for c, g in (("none", "none"), ("piecewise", "none"), ("piecewise", "full-and-piecewise"))]
@@ -139,11 +150,15 @@ def main() -> None:
     print(f"copy bandwidth {report['copy_tb_per_s']:.2f} TB/s -> limit {report['bandwidth_limit_tokens_per_s']:.0f} tok/s "
           f"({report['weights_read_per_step_gb']:.2f} GB read per step)")
     for name, row in report["projections"].items():
-        print(f"  {name:8s} {str(row['shape']):16s} {row['us']:8.1f} us  {row['tb_per_s']:.2f} TB/s")
+        lt = report["projections_cublaslt"].get(name)
+        print(f"  {name:8s} {str(row['shape']):16s} {row['us']:8.1f} us  {row['tb_per_s']:.2f} TB/s"
+              + (f"   cublaslt {lt['us']:8.1f} us  {lt['tb_per_s']:.2f} TB/s" if lt else ""))
     for row in report["decode"]:
         kinds = "  ".join(f"{k} {v['kernels']:.0f}x {v['ms']:.3f} ms" for k, v in sorted(row["by_kind"].items()))
         print(f"  {row['mode']:30s} step {row['step_p50_ms']:.3f} ms ({1000 / row['step_p50_ms']:.1f} tok/s)  "
               f"TTFT {row['ttft_ms']:.1f} ms  {row['kernels_per_step']:.0f} kernels  idle {row['idle_share']:.0%}  {kinds}")
+    for entry in report["decode"][-1]["top_kernels"]:
+        print(f"    {entry['per_step']:6.1f}x/step {entry['ms']:.4f} ms  {entry['kernel']}")
     if args.json:
         Path(args.json).write_text(json.dumps(report, indent=1))
 

@@ -17,6 +17,7 @@ import torch
 from .models import splitmix64
 
 _LANE_SEEDS = (0x243F6A8885A308D3, 0x13198A2E03707344)  # pi digits; lane separation
+_LANE_STEP = _LANE_SEEDS[1] - _LANE_SEEDS[0]  # fits in int64: lane seed = lane * step + first seed
 _INDEX_MULTIPLIER = -7046029254386353131  # odd, so index * M is a bijection mod 2^64
 _WORD_MULTIPLIER = -4658895280553007687  # odd
 BITS_VIEW = {torch.float32: torch.int32, torch.bfloat16: torch.int16, torch.float16: torch.int16,
@@ -30,11 +31,14 @@ def raw_bits(logits: torch.Tensor) -> torch.Tensor:
 
 
 def logits_digest(logits: torch.Tensor) -> torch.Tensor:
-    """[B, V] floats -> [B, 2] int64: a 128-bit digest of each row's exact bytes."""
+    """[B, V] floats -> [B, 2] int64: a 128-bit digest of each row's exact bytes (both lanes in one pass)."""
     words = raw_bits(logits)  # [B, V]
-    index = torch.arange(words.shape[-1], device=words.device, dtype=torch.int64) * _INDEX_MULTIPLIER  # [V]
-    lanes = [splitmix64(words * _WORD_MULTIPLIER + index + seed).sum(dim=-1) for seed in _LANE_SEEDS]
-    return torch.stack(lanes, dim=-1)  # [B, 2]
+    device = words.device
+    index = torch.arange(words.shape[-1], device=device, dtype=torch.int64) * _INDEX_MULTIPLIER  # [V]
+    # The lane seeds, made on the device (no host copy, so a CUDA graph can hold this): [2]
+    seeds = torch.arange(2, device=device, dtype=torch.int64) * _LANE_STEP + _LANE_SEEDS[0]
+    terms = (words * _WORD_MULTIPLIER + index)[..., None] + seeds  # [B, V, 2]
+    return splitmix64(terms).sum(dim=1)  # [B, 2]
 
 
 def topk_sketch(logits: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:

@@ -5,9 +5,10 @@ Compilation modes (vLLM's names in brackets)
   stock       torch.compile of the whole forward; guards, breaks, recompiles   [STOCK_TORCH_COMPILE]
   trace-once  torch.compile(fullgraph=True, dynamic=False) per shape bucket;   [DYNAMO_TRACE_ONCE]
               a recompile after warm-up is a fallback
-  piecewise   regional: the layer pieces (norm + projections + rotary; output  [VLLM_COMPILE]
-              projection + MLP; head) compiled once and shared by every layer;
-              attention with its KV-cache write runs between them
+  piecewise   regional: the pieces (prologue: embedding, rotary, mask; norm +   [VLLM_COMPILE]
+              projections + rotary; output projection + MLP; head) compiled once,
+              the layer pieces shared by every layer; attention with its KV-cache
+              write runs between them
 CUDA graph modes
   none                no graphs
   piecewise           Inductor's CUDA graphs around the compiled pieces (prefill and decode)
@@ -30,7 +31,7 @@ import torch
 
 from ..errors import ConfigError
 from .generate import Workspace, decode_step, prefill_step
-from .transformer import Transformer, head, post_attention, pre_attention
+from .transformer import Transformer, head, post_attention, pre_attention, prologue
 
 FULL_DECODE_MODES = ("full", "full-decode-only", "full-and-piecewise")
 PIECEWISE_PREFILL_MODES = ("piecewise", "full-and-piecewise")
@@ -96,6 +97,7 @@ class ExecutionMode:
 
     def _pieces(self, tag: str, graphs: bool) -> Transformer:
         view = copy.copy(self.transformer)
+        view.prologue = self._compile(prologue, f"{tag}_prologue", graphs, True, False)
         view.pre_attention = self._compile(pre_attention, f"{tag}_pre", graphs, True, False)
         view.post_attention = self._compile(post_attention, f"{tag}_post", graphs, True, False)
         view.head = self._compile(head, f"{tag}_head", graphs, True, False)

@@ -62,17 +62,16 @@ def stack_rows(module_weights: list[torch.nn.Parameter]) -> torch.Tensor:
 
 
 class KVCache:
-    """Keys and values for every layer, allocated once: [layers, B, G, S, D] each."""
+    """Keys and values of every layer in one tensor, allocated once: [layers, 2, B, G, S, D]
+    (index 0 keys, 1 values), so one copy per layer writes a step's keys and values."""
 
     def __init__(self, layers: int, batch: int, heads: int, slots: int, head_dim: int,
                  dtype: torch.dtype, device: torch.device):
-        shape = (layers, batch, heads, slots, head_dim)
-        self.keys = torch.zeros(shape, dtype=dtype, device=device)
-        self.values = torch.zeros(shape, dtype=dtype, device=device)
+        self.kv = torch.zeros((layers, 2, batch, heads, slots, head_dim), dtype=dtype, device=device)
 
     @property
     def slots(self) -> int:
-        return self.keys.shape[3]
+        return self.kv.shape[4]
 
 
 class Transformer:
@@ -93,13 +92,13 @@ class Transformer:
         self.final_norm = inner.norm.weight
         self.lm_head = hf_model.lm_head.weight  # [V, hidden]
         self.layers = [self._layer(layer) for layer in inner.layers]
-        rotary = inner.rotary_emb
+        rotary_embedding = inner.rotary_emb
         # The pieces the forward calls; an execution mode may replace them with compiled versions.
-        self.pre_attention, self.post_attention, self.head = pre_attention, post_attention, head
+        self.prologue, self.pre_attention, self.post_attention, self.head = prologue, pre_attention, post_attention, head
         self.dtype = self.embed.dtype
         self.compute_dtype = torch.promote_types(self.dtype, torch.float32)  # norms and rotary angles
-        self.inv_freq = rotary.inv_freq.to(self.compute_dtype)  # [D/2]
-        self.rope_scale = float(getattr(rotary, "attention_scaling", 1.0))
+        self.inv_freq = rotary_embedding.inv_freq.to(self.compute_dtype)  # [D/2]
+        self.rope_scale = float(getattr(rotary_embedding, "attention_scaling", 1.0))
         self.device = self.embed.device
         self.vocab_size = self.lm_head.shape[0]
 
@@ -118,34 +117,44 @@ class Transformer:
 
     # ------------------------------------------------------------ forward
 
-    def rotary(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """positions [B, T] -> cos, sin [B, 1, T, D] in the model dtype."""
-        angles = positions.to(self.compute_dtype)[..., None] * self.inv_freq  # [B, T, D/2]
-        angles = torch.cat((angles, angles), dim=-1)  # [B, T, D]
-        cos = (angles.cos() * self.rope_scale).to(self.dtype)
-        sin = (angles.sin() * self.rope_scale).to(self.dtype)
-        return cos[:, None], sin[:, None]
-
-    def attend(self, index: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, slots: torch.Tensor,
-               mask: torch.Tensor, cache: KVCache) -> torch.Tensor:
-        """Write k, v [B, G, T, D] into layer `index`'s cache at `slots` [T]; attend over all S slots."""
-        keys, values = cache.keys[index], cache.values[index]  # [B, G, S, D]
-        keys.index_copy_(2, slots, k)
-        values.index_copy_(2, slots, v)
-        return attention(q, keys, values, mask, self.attn_implementation)
+    def attend(self, index: int, q: torch.Tensor, kv: torch.Tensor, slots: torch.Tensor, mask: torch.Tensor,
+               cache: KVCache) -> torch.Tensor:
+        """Write kv [2, B, G, T, D] into layer `index`'s cache at `slots` [T]; attend over all S slots."""
+        layer = cache.kv[index]  # [2, B, G, S, D]
+        layer.index_copy_(3, slots, kv)
+        return attention(q, layer[0], layer[1], mask, self.attn_implementation)
 
     def forward(self, tokens: torch.Tensor, positions: torch.Tensor, slots: torch.Tensor,
                 key_valid: torch.Tensor, cache: KVCache) -> torch.Tensor:
         """tokens/positions [B, T], slots [T], key_valid [B, S] -> logits of the last token [B, V]."""
-        x = F.embedding(tokens, self.embed)  # [B, T, hidden]
-        cos, sin = self.rotary(positions)
-        mask = build_mask(slots, key_valid, cache.slots, self.heads // self.kv_heads, self.dtype)
+        x, cos, sin, mask = self.prologue(tokens, positions, slots, key_valid, self.embed, self.inv_freq,
+                                          self.rope_scale, self.heads // self.kv_heads)
         shape = (self.heads, self.kv_heads, self.head_dim, self.eps)
         for index, w in enumerate(self.layers):
-            q, k, v = self.pre_attention(x, cos, sin, w.input_norm, w.qkv, *shape)
-            attended = self.attend(index, q, k, v, slots, mask, cache)
+            q, kv = self.pre_attention(x, cos, sin, w.input_norm, w.qkv, *shape)
+            attended = self.attend(index, q, kv, slots, mask, cache)
             x = self.post_attention(x, attended, w.o, w.post_norm, w.gate_up, w.down, self.eps)
         return self.head(x[:, -1], self.final_norm, self.lm_head, self.eps)
+
+
+# The pure pieces of the forward. Piecewise compilation compiles these (one compiled artefact per
+# piece serves every layer: same code, same shapes); attention and its KV-cache write stay between.
+
+def prologue(tokens: torch.Tensor, positions: torch.Tensor, slots: torch.Tensor, key_valid: torch.Tensor,
+             embed: torch.Tensor, inv_freq: torch.Tensor, rope_scale: float, rows_per_key_head: int,
+             ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """What every layer shares: embeddings x [B, T, hidden], rotary cos/sin [B, 1, T, D], attention mask."""
+    x = F.embedding(tokens, embed)
+    cos, sin = rotary(positions, inv_freq, rope_scale, embed.dtype)
+    return x, cos, sin, build_mask(slots, key_valid, key_valid.shape[1], rows_per_key_head, embed.dtype)
+
+
+def rotary(positions: torch.Tensor, inv_freq: torch.Tensor, scale: float,
+           dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+    """positions [B, T], inv_freq [D/2] (fp32, fp64 for an fp64 model) -> cos, sin [B, 1, T, D] in `dtype`."""
+    angles = positions.to(inv_freq.dtype)[..., None] * inv_freq  # [B, T, D/2]
+    angles = torch.cat((angles, angles), dim=-1)  # [B, T, D]
+    return (angles.cos() * scale).to(dtype)[:, None], (angles.sin() * scale).to(dtype)[:, None]
 
 
 # The pure pieces of a decoder layer. Piecewise compilation compiles these (one compiled artefact
@@ -166,11 +175,11 @@ def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch
 def pre_attention(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, input_norm: torch.Tensor,
                   wqkv: torch.Tensor, heads: int, kv_heads: int, head_dim: int,
                   eps: float) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """x [B, T, hidden] -> q [B, H, T, D], k and v [B, G, T, D], rotary applied to q and k."""
+    """x [B, T, hidden] -> q [B, H, T, D] and kv [2, B, G, T, D] (keys, values), rotary applied to q and k."""
     batch, tokens, _ = x.shape
     qkv = F.linear(rms_norm(x, input_norm, eps), wqkv).view(batch, tokens, heads + 2 * kv_heads, head_dim)
     q, k, v = qkv.transpose(1, 2).split([heads, kv_heads, kv_heads], dim=1)
-    return apply_rotary(q, cos, sin), apply_rotary(k, cos, sin), v
+    return apply_rotary(q, cos, sin), torch.stack((apply_rotary(k, cos, sin), v))
 
 
 def post_attention(x: torch.Tensor, attended: torch.Tensor, wo: torch.Tensor, post_norm: torch.Tensor,
