@@ -1,6 +1,7 @@
 import numpy as np
 import pytest
 import torch
+import torch.nn.functional as F
 
 from evalrun.engine.generate import generate_batch
 from evalrun.engine.transformer import Transformer
@@ -140,3 +141,19 @@ def test_rms_norm_matches_transformers_bit_for_bit_in_bfloat16():
     x = (torch.randn(2, 5, 96, generator=generator) * 4).to(torch.bfloat16)
     with torch.no_grad():
         assert torch.equal(rms_norm(x, reference.weight, 1e-5), reference(x))
+
+
+def test_attention_takes_any_output_layout_of_the_fused_kernel(monkeypatch):
+    """CUDA's memory-efficient kernel returns [B, M, H, K]-ordered memory: the result must not rely on a view."""
+    import evalrun.engine.transformer as transformer
+
+    real = F.scaled_dot_product_attention
+    monkeypatch.setattr(transformer.F, "scaled_dot_product_attention",
+                        lambda *args, **kw: real(*args, **kw).transpose(1, 2).contiguous().transpose(1, 2))
+    generator = torch.Generator().manual_seed(2)
+    q = torch.randn(1, 4, 3, 8, generator=generator)
+    k, v = (torch.randn(1, 2, 5, 8, generator=generator) for _ in range(2))
+    mask = transformer.build_mask(torch.tensor([2, 3, 4]), torch.ones(1, 5, dtype=torch.bool), 5, 2, torch.float32)
+    out = transformer.attention(q, k, v, mask, "sdpa")
+    monkeypatch.setattr(transformer.F, "scaled_dot_product_attention", real)
+    torch.testing.assert_close(out, transformer.attention(q, k, v, mask, "sdpa"), rtol=0, atol=0)

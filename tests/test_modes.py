@@ -155,3 +155,24 @@ def test_bench_config_timeout_stops_one_configuration_and_says_so(cli):
 def test_bench_unknown_config(cli):
     code, _, err = cli("bench", "--model", "random:tiny", "--matrix", "O9")
     assert code == 2 and "unknown bench config" in err
+
+
+def test_inductor_graph_modes_warm_each_shape_twice(monkeypatch):
+    """Inductor's CUDA graph trees record a path on its second call: warm-up must make that call,
+    or the first measured prefills record (the 400 ms TTFT once measured on the H200)."""
+    from evalrun import runner
+    from evalrun.config import build_config
+
+    flags = {"model": "random:tiny", "prompts": "smoke", "max_new_tokens": 2, "compilation_mode": "piecewise"}
+    prepared = runner.prepare(build_config(flags=flags))
+    mode = prepared.execution_mode()
+    batches = runner.plan_batches(prepared.prompt_set, prepared.effective)
+    shapes = len(runner.warmup_batches(batches, prepared, mode))
+    calls, real = [], runner.run_batch
+    monkeypatch.setattr(runner, "run_batch", lambda *args, **kw: calls.append(1) or real(*args, **kw))
+    runner.generate_all(prepared)
+    assert len(calls) == shapes + len(batches)
+    calls.clear()
+    mode.inductor_graphs = True  # what --cudagraph-mode piecewise / full-and-piecewise set (GPU only)
+    runner.generate_all(prepared)
+    assert len(calls) == 2 * shapes + len(batches)

@@ -208,7 +208,7 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Ten
         scores = (grouped @ k.transpose(-1, -2)) * dim**-0.5 + mask  # [B, G, R*T, S]
         wide = torch.promote_types(q.dtype, torch.float32)
         out = torch.softmax(scores, dim=-1, dtype=wide).to(q.dtype) @ v
-    return out.view(batch, heads, tokens, dim)
+    return out.reshape(batch, heads, tokens, dim)  # a copy only where the kernel's output layout needs one
 
 
 MASK_ALIGNMENT = 16  # fused attention kernels want the mask's row stride a multiple of 16 elements
