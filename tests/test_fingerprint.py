@@ -118,3 +118,19 @@ def test_prompt_set_hash_covers_records_and_token_ids():
     ids = [list(t) for t in base.token_ids]
     ids[1][0] += 1
     assert PromptSet("x", "x", base.records, ids).hash != base.hash
+
+
+def test_environment_names_the_engine_code(monkeypatch, tmp_path):
+    """An engine change must show as an environment difference, not pass for nondeterminism."""
+    from evalrun import fingerprint
+
+    digest = fingerprint.engine_code_digest()
+    assert environment("cpu")["engine_code"] == digest and len(digest) == 32
+    package = tmp_path / "evalrun"
+    (package / "engine").mkdir(parents=True)
+    for name in ("fingerprint.py", "capture.py", "engine/transformer.py"):
+        (package / name).write_text(f"# {name}\n")
+    monkeypatch.setattr(fingerprint, "__file__", str(package / "fingerprint.py"))
+    copy = fingerprint.engine_code_digest()
+    (package / "engine" / "transformer.py").write_text("# transformer.py, one line changed\n")
+    assert fingerprint.engine_code_digest() != copy != digest
