@@ -27,20 +27,20 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from evalrun.engine.generate import generate_batch  # noqa: E402
 from evalrun.engine.modes import ExecutionMode  # noqa: E402
+from evalrun.engine.timing import StepClock  # noqa: E402
 from evalrun.engine.transformer import Transformer  # noqa: E402
 from evalrun.models import load_model  # noqa: E402
 
 
 def timed_ms(function, repeats: int) -> float:
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    """Mean device time of `function` over `repeats` calls, after one untimed call."""
     function()
-    torch.cuda.synchronize()
-    start.record()
+    clock = StepClock(torch.device("cuda"))
+    clock.start()
     for _ in range(repeats):
         function()
-    end.record()
-    end.synchronize()
-    return start.elapsed_time(end) / repeats
+    clock.mark()
+    return float(clock.elapsed_ms()[0]) / repeats
 
 
 def copy_bandwidth() -> float:
@@ -103,7 +103,7 @@ def profile_decode(mode: ExecutionMode, workspace, steps: int) -> tuple[dict[str
     return dict(kinds), [{"kernel": name, "per_step": round(n, 1), "ms": round(ms, 4)} for name, (n, ms) in top]
 
 
-def decode_step(transformer: Transformer, compilation: str, graphs: str, prompt: list[int], steps: int) -> dict:
+def measure_decode(transformer: Transformer, compilation: str, graphs: str, prompt: list[int], steps: int) -> dict:
     mode = ExecutionMode(transformer, compilation, graphs)
     mode.plan(len(prompt), steps)
     for _ in range(1 + mode.calls_to_warm):  # compile, record, then one more warm pass
@@ -144,7 +144,7 @@ def main() -> None:
                                       for name in ("qkv", "o", "gate_up", "down")}
     torch.backends.cuda.preferred_blas_library(default_blas)
     prompt = loaded.tokenizer("The capital of France is")["input_ids"]
-    report["decode"] = [decode_step(transformer, c, g, prompt, args.steps)
+    report["decode"] = [measure_decode(transformer, c, g, prompt, args.steps)
                         for c, g in (("none", "none"), ("piecewise", "none"), ("piecewise", "full-and-piecewise"))]
     print(f"{report['device']}  torch {report['torch']}  {args.model} {args.dtype}")
     print(f"copy bandwidth {report['copy_tb_per_s']:.2f} TB/s -> limit {report['bandwidth_limit_tokens_per_s']:.0f} tok/s "

@@ -11,12 +11,13 @@ from __future__ import annotations
 import os
 import platform
 import sys
+from pathlib import Path
 from typing import Any
 
 import numpy as np
 import torch
 
-from .hashing import hash_value
+from .hashing import hash_bytes, hash_value
 
 # Environment variables that can change kernels, their selection, or their reduction order.
 NUMERICS_ENV_VARS = (
@@ -100,10 +101,6 @@ ENGINE_SOURCES = ("engine/*.py", "capture.py")
 def engine_code_digest() -> str:
     """xxh3-128 over the engine's source files (name and bytes), so a golden made before an engine
     change is explained by the environment diff ("engine_code"), not taken for nondeterminism."""
-    from pathlib import Path
-
-    from .hashing import hash_bytes
-
     package = Path(__file__).resolve().parent
     files = sorted(path for pattern in ENGINE_SOURCES for path in package.glob(pattern))
     return hash_bytes(*[chunk for path in files for chunk in (path.relative_to(package).as_posix().encode(),

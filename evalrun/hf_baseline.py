@@ -5,8 +5,9 @@
 `eager` is plain greedy `generate` with its dynamic cache; `static-compile` uses
 `cache_implementation="static"`, for which `generate` compiles the decoding forward itself (its
 `compile_config`). Compiling `model.forward` by hand with mode reduce-overhead broke on the H200
-(CUDA-graph outputs overwritten between generate's steps), so the built-in path is the baseline. Batch 1, one prompt at a time,
-exactly --max-new-tokens each, after a warm-up of every prompt. Prints the same timing JSON shape as `evalrun run --json`.
+(CUDA-graph outputs overwritten between generate's steps), so the built-in path is the baseline.
+Batch 1, one prompt at a time, exactly --max-new-tokens each, after a warm-up of every prompt.
+Prints the same timing JSON shape as `evalrun run --json`.
 """
 
 from __future__ import annotations

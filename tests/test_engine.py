@@ -119,7 +119,7 @@ def test_grouped_query_attention_equals_attention_over_repeated_heads():
     key_valid = torch.ones(batch, slots, dtype=torch.bool)
     key_valid[1, :4] = False  # row 1 left-padded
     query_slots = torch.tensor([9, 10, 11])
-    mask = build_mask(query_slots, key_valid, slots, heads // kv_heads, torch.float64)
+    mask = build_mask(query_slots, key_valid, heads // kv_heads, torch.float64)
     assert mask.shape == (batch, 1, heads // kv_heads * tokens, slots)
     repeated_k, repeated_v = (t.repeat_interleave(heads // kv_heads, dim=1) for t in (k, v))
     visible = (torch.arange(slots)[None, :] <= query_slots[:, None])[None] & key_valid[:, None, :]  # [B, T, S]
@@ -153,7 +153,7 @@ def test_attention_takes_any_output_layout_of_the_fused_kernel(monkeypatch):
     generator = torch.Generator().manual_seed(2)
     q = torch.randn(1, 4, 3, 8, generator=generator)
     k, v = (torch.randn(1, 2, 5, 8, generator=generator) for _ in range(2))
-    mask = transformer.build_mask(torch.tensor([2, 3, 4]), torch.ones(1, 5, dtype=torch.bool), 5, 2, torch.float32)
+    mask = transformer.build_mask(torch.tensor([2, 3, 4]), torch.ones(1, 5, dtype=torch.bool), 2, torch.float32)
     out = transformer.attention(q, k, v, mask, "sdpa")
     monkeypatch.setattr(transformer.F, "scaled_dot_product_attention", real)
     torch.testing.assert_close(out, transformer.attention(q, k, v, mask, "sdpa"), rtol=0, atol=0)

@@ -3,7 +3,7 @@
 The weights stay in the Hugging Face module: q/k/v and gate/up are stacked into one matrix each,
 and the module's parameters become views of it (no copies). This module only changes how the forward
 runs: a static KV cache allocated once at a fixed size, positions and cache slots given as
-tensors, and a boolean mask built from them, so that every decode step has the same shapes and can
+tensors, and an additive mask built from them, so that every decode step has the same shapes and can
 be compiled with `fullgraph=True` and captured in a CUDA graph.
 
 Shapes: B batch, T tokens in this call, S cache slots, H query heads, G key/value heads, D head dim,
@@ -96,8 +96,8 @@ class Transformer:
         # The pieces the forward calls; an execution mode may replace them with compiled versions.
         self.prologue, self.pre_attention, self.post_attention, self.head = prologue, pre_attention, post_attention, head
         self.dtype = self.embed.dtype
-        self.compute_dtype = torch.promote_types(self.dtype, torch.float32)  # norms and rotary angles
-        self.inv_freq = rotary_embedding.inv_freq.to(self.compute_dtype)  # [D/2]
+        # [D/2]; rotary angles in fp32 (fp64 for an fp64 model)
+        self.inv_freq = rotary_embedding.inv_freq.to(torch.promote_types(self.dtype, torch.float32))
         self.rope_scale = float(getattr(rotary_embedding, "attention_scaling", 1.0))
         self.device = self.embed.device
         self.vocab_size = self.lm_head.shape[0]
@@ -146,7 +146,7 @@ def prologue(tokens: torch.Tensor, positions: torch.Tensor, slots: torch.Tensor,
     """What every layer shares: embeddings x [B, T, hidden], rotary cos/sin [B, 1, T, D], attention mask."""
     x = F.embedding(tokens, embed)
     cos, sin = rotary(positions, inv_freq, rope_scale, embed.dtype)
-    return x, cos, sin, build_mask(slots, key_valid, key_valid.shape[1], rows_per_key_head, embed.dtype)
+    return x, cos, sin, build_mask(slots, key_valid, rows_per_key_head, embed.dtype)
 
 
 def rotary(positions: torch.Tensor, inv_freq: torch.Tensor, scale: float,
@@ -156,9 +156,6 @@ def rotary(positions: torch.Tensor, inv_freq: torch.Tensor, scale: float,
     angles = torch.cat((angles, angles), dim=-1)  # [B, T, D]
     return (angles.cos() * scale).to(dtype)[:, None], (angles.sin() * scale).to(dtype)[:, None]
 
-
-# The pure pieces of a decoder layer. Piecewise compilation compiles these (one compiled artefact
-# serves every layer: same code, same shapes); attention and its KV-cache write stay between them.
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     """Llama RMSNorm as transformers computes it: normalise in fp32 (PyTorch's fused kernel accumulates
@@ -174,7 +171,7 @@ def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch
 
 def pre_attention(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, input_norm: torch.Tensor,
                   wqkv: torch.Tensor, heads: int, kv_heads: int, head_dim: int,
-                  eps: float) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+                  eps: float) -> tuple[torch.Tensor, torch.Tensor]:
     """x [B, T, hidden] -> q [B, H, T, D] and kv [2, B, G, T, D] (keys, values), rotary applied to q and k."""
     batch, tokens, _ = x.shape
     qkv = F.linear(rms_norm(x, input_norm, eps), wqkv).view(batch, tokens, heads + 2 * kv_heads, head_dim)
@@ -214,14 +211,14 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Ten
 MASK_ALIGNMENT = 16  # fused attention kernels want the mask's row stride a multiple of 16 elements
 
 
-def build_mask(slots: torch.Tensor, key_valid: torch.Tensor, cache_slots: int, rows_per_key_head: int,
-               dtype: torch.dtype) -> torch.Tensor:
+def build_mask(slots: torch.Tensor, key_valid: torch.Tensor, rows_per_key_head: int, dtype: torch.dtype) -> torch.Tensor:
     """slots [T], key_valid [B, S] -> additive mask [B, 1, R*T, S] (0 or -inf): causal, padding hidden,
     each query sees itself; row r*T + t belongs to query token t (R = rows_per_key_head).
 
     A padding query would otherwise see no key at all (a NaN row that poisons the cache). The mask is
     a view of rows padded to MASK_ALIGNMENT, so the fused kernels take it without a copy.
     """
+    cache_slots = key_valid.shape[1]
     aligned = -(-cache_slots // MASK_ALIGNMENT) * MASK_ALIGNMENT
     key_index = torch.arange(aligned, device=slots.device)  # [S']
     valid = F.pad(key_valid, (0, aligned - cache_slots))  # [B, S'], the padding columns never valid
