@@ -15,7 +15,9 @@ import statistics
 
 import torch
 
-from evalrun.engine.generate import CaptureBuffers, capture_step, generate_batch
+from evalrun.engine.driver import generate_batch
+from evalrun.engine.generate import BatchSpec, CaptureBuffers, capture_step
+from evalrun.config import CompilationMode, CUDAGraphMode
 from evalrun.engine.modes import ExecutionMode
 from evalrun.engine.timing import StepClock
 from evalrun.engine.transformer import Transformer
@@ -25,7 +27,7 @@ PROMPT = "Benchmarks measure what a change costs, side by side, in one process, 
 
 
 def decode_ms(model: Transformer, prompts: list[list[int]], steps: int, capture: bool, mode=None) -> float:
-    output = generate_batch(model, prompts, steps, pad_id=0, capture=capture, mode=mode)
+    output = generate_batch(model, BatchSpec(prompts, steps, pad_id=0, capture=capture), mode)
     return float(output.step_ms[1:].sum())
 
 
@@ -65,7 +67,7 @@ def main() -> None:
     loaded = load_model(args.model, args.device, dtype)
     model = Transformer(loaded.model)
     prompts = [loaded.tokenizer(PROMPT)["input_ids"]] * args.batch_size
-    mode = ExecutionMode(model, "none", "full-decode-only") if args.cudagraph else None
+    mode = ExecutionMode(model, CompilationMode.NONE, CUDAGraphMode.FULL_DECODE_ONLY) if args.cudagraph else None
     for capture in (True, False):  # warm-up: allocator, kernels selection, caches
         decode_ms(model, prompts, args.max_new_tokens, capture, mode)
     on, off = [], []

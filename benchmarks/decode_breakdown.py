@@ -25,7 +25,9 @@ import torch.nn.functional as F
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from evalrun.engine.generate import generate_batch  # noqa: E402
+from evalrun.engine.driver import generate_batch
+from evalrun.engine.generate import BatchSpec  # noqa: E402
+from evalrun.config import CompilationMode, CUDAGraphMode  # noqa: E402
 from evalrun.engine.modes import ExecutionMode  # noqa: E402
 from evalrun.engine.timing import StepClock  # noqa: E402
 from evalrun.engine.transformer import Transformer  # noqa: E402
@@ -104,10 +106,10 @@ def profile_decode(mode: ExecutionMode, workspace, steps: int) -> tuple[dict[str
 
 
 def measure_decode(transformer: Transformer, compilation: str, graphs: str, prompt: list[int], steps: int) -> dict:
-    mode = ExecutionMode(transformer, compilation, graphs)
+    mode = ExecutionMode(transformer, CompilationMode(compilation), CUDAGraphMode(graphs))
     mode.plan(len(prompt), steps)
     for _ in range(1 + mode.calls_to_warm):  # compile, record, then one more warm pass
-        output = generate_batch(transformer, [prompt], steps, pad_id=0, mode=mode)
+        output = generate_batch(transformer, BatchSpec([prompt], steps, pad_id=0), mode)
     row = {"mode": f"{compilation}/{graphs}", "step_p50_ms": float(np.median(output.step_ms[1:])),
            "ttft_ms": float(output.step_ms[0])}
     workspace = next(iter(mode.workspaces.values()), mode.last_workspace)

@@ -17,11 +17,61 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable
 
+from .errors import ConfigError
+
 
 GPU_MATRIX = [("-O0", ["-O0"]), ("-O1", ["-O1"]), ("-O2", ["-O2"]), ("-O3", ["-O3"])]
 CPU_MATRIX = [("-O0", ["-O0"]), ("stock", ["--compilation-mode", "stock"]),
               ("trace-once", ["--compilation-mode", "trace-once"]), ("piecewise", ["--compilation-mode", "piecewise"])]
 BASELINES = ("eager", "static-compile")
+
+
+@dataclass(frozen=True)
+class BenchRequest:
+    """The options of `evalrun bench`: the common run options, the matrix, baselines, the per-config limit."""
+
+    model: str | None = None
+    prompts: str | None = None
+    dtype: str | None = None
+    device: str | None = None
+    max_new_tokens: int | None = None
+    batch_size: int | None = None
+    matrix_names: str | None = None
+    baselines: bool = True
+    timeout: float = 3600
+
+    def common_options(self, baseline: bool = False) -> list[str]:
+        """Options for every evalrun configuration (`baseline`: for transformers' baselines, batch 1)."""
+        options = []
+        pairs = [("--model", self.model), ("--prompts", self.prompts), ("--dtype", self.dtype),
+                 ("--device", self.device), ("--max-new-tokens", self.max_new_tokens)]
+        for flag, value in pairs + ([] if baseline else [("--batch-size", self.batch_size)]):
+            if value is not None:
+                options += [flag, str(value)]
+        return options
+
+    def matrix(self, on_gpu: bool) -> list[tuple[str, list[str]]]:
+        """The configurations to measure: the named ones, else the device's default matrix."""
+        if not self.matrix_names:
+            return GPU_MATRIX if on_gpu else CPU_MATRIX
+        known = {name: options for name, options in GPU_MATRIX + CPU_MATRIX}
+        known.update({"none": ["--compilation-mode", "none"]})
+        known.update({name.lstrip("-"): options for name, options in GPU_MATRIX})
+        names = [name.strip() for name in self.matrix_names.split(",")]
+        unknown = [name for name in names if name not in known]
+        if unknown:
+            raise ConfigError(f"unknown bench config {unknown[0]!r}; use {', '.join(sorted(known))}")
+        return [(name, known[name]) for name in names]
+
+
+def run_bench(request: BenchRequest, on_start: Callable[[str], None]) -> list[dict[str, Any]]:
+    """The whole bench: each configuration and baseline in a fresh process, then the table's rows."""
+    import torch
+
+    on_gpu = (request.device or "auto") != "cpu" and torch.cuda.is_available()
+    rows = run_matrix(request.common_options(), request.matrix(on_gpu), request.baselines, on_start, request.timeout,
+                      baseline_options=request.common_options(baseline=True))
+    return table_rows(rows)
 
 
 @dataclass
@@ -39,11 +89,14 @@ def _child(arguments: list[str], timeout: float) -> tuple[dict[str, Any] | None,
     if process.returncode != 0:
         lines = process.stderr.strip().splitlines()
         return None, lines[-1] if lines else f"exit {process.returncode}"
-    return json.loads(process.stdout), None
+    try:
+        return json.loads(process.stdout), None
+    except json.JSONDecodeError:
+        return None, "the configuration's process printed no JSON result"
 
 
 def run_matrix(common: list[str], matrix: list[tuple[str, list[str]]], baselines: bool, on_start: Callable[[str], None],
-               timeout: float = 3600) -> list[BenchRow]:
+               timeout: float = 3600, baseline_options: list[str] | None = None) -> list[BenchRow]:
     """Run every configuration and baseline in its own process; failures become rows with an error."""
     rows = []
     with tempfile.TemporaryDirectory() as directory:
@@ -54,7 +107,7 @@ def run_matrix(common: list[str], matrix: list[tuple[str, list[str]]], baselines
             rows.append(BenchRow(name, result, error))
         for kind in BASELINES if baselines else ():
             on_start(f"transformers {kind}")
-            result, error = _child(["evalrun.hf_baseline", "--kind", kind, *common], timeout)
+            result, error = _child(["evalrun.hf_baseline", "--kind", kind, *(baseline_options or [])], timeout)
             rows.append(BenchRow(f"transformers {kind}", result, error))
     return rows
 

@@ -1,12 +1,17 @@
-"""The `evalrun` command: parse, call the library, map errors to exit codes.
+"""The `evalrun` command: parse, call one library function, render. Errors are mapped once, in `main()`.
 
-Exit codes: 0 success; 1 a check failed; 2 the command could not do its job (one line on stderr).
+Exit codes (errors.py): 0 success; 1 a check failed; 2 the command could not do its job (one line on
+stderr); 3 evalrun itself failed (one line naming the file that holds the traceback).
 """
 
 from __future__ import annotations
 
-import functools
+import errno
+import os
+import sqlite3
 import sys
+import tempfile
+import traceback
 from pathlib import Path
 from typing import Any, Callable
 
@@ -14,19 +19,19 @@ import click
 
 from . import report
 from .config import build_config, parse_opt_level
-from .errors import EvalrunError
+from .errors import EXIT_CHANGED, EXIT_INTERNAL, EXIT_UNUSABLE, EvalrunError, OutputError
 from .store import Store, default_store_path
 
 RUN_FLAG_NAMES = ("model", "prompts", "opt_level", "compilation_mode", "cudagraph_mode", "dtype", "device",
                   "max_new_tokens", "batch_size", "deterministic", "strict_config", "keep_logits")
 
 
-class Failure(Exception):
-    """Raised inside a command to exit with `code` after printing `message` (if any) to stderr."""
+class Exit(Exception):
+    """Raised inside a command to exit with `code`, printing `message` (if any) to stderr."""
 
-    def __init__(self, message: str | None, code: int):
+    def __init__(self, code: int, message: str | None = None):
         super().__init__(message)
-        self.message, self.code = message, code
+        self.code, self.message = code, message
 
 
 def run_options(command: Callable) -> Callable:
@@ -38,13 +43,13 @@ def run_options(command: Callable) -> Callable:
         click.option("-O", "--opt-level", "opt_level", metavar="N", help="Optimization level 0-3."),
         click.option("--compilation-mode", metavar="M", help="none|stock|trace-once|piecewise (or vLLM names)."),
         click.option("--cudagraph-mode", metavar="M", help="none|piecewise|full|full-decode-only|full-and-piecewise."),
-        click.option("--dtype", metavar="T", help="float32|bfloat16|float16 (default: float32 on CPU, bfloat16 on GPU)."),
+        click.option("--dtype", metavar="T", help="float32|bfloat16|float16|float64 (default: float32 on CPU, bfloat16 on GPU)."),
         click.option("--device", metavar="D", help="auto|cpu|cuda[:N]."),
         click.option("--max-new-tokens", type=int, help="Tokens to generate per prompt."),
         click.option("--batch-size", type=int, help="Prompts per batch."),
         click.option("--deterministic/--no-deterministic", default=None, help="Deterministic algorithms and flags."),
         click.option("--strict-config", is_flag=True, default=None, help="A fallback from the requested mode is an error."),
-        click.option("--keep-logits", metavar="none|all", help="Store full logits of every step (compressed)."),
+        click.option("--keep-logits", metavar="none|all|ID@A-B,...", help="Store full logits (compressed) for diffs."),
         click.option("--set", "sets", multiple=True, metavar="KEY=VALUE", help="Set any config key (repeatable)."),
     ]
     for option in reversed(options):
@@ -52,7 +57,19 @@ def run_options(command: Callable) -> Callable:
     return command
 
 
-json_option = click.option("--json", "as_json", is_flag=True, help="Machine-readable output on stdout.")
+def output_options(*formats: str) -> Callable:
+    """`--format` (one of `formats`) and `--json` (its alias for json), the same on every command."""
+
+    def decorate(command: Callable) -> Callable:
+        command = click.option("--json", "as_json", is_flag=True, help="Same as --format json.")(command)
+        return click.option("--format", "output_format", type=click.Choice(formats), default=formats[0],
+                            show_default=True, help="Output format on stdout.")(command)
+
+    return decorate
+
+
+def chosen_format(output_format: str, as_json: bool) -> str:
+    return "json" if as_json else output_format
 
 
 def run_flags(kwargs: dict[str, Any]) -> tuple[str | None, dict[str, Any], tuple[str, ...]]:
@@ -97,23 +114,25 @@ def phase_progress(quiet: bool):
     return start
 
 
-def handle_errors(function: Callable) -> Callable:
-    @functools.wraps(function)
-    def wrapper(*args, **kwargs):
-        try:
-            return function(*args, **kwargs)
-        except EvalrunError as error:
-            raise Failure(f"evalrun: error: {error}", 2) from None
-    return wrapper
-
-
 def store_option(command: Callable) -> Callable:
     return click.option("--store", "store_path", type=click.Path(path_type=Path), default=None,
                         help="Store file (default: $EVALRUN_STORE or store/evalrun.db).")(command)
 
 
+quiet_option = click.option("--quiet", "-q", is_flag=True, help="No progress bar.")
+
+
 def open_store(store_path: Path | None, create: bool = True) -> Store:
     return Store(store_path or default_store_path(), create=create)
+
+
+def writable_output(path: Path | None, what: str) -> None:
+    """Check an output path before any model runs: its folder exists and can be written."""
+    if path is None:
+        return
+    folder = path.parent if str(path.parent) else Path(".")
+    if path.is_dir() or not folder.is_dir() or not os.access(folder, os.W_OK):
+        raise OutputError(f"{what} {path}: cannot write there (is its folder there and writable?); pass another path")
 
 
 @click.group(context_settings={"help_option_names": ["-h", "--help"]})
@@ -131,10 +150,9 @@ def cli() -> None:
 @run_options
 @store_option
 @click.option("--label", help="A note stored with the run.")
-@json_option
-@click.option("--quiet", "-q", is_flag=True, help="No progress bar.")
-@handle_errors
-def run(store_path, label, as_json, quiet, **kwargs) -> None:
+@output_options("text", "json")
+@quiet_option
+def run(store_path, label, output_format, as_json, quiet, **kwargs) -> None:
     """Run the prompt set, capture every step's logits, store the run.
 
     \b
@@ -144,23 +162,17 @@ def run(store_path, label, as_json, quiet, **kwargs) -> None:
     from .runner import execute_run
 
     config = config_from(kwargs)
-    store = open_store(store_path)
-    outcome = execute_run(config, store, label=label, progress_factory=progress_factory(quiet))
-    if as_json:
-        click.echo(report.to_json(report.run_json(outcome.run_id, outcome.header, outcome.results, outcome.timings,
-                                                  outcome.evidence, outcome.tokens_digest, outcome.logits_digest)))
+    outcome = execute_run(config, open_store(store_path), label=label, progress_factory=progress_factory(quiet))
+    if chosen_format(output_format, as_json) == "json":
+        click.echo(report.to_json(report.run_json(outcome)))
     else:
-        click.echo(report.run_text(outcome.run_id, outcome.header, outcome.results, outcome.timings, outcome.evidence))
-    if outcome.evidence.get("fallbacks") and outcome.header["config"]["strict_config"]:
-        raise Failure("evalrun: error: the requested mode fell back (" + "; ".join(outcome.evidence["fallbacks"])
-                      + "); drop --strict-config or fix the cause", 2)
+        click.echo(report.run_text(outcome))
 
 
 @cli.command()
 @run_options
-@json_option
-@handle_errors
-def fingerprint(as_json, **kwargs) -> None:
+@output_options("text", "json")
+def fingerprint(output_format, as_json, **kwargs) -> None:
     """Show the effective config, environment, model identity and prompt-set hash.
 
     \b
@@ -170,7 +182,8 @@ def fingerprint(as_json, **kwargs) -> None:
     from .runner import prepare
 
     header = prepare(config_from(kwargs)).header
-    click.echo(report.to_json(header) if as_json else report.fingerprint_text(header))
+    json_out = chosen_format(output_format, as_json) == "json"
+    click.echo(report.to_json(header) if json_out else report.fingerprint_text(header))
 
 
 @cli.group()
@@ -185,10 +198,9 @@ def store() -> None:
 
 @store.command("ls")
 @store_option
-@click.option("--limit", type=int, default=50, show_default=True, help="Newest runs to list.")
-@json_option
-@handle_errors
-def store_ls(store_path, limit, as_json) -> None:
+@click.option("--limit", type=click.IntRange(min=1), default=50, show_default=True, help="Newest runs to list.")
+@output_options("text", "json")
+def store_ls(store_path, limit, output_format, as_json) -> None:
     """List runs, newest first.
 
     \b
@@ -196,15 +208,15 @@ def store_ls(store_path, limit, as_json) -> None:
       evalrun store ls --limit 10 --json
     """
     runs = open_store(store_path, create=False).list_runs(limit)
-    click.echo(report.to_json([r.summary() for r in runs]) if as_json else report.runs_table(runs))
+    json_out = chosen_format(output_format, as_json) == "json"
+    click.echo(report.to_json([r.summary() for r in runs]) if json_out else report.runs_table(runs))
 
 
 @store.command("show")
 @click.argument("run_id")
 @store_option
-@json_option
-@handle_errors
-def store_show(run_id, store_path, as_json) -> None:
+@output_options("text", "json")
+def store_show(run_id, store_path, output_format, as_json) -> None:
     """Show one run by id or unique prefix.
 
     \b
@@ -214,38 +226,26 @@ def store_show(run_id, store_path, as_json) -> None:
     db = open_store(store_path, create=False)
     record = db.get_run(run_id)
     results = db.load_results(record.id, names=("tokens", "margins"))
-    if as_json:
-        click.echo(report.to_json({**record.summary(), **record.json, "error": record.error,
-                                   "results": [{"prompt_id": r.prompt_id, "text": r.output_text,
-                                                "tokens": r.arrays["tokens"].tolist(),
-                                                "logits_digest": r.logits_digest} for r in results]}))
-    else:
-        click.echo(report.run_record_text(record, results))
+    json_out = chosen_format(output_format, as_json) == "json"
+    click.echo(report.to_json(report.run_record_json(record, results)) if json_out
+               else report.run_record_text(record, results))
 
 
 @store.command("check")
 @store_option
-@json_option
-@handle_errors
-def store_check(store_path, as_json) -> None:
-    """Check the store: SQLite integrity, schema, orphan rows, incomplete runs (exit 1 on a problem).
+@output_options("text", "json")
+def store_check(store_path, output_format, as_json) -> None:
+    """Check the store: SQLite integrity, schema, orphans, incomplete runs, array bytes (exit 1 on a problem).
 
     \b
     Example:
       evalrun store check --store store/evalrun.db
     """
     outcome = open_store(store_path, create=False).check()
-    if as_json:
-        click.echo(report.to_json(outcome))
-    else:
-        click.echo(f"{outcome['path']}: {'ok' if outcome['ok'] else 'PROBLEMS'}  schema {outcome['schema_version']}  "
-                   f"runs {outcome['runs']}")
-        for problem in outcome["problems"]:
-            click.echo(f"  {problem}")
-        for run_id in outcome["interrupted"]:
-            click.echo(f"  note: run {run_id[:12]} was interrupted (its process is gone); it stays 'running', never complete")
+    json_out = chosen_format(output_format, as_json) == "json"
+    click.echo(report.to_json(outcome) if json_out else report.store_check_text(outcome))
     if not outcome["ok"]:
-        raise Failure(None, 1)
+        raise Exit(EXIT_CHANGED)
 
 
 @cli.group()
@@ -267,23 +267,21 @@ dir_option = click.option("--dir", "directory", type=click.Path(path_type=Path),
 @run_options
 @dir_option
 @click.option("--force", is_flag=True, help="Overwrite an existing golden.")
-@json_option
-@click.option("--quiet", "-q", is_flag=True, help="No progress bar.")
-@handle_errors
-def golden_create(name, directory, force, as_json, quiet, **kwargs) -> None:
-    """Run the pinned config, the reference config and the oracle; write golden/NAME.db.
+@output_options("text", "json")
+@quiet_option
+def golden_create(name, directory, force, output_format, as_json, quiet, **kwargs) -> None:
+    """Run the pinned config, the oracle and the known-good implementations; write golden/NAME.db.
 
     \b
     Example:
-      evalrun golden create smollm2-cpu
+      evalrun golden create smollm2-cpu --config debug
     """
     from .golden import create_golden
 
     created = create_golden(name, config_from(kwargs), directory, force, phase_progress(quiet))
     summary = created.summary()
-    click.echo(report.to_json(summary) if as_json else
-               f"golden {summary['path']}: {summary['model']} {summary['dtype']} on {summary['device']}, "
-               f"prompts {summary['prompts']}, oracle {summary['oracle_dtype']}, {summary['bytes']:,} bytes")
+    json_out = chosen_format(output_format, as_json) == "json"
+    click.echo(report.to_json(summary) if json_out else report.golden_created_text(summary))
 
 
 @golden.command("verify")
@@ -291,12 +289,10 @@ def golden_create(name, directory, force, as_json, quiet, **kwargs) -> None:
 @run_options
 @dir_option
 @click.option("--strict", is_flag=True, help="Drift fails too (exit 1).")
-@click.option("--format", "output_format", type=click.Choice(["text", "json", "markdown"]), default="text",
-              show_default=True, help="Output format on stdout.")
+@output_options("text", "json", "markdown")
 @click.option("--junit", "junit_path", type=click.Path(path_type=Path), help="Also write a JUnit XML report here.")
-@click.option("--quiet", "-q", is_flag=True, help="No progress bar.")
-@handle_errors
-def golden_verify(name, directory, strict, output_format, junit_path, quiet, **kwargs) -> None:
+@quiet_option
+def golden_verify(name, directory, strict, output_format, as_json, junit_path, quiet, **kwargs) -> None:
     """Verify a candidate config against a golden: identical, drift, changed or incomparable.
 
     Exit 0 identical or drift (1 with --strict), 1 changed, 2 incomparable or cannot compare.
@@ -306,25 +302,25 @@ def golden_verify(name, directory, strict, output_format, junit_path, quiet, **k
       evalrun golden verify smollm2-cpu -O3 --format markdown > comment.md
     """
     from . import verdict_report
-    from .golden import candidate_config, open_golden, verify_golden
+    from .golden import open_golden
+    from .verify import candidate_config, verify_golden
 
+    writable_output(junit_path, "--junit")
     opened = open_golden(name, directory)
-    config = candidate_config(opened, *run_flags(kwargs))
-    verdict = verify_golden(opened, config, strict, phase_progress(quiet))
-    click.echo(verdict_report.render(verdict, output_format))
+    verdict = verify_golden(opened, candidate_config(opened, *run_flags(kwargs)), strict, phase_progress(quiet))
+    click.echo(verdict_report.render(verdict, chosen_format(output_format, as_json)))
     if junit_path:
         junit_path.write_text(verdict_report.junit(verdict, strict))
     if verdict.exit_code:
-        raise Failure(f"evalrun: golden {name}: {verdict.verdict}" if verdict.exit_code == 2 else None,
-                      verdict.exit_code)
+        raise Exit(verdict.exit_code, f"evalrun: golden {name}: {verdict.verdict}: {verdict.causes[0]}"
+                   if verdict.exit_code == EXIT_UNUSABLE else None)
 
 
 @golden.command("list")
 @dir_option
-@json_option
-@handle_errors
-def golden_list(directory, as_json) -> None:
-    """List the goldens in the folder.
+@output_options("text", "json")
+def golden_list(directory, output_format, as_json) -> None:
+    """List the goldens in the folder (a damaged one is listed with its problem).
 
     \b
     Example:
@@ -333,20 +329,15 @@ def golden_list(directory, as_json) -> None:
     from .golden import list_goldens
 
     entries = list_goldens(directory)
-    if as_json:
-        click.echo(report.to_json(entries))
-        return
-    rows = [[e["name"], e.get("model", ""), e.get("prompts", ""), e.get("device", ""), e.get("dtype", ""),
-             e.get("oracle_dtype", ""), f"{e['bytes']:,}" if "bytes" in e else "", e.get("error", "")] for e in entries]
-    click.echo(report.table(["golden", "model", "prompts", "device", "dtype", "oracle", "bytes", "problem"], rows))
+    json_out = chosen_format(output_format, as_json) == "json"
+    click.echo(report.to_json(entries) if json_out else report.goldens_table(entries))
 
 
 @golden.command("show")
 @click.argument("name")
 @dir_option
-@json_option
-@handle_errors
-def golden_show(name, directory, as_json) -> None:
+@output_options("text", "json")
+def golden_show(name, directory, output_format, as_json) -> None:
     """Show a golden: its fingerprints, config and pinned outputs.
 
     \b
@@ -356,17 +347,10 @@ def golden_show(name, directory, as_json) -> None:
     from .golden import open_golden
 
     opened = open_golden(name, directory)
-    pinned = opened.pinned
+    json_out = chosen_format(output_format, as_json) == "json"
     results = opened.results("pinned")
-    if as_json:
-        click.echo(report.to_json({**opened.summary(), "meta": opened.meta, **pinned.json,
-                                   "results": [{"prompt_id": r.prompt_id, "text": r.output_text,
-                                                "tokens": r.arrays["tokens"].tolist()} for r in results]}))
-    else:
-        summary = opened.summary()
-        click.echo(f"golden {name} ({summary['path']}, {summary['bytes']:,} bytes), oracle {summary['oracle_dtype']}, "
-                   f"created {summary['created_at']} by evalrun {summary['evalrun']}")
-        click.echo(report.run_record_text(pinned, results))
+    click.echo(report.to_json(report.golden_json(opened, results)) if json_out
+               else report.golden_text(opened, results))
 
 
 @cli.command()
@@ -376,11 +360,9 @@ def golden_show(name, directory, as_json) -> None:
 @click.option("--golden-dir", type=click.Path(path_type=Path), default=Path("golden"), show_default=True,
               help="Folder of goldens for golden:NAME.")
 @click.option("--prompt", "prompt_ids", multiple=True, metavar="ID", help="Only these prompts (repeatable).")
-@click.option("--format", "output_format", type=click.Choice(["text", "json", "markdown"]), default="text",
-              show_default=True, help="Output format on stdout.")
+@output_options("text", "json", "markdown")
 @click.option("--plot", "plot_path", type=click.Path(path_type=Path), help="Write a PNG of per-step error.")
-@handle_errors
-def diff(run_a, run_b, store_path, golden_dir, prompt_ids, output_format, plot_path) -> None:
+def diff(run_a, run_b, store_path, golden_dir, prompt_ids, output_format, as_json, plot_path) -> None:
     """Explain the bit differences between two runs (ids, unique prefixes, or golden:NAME).
 
     \b
@@ -388,13 +370,12 @@ def diff(run_a, run_b, store_path, golden_dir, prompt_ids, output_format, plot_p
       evalrun diff golden:smollm2-cpu 9c1e --format markdown
     """
     from . import diff_report
-    from .diff import diff_runs, load_run
+    from .diff import diff_refs
+    from .models import decoder_for
 
-    needs_store = not (run_a.startswith("golden:") and run_b.startswith("golden:"))
-    store = open_store(store_path, create=False) if needs_store else None
-    a, b = load_run(run_a, store, golden_dir), load_run(run_b, store, golden_dir)
-    result = diff_runs(a, b, tuple(prompt_ids), decode=_decoder(a))
-    click.echo(diff_report.render(result, output_format))
+    writable_output(plot_path, "--plot")
+    result = diff_refs(run_a, run_b, store_path or default_store_path(), golden_dir, tuple(prompt_ids), decoder_for)
+    click.echo(diff_report.render(result, chosen_format(output_format, as_json)))
     if plot_path:
         diff_report.plot(result, plot_path)
 
@@ -404,89 +385,91 @@ def diff(run_a, run_b, store_path, golden_dir, prompt_ids, output_format, plot_p
 @click.option("--prompts", metavar="FILE.jsonl", help="Prompt set.")
 @click.option("--dtype", metavar="T", help="float32|bfloat16|float16.")
 @click.option("--device", metavar="D", help="auto|cpu|cuda[:N].")
-@click.option("--max-new-tokens", type=int, help="Tokens per prompt.")
-@click.option("--batch-size", type=int, help="Prompts per batch.")
+@click.option("--max-new-tokens", type=click.IntRange(min=1), help="Tokens per prompt.")
+@click.option("--batch-size", type=click.IntRange(min=1), help="Prompts per batch.")
 @click.option("--matrix", "matrix_names", metavar="NAMES", default=None,
-              help="Comma-separated configs: -O0..-O3, none, stock, trace-once, piecewise "
-                   "(default: -O0..-O3 on GPU, the compilation modes on CPU).")
+              help="Comma-separated configs: O0..O3, none, stock, trace-once, piecewise "
+                   "(default: O0..O3 on GPU, the compilation modes on CPU).")
 @click.option("--no-baselines", is_flag=True, help="Skip transformers' generate baselines.")
 @click.option("--config-timeout", type=click.FloatRange(min=1), default=3600, show_default=True, metavar="SECONDS",
               help="Stop a configuration that runs longer (its row shows the timeout); the others still run.")
-@json_option
-@handle_errors
+@output_options("text", "json")
 def bench(model, prompts, dtype, device, max_new_tokens, batch_size, matrix_names, no_baselines, config_timeout,
-          as_json) -> None:
+          output_format, as_json) -> None:
     """Measure a matrix of configurations side by side, each in a fresh process, with transformers baselines.
 
     \b
     Example:
       evalrun bench --model random:llama3-8b --dtype bfloat16 --max-new-tokens 128 --prompts smoke
     """
-    import torch
+    from .bench import BenchRequest, run_bench
 
-    from .bench import CPU_MATRIX, GPU_MATRIX, run_matrix, table_rows
-
-    common = []
-    for flag, value in (("--model", model), ("--prompts", prompts), ("--dtype", dtype), ("--device", device),
-                        ("--max-new-tokens", max_new_tokens), ("--batch-size", batch_size)):
-        if value is not None:
-            common += [flag, str(value)]
-    on_gpu = (device or "auto") != "cpu" and torch.cuda.is_available()
-    matrix = GPU_MATRIX if on_gpu else CPU_MATRIX
-    if matrix_names:
-        known = {name: options for name, options in GPU_MATRIX + CPU_MATRIX}
-        known.update({"none": ["--compilation-mode", "none"], "O0": ["-O0"], "O1": ["-O1"], "O2": ["-O2"], "O3": ["-O3"]})
-        unknown = [n for n in matrix_names.split(",") if n not in known]
-        if unknown:
-            raise Failure(f"evalrun: error: unknown bench config {unknown[0]!r}; use {', '.join(sorted(known))}", 2)
-        matrix = [(name, known[name]) for name in matrix_names.split(",")]
-    rows = table_rows(run_matrix(common, matrix, not no_baselines,
-                                 lambda name: click.echo(f"bench: {name}", err=True), config_timeout))
-    if as_json:
-        click.echo(report.to_json(rows))
-    else:
-        _print_bench_table(rows)
+    request = BenchRequest(model, prompts, dtype, device, max_new_tokens, batch_size, matrix_names,
+                           not no_baselines, config_timeout)
+    rows = run_bench(request, lambda name: click.echo(f"bench: {name}", err=True))
+    json_out = chosen_format(output_format, as_json) == "json"
+    click.echo(report.to_json(rows) if json_out else report.bench_table(rows))
     failed = [row["config"] for row in rows if row.get("error")]
     if failed:
-        raise Failure(f"evalrun: error: {len(failed)} of {len(rows)} bench configurations failed ({', '.join(failed)}); "
-                      "their rows say why", 2)
+        raise Exit(EXIT_UNUSABLE, f"evalrun: error: {len(failed)} of {len(rows)} bench configurations failed "
+                                  f"({', '.join(failed)}); their rows say why")
 
 
-def _print_bench_table(rows: list[dict]) -> None:
-    headers = ["config", "compile s", "peak GiB", "TTFT ms", "first req ms", "tok/s", "p50 ms", "p95 ms", "p99 ms",
-               "identical to first", "launches/step", "fallbacks / error"]
-    keys = ["config", "compile_s", "peak_memory_gib", "ttft_ms", "first_request_ms", "tokens_per_s", "p50_ms",
-            "p95_ms", "p99_ms", "identical_to_first", "kernel_launches_per_decode_step"]
-    click.echo(report.table(headers, [[row.get(k) for k in keys] + ["; ".join(row.get("fallbacks") or [])
-                                                                    or row.get("error") or ""] for row in rows]))
+# ---------------------------------------------------------------- the one place errors become exit codes
+
+ENVIRONMENT_ERRNOS = (errno.ENOSPC, errno.EROFS, errno.EACCES, errno.EPERM, errno.ENOENT, errno.EDQUOT, errno.EISDIR,
+                      errno.ENOTDIR)
 
 
-def _decoder(run):
-    """Decode token ids with the run's tokenizer when it loads quickly; ids as text otherwise."""
-    from .models import load_tokenizer_for
+def _first_line(error: BaseException) -> str:
+    text = str(error).strip().splitlines()
+    return text[0][:300] if text else type(error).__name__
 
-    try:
-        tokenizer = load_tokenizer_for(run.record.json["model"]["ref"])
-    except Exception:  # noqa: BLE001 - decoding is a convenience; ids still identify tokens
-        return None
-    return lambda ids: tokenizer.decode(ids)
+
+def _crash(error: BaseException) -> int:
+    """An unexpected exception: the traceback goes to a file, one line names it, exit 3."""
+    handle, path = tempfile.mkstemp(prefix="evalrun-crash-", suffix=".txt")
+    with os.fdopen(handle, "w") as file:
+        file.write("".join(traceback.format_exception(error)))
+    click.echo(f"evalrun: internal error: {type(error).__name__}: {_first_line(error)} (traceback in {path}; "
+               "please report it)", err=True)
+    return EXIT_INTERNAL
+
+
+def exit_code_of(error: BaseException) -> int:
+    """Map an exception to its exit code, printing its one line (never a traceback) on stderr."""
+    if isinstance(error, Exit):
+        if error.message:
+            click.echo(error.message, err=True)
+        return error.code
+    if isinstance(error, EvalrunError):
+        click.echo(f"evalrun: error: {_first_line(error)}", err=True)
+        return EXIT_UNUSABLE
+    if isinstance(error, click.exceptions.Abort | KeyboardInterrupt):
+        click.echo("evalrun: interrupted", err=True)
+        return EXIT_UNUSABLE
+    if isinstance(error, click.exceptions.ClickException):
+        click.echo(f"evalrun: error: {error.format_message()}; see evalrun --help", err=True)
+        return EXIT_UNUSABLE
+    if isinstance(error, OSError) and error.errno in ENVIRONMENT_ERRNOS:
+        where = f" ({error.filename})" if error.filename else ""
+        click.echo(f"evalrun: error: {error.strerror}{where}; free space or choose a writable path", err=True)
+        return EXIT_UNUSABLE
+    if isinstance(error, sqlite3.OperationalError) and any(
+            text in str(error) for text in ("disk is full", "readonly", "unable to open", "locked")):
+        click.echo(f"evalrun: error: the store cannot be written ({_first_line(error)}); free space or pass a "
+                   "writable --store", err=True)
+        return EXIT_UNUSABLE
+    if isinstance(error, MemoryError):
+        click.echo("evalrun: error: out of memory; use a smaller model, batch or --max-new-tokens", err=True)
+        return EXIT_UNUSABLE
+    return _crash(error)
 
 
 def main(argv: list[str] | None = None) -> None:
-    """Entry point: click in non-standalone mode so every error becomes one line and exit 2."""
+    """Entry point: click in non-standalone mode, so every outcome passes through `exit_code_of`."""
     try:
         cli.main(args=argv, prog_name="evalrun", standalone_mode=False)
-    except Failure as failure:
-        if failure.message:
-            click.echo(failure.message, err=True)
-        sys.exit(failure.code)
-    except click.exceptions.Abort:
-        click.echo("evalrun: aborted", err=True)
-        sys.exit(2)
-    except click.exceptions.ClickException as error:
-        click.echo(f"evalrun: error: {error.format_message()}; see evalrun --help", err=True)
-        sys.exit(2)
-    except KeyboardInterrupt:
-        click.echo("evalrun: interrupted", err=True)
-        sys.exit(2)
+    except (Exception, KeyboardInterrupt) as error:  # noqa: BLE001 - the one place errors become exit codes
+        sys.exit(exit_code_of(error))
     sys.exit(0)

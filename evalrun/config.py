@@ -1,13 +1,22 @@
-"""Run configuration: fields, presets, aliases, validation and resolution.
+"""Run configuration: the knobs, their modes, presets, aliases, validation and resolution.
 
-Resolution order (later wins): preset -> TOML file -> command-line flags -> `--set KEY=VALUE`
--> opt-level defaults for fields still unset -> device defaults. The result, `EffectiveConfig`,
-is what fingerprints hash; never the raw flags.
+Two types. `RunConfig` is what the user asked for: `None` means "not set". `EffectiveConfig` is the
+frozen, fully resolved config a run executes and every fingerprint hashes. Resolution order (later
+wins): preset -> TOML file -> command-line flags -> `--set KEY=VALUE` -> opt-level defaults for the
+fields still unset (made compatible with what the user did set) -> device defaults.
+
+The config hash covers only the declared factors (vLLM's `compute_hash` habit):
+  NUMERICS_FACTORS  knobs that can change the bits of the logits (what `bisect` walks);
+  WORKLOAD_FACTORS  what is computed: model, prompts, how many tokens, how they are chosen.
+Everything else (opt level, warm-up count, strict-config, which logits to keep) changes how a run is
+carried out or recorded, never its numbers: it is stored with the run but not hashed, so it never
+shows up as a verdict's cause.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import enum
 import re
 import tomllib
 from dataclasses import dataclass, field
@@ -15,52 +24,93 @@ from pathlib import Path
 from typing import Any
 
 from .errors import ConfigError
+from .hashing import hash_value
 
 CONFIGS_DIR = Path(__file__).resolve().parent.parent / "configs"
 
-COMPILATION_MODES = ("none", "stock", "trace-once", "piecewise")
-CUDAGRAPH_MODES = ("none", "piecewise", "full", "full-decode-only", "full-and-piecewise")
-DTYPES = ("float32", "bfloat16", "float16")
+
+class CompilationMode(enum.StrEnum):
+    """How the forward is compiled (vLLM's names in COMPILATION_ALIASES)."""
+
+    NONE = "none"
+    STOCK = "stock"
+    TRACE_ONCE = "trace-once"
+    PIECEWISE = "piecewise"
+
+    def is_compiled(self) -> bool:
+        return self is not CompilationMode.NONE
+
+
+class CUDAGraphMode(enum.StrEnum):
+    """Which steps are captured in CUDA graphs."""
+
+    NONE = "none"
+    PIECEWISE = "piecewise"
+    FULL = "full"
+    FULL_DECODE_ONLY = "full-decode-only"
+    FULL_AND_PIECEWISE = "full-and-piecewise"
+
+    def has_full_cudagraphs(self) -> bool:
+        """The whole decode step (forward + capture) is one CUDA graph."""
+        return self in (CUDAGraphMode.FULL, CUDAGraphMode.FULL_DECODE_ONLY, CUDAGraphMode.FULL_AND_PIECEWISE)
+
+    def has_piecewise_cudagraphs(self) -> bool:
+        """Inductor's CUDA graphs around the compiled pieces (prefill, and decode for PIECEWISE)."""
+        return self in (CUDAGraphMode.PIECEWISE, CUDAGraphMode.FULL_AND_PIECEWISE)
+
+    def captures_full_prefill(self) -> bool:
+        return self is CUDAGraphMode.FULL
+
+    def requires_piecewise_compilation(self) -> bool:
+        return self.has_piecewise_cudagraphs()
+
+    def needs_gpu(self) -> bool:
+        return self is not CUDAGraphMode.NONE
+
+    def without_piecewise(self) -> "CUDAGraphMode":
+        """The closest mode that does not need piecewise compilation (vLLM's downgrade)."""
+        return {CUDAGraphMode.PIECEWISE: CUDAGraphMode.NONE,
+                CUDAGraphMode.FULL_AND_PIECEWISE: CUDAGraphMode.FULL}.get(self, self)
+
+
+DTYPES = ("float32", "bfloat16", "float16", "float64")
+DTYPE_ALIASES = {"fp32": "float32", "bf16": "bfloat16", "fp16": "float16", "fp64": "float64"}
 ATTENTION_IMPLEMENTATIONS = ("sdpa", "eager")
 KEEP_LOGITS_PATTERN = re.compile(r"none|all|([^,@\s]+(@\d+(-\d+)?)?)(,[^,@\s]+(@\d+(-\d+)?)?)*")
+MAX_NEW_TOKENS_LIMIT = 8192  # past any context the shipped models have; larger asks are typos
+MAX_BATCH_SIZE = 4096
+MAX_TOP_K = 1024
+MAX_BUCKET = 1 << 20
 
 COMPILATION_ALIASES = {
-    "eager": "none",
-    "NONE": "none",
-    "STOCK_TORCH_COMPILE": "stock",
-    "DYNAMO_TRACE_ONCE": "trace-once",
-    "VLLM_COMPILE": "piecewise",
-    "0": "none",
-    "1": "stock",
-    "2": "trace-once",
-    "3": "piecewise",
+    "eager": "none", "NONE": "none", "STOCK_TORCH_COMPILE": "stock", "DYNAMO_TRACE_ONCE": "trace-once",
+    "VLLM_COMPILE": "piecewise", "0": "none", "1": "stock", "2": "trace-once", "3": "piecewise",
 }
-CUDAGRAPH_ALIASES = {name.upper().replace("-", "_"): name for name in CUDAGRAPH_MODES}
+CUDAGRAPH_ALIASES = {mode.value.upper().replace("-", "_"): mode.value for mode in CUDAGraphMode}
 
 # What each -O level fills in for fields the user left unset (vLLM's meaning of the levels).
 OPT_LEVEL_DEFAULTS: dict[int, dict[str, Any]] = {
     0: {"compilation_mode": "none", "cudagraph_mode": "none"},
     1: {"compilation_mode": "piecewise", "cudagraph_mode": "piecewise"},
     2: {"compilation_mode": "piecewise", "cudagraph_mode": "full-and-piecewise"},
-    3: {
-        "compilation_mode": "piecewise",
-        "cudagraph_mode": "full-and-piecewise",
-        "max_autotune": True,
-        "coordinate_descent_tuning": True,
-    },
+    3: {"compilation_mode": "piecewise", "cudagraph_mode": "full-and-piecewise", "max_autotune": True,
+        "coordinate_descent_tuning": True},
 }
 # Inductor's own defaults, used when neither the user nor the opt level set a knob.
-INDUCTOR_DEFAULTS = {
-    "max_autotune": False,
-    "coordinate_descent_tuning": False,
-    "epilogue_fusion": True,
-    "emulate_precision_casts": False,
-}
+INDUCTOR_DEFAULTS = {"max_autotune": False, "coordinate_descent_tuning": False, "epilogue_fusion": True,
+                     "emulate_precision_casts": False}
+INDUCTOR_KNOBS = tuple(INDUCTOR_DEFAULTS)
+
+# The hashed factors, in the order bisect walks them: compilation before CUDA graphs before Inductor
+# knobs before precision flags before shapes (torch's bisector: backends before subsystems).
+NUMERICS_FACTORS = ("device", "dtype", "compilation_mode", "cudagraph_mode", *INDUCTOR_KNOBS, "attn_implementation",
+                    "tf32", "deterministic", "batch_size", "prefill_buckets", "batch_buckets")
+WORKLOAD_FACTORS = ("model", "prompts", "max_new_tokens", "top_k", "temperature", "seed")
 
 
 @dataclass
 class RunConfig:
-    """Every knob of a run. `None` means "not set": filled by opt level or device defaults."""
+    """Every knob of a run as requested. `None` means "not set": filled by opt level or device defaults."""
 
     model: str = "smollm2-135m"
     prompts: str = "default"
@@ -92,6 +142,100 @@ FIELD_TYPES = {f.name: f.type for f in dataclasses.fields(RunConfig)}
 FIELD_NAMES = tuple(FIELD_TYPES)
 
 
+@dataclass(frozen=True)
+class EffectiveConfig:
+    """The fully resolved config: every field set, modes as enums. What a run executes and records."""
+
+    model: str
+    prompts: str
+    opt_level: int
+    compilation_mode: CompilationMode
+    cudagraph_mode: CUDAGraphMode
+    dtype: str
+    device: str
+    attn_implementation: str
+    batch_size: int
+    max_new_tokens: int
+    top_k: int
+    temperature: float
+    seed: int
+    warmup: int
+    deterministic: bool
+    tf32: bool
+    max_autotune: bool
+    coordinate_descent_tuning: bool
+    epilogue_fusion: bool
+    emulate_precision_casts: bool
+    prefill_buckets: tuple[int, ...]
+    batch_buckets: tuple[int, ...]
+    strict_config: bool
+    keep_logits: str
+    adjustments: tuple[str, ...] = ()  # what resolution filled differently from the level's default, and why
+
+    @property
+    def on_gpu(self) -> bool:
+        return self.device.startswith("cuda")
+
+    @property
+    def is_static(self) -> bool:
+        """Static shapes (prompts padded to buckets): anything but eager without graphs."""
+        return (self.compilation_mode, self.cudagraph_mode) != (CompilationMode.NONE, CUDAGraphMode.NONE)
+
+    def inductor_options(self) -> dict[str, bool]:
+        return {key: getattr(self, key) for key in INDUCTOR_KNOBS}
+
+    def as_dict(self) -> dict[str, Any]:
+        """Plain JSON-able values (enums as their names, tuples as lists)."""
+        return {f.name: _plain(getattr(self, f.name)) for f in dataclasses.fields(self)}
+
+    def factors(self) -> dict[str, Any]:
+        """The hashed factors, numerics then workload."""
+        return {key: _plain(getattr(self, key)) for key in NUMERICS_FACTORS + WORKLOAD_FACTORS}
+
+    def numerics(self) -> dict[str, Any]:
+        return {key: _plain(getattr(self, key)) for key in NUMERICS_FACTORS}
+
+    def compute_hash(self) -> str:
+        return hash_value(self.factors())
+
+    def replace(self, **changes: Any) -> "EffectiveConfig":
+        return dataclasses.replace(self, **changes)
+
+    @classmethod
+    def from_dict(cls, data: dict[str, Any]) -> "EffectiveConfig":
+        """Rebuild from `as_dict()` output (a stored run, a golden): every value validated."""
+        if not isinstance(data, dict):
+            raise ConfigError("stored effective config is not an object")
+        names = [f.name for f in dataclasses.fields(cls)]
+        missing = [name for name in names if name not in data and name != "adjustments"]
+        if missing:
+            raise ConfigError(f"stored effective config lacks {', '.join(missing)}")
+        requested = RunConfig(**{k: _coerce(k, data[k]) for k in FIELD_NAMES})
+        normalize(requested)
+        if requested.opt_level is None or requested.compilation_mode is None or requested.cudagraph_mode is None \
+                or requested.dtype is None or requested.device == "auto":
+            raise ConfigError("stored effective config has unresolved fields")
+        values = dataclasses.asdict(requested)
+        values.update(compilation_mode=CompilationMode(values["compilation_mode"]),
+                      cudagraph_mode=CUDAGraphMode(values["cudagraph_mode"]),
+                      prefill_buckets=tuple(values["prefill_buckets"]), batch_buckets=tuple(values["batch_buckets"]),
+                      adjustments=tuple(str(a) for a in data.get("adjustments") or ()))
+        for key in INDUCTOR_KNOBS:
+            if values[key] is None:
+                raise ConfigError(f"stored effective config has {key} unset")
+        return cls(**values)
+
+
+def _plain(value: Any) -> Any:
+    if isinstance(value, enum.Enum):
+        return value.value
+    if isinstance(value, tuple):
+        return list(value)
+    return value
+
+
+# ---------------------------------------------------------------- parsing and validation
+
 def _choice(key: str, value: Any, choices: tuple[str, ...], aliases: dict[str, str] | None = None) -> str:
     text = str(value)
     if aliases and text in aliases:
@@ -105,16 +249,18 @@ def _choice(key: str, value: Any, choices: tuple[str, ...], aliases: dict[str, s
 def parse_opt_level(value: Any) -> int:
     """'-O2', 'O2', '2' or 2 -> 2; anything outside 0..3 is a ConfigError."""
     match = re.fullmatch(r"(?:-?O)?([0-3])", str(value).strip().upper())
-    if match:
+    if match and not isinstance(value, bool):
         return int(match.group(1))
     raise ConfigError(f"opt level {value!r} is not valid; use -O0, -O1, -O2 or -O3")
 
 
 def _coerce(key: str, value: Any) -> Any:
-    """Coerce a raw value (from TOML or --set text) to the type of field `key`."""
+    """Coerce a raw value (from TOML, --set text or a stored config) to the type of field `key`."""
     kind = FIELD_TYPES[key]
     if value is None:
-        return None
+        if "None" in kind:
+            return None
+        raise ConfigError(f"{key} cannot be empty; give a value")
     if kind.startswith("bool"):
         if isinstance(value, bool):
             return value
@@ -125,22 +271,37 @@ def _coerce(key: str, value: Any) -> Any:
             return False
         raise ConfigError(f"{key}={value!r} is not a boolean; use true or false")
     if kind.startswith("int"):
+        if isinstance(value, bool) or isinstance(value, (list, dict)):
+            raise ConfigError(f"{key}={value!r} is not an integer")
         try:
-            return int(value)
-        except (TypeError, ValueError):
+            return int(value) if not isinstance(value, float) or value.is_integer() else _not_int(key, value)
+        except (TypeError, ValueError, OverflowError):
             raise ConfigError(f"{key}={value!r} is not an integer") from None
     if kind.startswith("float"):
+        if isinstance(value, (bool, list, dict)):
+            raise ConfigError(f"{key}={value!r} is not a number")
         try:
-            return float(value)
+            number = float(value)
         except (TypeError, ValueError):
             raise ConfigError(f"{key}={value!r} is not a number") from None
+        if number != number or number in (float("inf"), float("-inf")):
+            raise ConfigError(f"{key}={value!r} is not a finite number")
+        return number
     if kind.startswith("list"):
-        items = value if isinstance(value, list) else [v for v in str(value).strip("[]").split(",") if v.strip()]
+        items = value if isinstance(value, (list, tuple)) else [v for v in str(value).strip("[]").split(",") if v.strip()]
+        if any(isinstance(item, (bool, float, list, dict)) for item in items):
+            raise ConfigError(f"{key}={value!r} is not a list of integers, e.g. 16,32,64")
         try:
             return [int(item) for item in items]
         except (TypeError, ValueError):
             raise ConfigError(f"{key}={value!r} is not a list of integers, e.g. 16,32,64") from None
+    if isinstance(value, (list, dict)):
+        raise ConfigError(f"{key}={value!r} is not a text value")
     return str(value)
+
+
+def _not_int(key: str, value: Any) -> int:
+    raise ConfigError(f"{key}={value!r} is not an integer")
 
 
 def validate_key(key: str) -> None:
@@ -167,14 +328,18 @@ def load_config_source(name_or_path: str) -> dict[str, Any]:
     path = Path(name_or_path)
     if not path.suffix and (CONFIGS_DIR / f"{name_or_path}.toml").exists():
         path = CONFIGS_DIR / f"{name_or_path}.toml"
-    if not path.exists():
+    if not path.is_file():
         raise ConfigError(
             f"config {name_or_path!r} is neither a preset ({', '.join(preset_names())}) nor an existing TOML file"
         )
     try:
-        data = tomllib.loads(path.read_text())
+        if path.stat().st_size > 1 << 20:
+            raise ConfigError(f"{path}: larger than 1 MiB; a config file holds a few keys")
+        data = tomllib.loads(path.read_text(encoding="utf-8"))
     except (tomllib.TOMLDecodeError, UnicodeDecodeError) as error:
-        raise ConfigError(f"{path}: not valid TOML ({error}); fix the file") from None
+        raise ConfigError(f"{path}: not valid TOML ({str(error).splitlines()[0]}); fix the file") from None
+    except OSError as error:
+        raise ConfigError(f"{path}: cannot be read ({error.strerror}); check the path") from None
     data.pop("description", None)
     values = {}
     for key, value in data.items():
@@ -192,7 +357,10 @@ def build_config(
 
     `base` is a requested config stored earlier (a golden's): the user's options go on top of it.
     """
-    values: dict[str, Any] = {key: value for key, value in (base or {}).items() if key in FIELD_TYPES}
+    values: dict[str, Any] = {}
+    for key, value in (base or {}).items():
+        if key in FIELD_TYPES:
+            values[key] = _coerce(key, value)
     if config_source:
         values.update(load_config_source(config_source))
     for key, value in (flags or {}).items():
@@ -202,20 +370,21 @@ def build_config(
     for item in sets:
         key, value = parse_set_option(item)
         values[key] = value
-    config = RunConfig(**values)
-    return normalize(config)
+    return normalize(RunConfig(**values))
 
 
 def normalize(config: RunConfig) -> RunConfig:
-    """Validate every field and map aliases to canonical names."""
+    """Validate every field's value on its own and map aliases to canonical names."""
     if config.opt_level is not None:
         config.opt_level = parse_opt_level(config.opt_level)
     if config.compilation_mode is not None:
-        config.compilation_mode = _choice("compilation_mode", config.compilation_mode, COMPILATION_MODES, COMPILATION_ALIASES)
+        config.compilation_mode = _choice("compilation_mode", config.compilation_mode,
+                                          tuple(m.value for m in CompilationMode), COMPILATION_ALIASES)
     if config.cudagraph_mode is not None:
-        config.cudagraph_mode = _choice("cudagraph_mode", config.cudagraph_mode, CUDAGRAPH_MODES, CUDAGRAPH_ALIASES)
+        config.cudagraph_mode = _choice("cudagraph_mode", config.cudagraph_mode, tuple(m.value for m in CUDAGraphMode),
+                                        CUDAGRAPH_ALIASES)
     if config.dtype is not None:
-        config.dtype = _choice("dtype", config.dtype, DTYPES, {"fp32": "float32", "bf16": "bfloat16", "fp16": "float16"})
+        config.dtype = _choice("dtype", config.dtype, DTYPES, DTYPE_ALIASES)
     config.attn_implementation = _choice("attn_implementation", config.attn_implementation, ATTENTION_IMPLEMENTATIONS)
     if not KEEP_LOGITS_PATTERN.fullmatch(str(config.keep_logits)):
         raise ConfigError(f"keep_logits={config.keep_logits!r} is not valid; use none, all, or prompt ids with "
@@ -223,11 +392,19 @@ def normalize(config: RunConfig) -> RunConfig:
     device = config.device
     if not (device in ("auto", "cpu", "cuda") or (device.startswith("cuda:") and device[5:].isdigit())):
         raise ConfigError(f"device={device!r} is not valid; use auto, cpu, cuda or cuda:N")
-    for key, low in (("batch_size", 1), ("max_new_tokens", 1), ("top_k", 2), ("warmup", 0)):
-        if getattr(config, key) < low:
-            raise ConfigError(f"{key}={getattr(config, key)} is too small; use a value >= {low}")
-    if config.temperature < 0:
-        raise ConfigError(f"temperature={config.temperature} is negative; use 0 (greedy) or a positive number")
+    bounds = (("batch_size", 1, MAX_BATCH_SIZE), ("max_new_tokens", 1, MAX_NEW_TOKENS_LIMIT), ("top_k", 2, MAX_TOP_K),
+              ("warmup", 0, 100), ("seed", 0, (1 << 63) - 1))
+    for key, low, high in bounds:
+        value = getattr(config, key)
+        if not low <= value <= high:
+            raise ConfigError(f"{key}={value} is out of range; use a value from {low} to {high}")
+    if not 0 <= config.temperature <= 100:
+        raise ConfigError(f"temperature={config.temperature} is out of range; use 0 (greedy) or a positive number")
+    for key in ("prefill_buckets", "batch_buckets"):
+        buckets = getattr(config, key)
+        if not buckets or any(not 1 <= b <= MAX_BUCKET for b in buckets) or len(buckets) > 64:
+            raise ConfigError(f"{key}={buckets} is not valid; give 1 to 64 sizes from 1 to {MAX_BUCKET}, e.g. 16,32,64")
+        setattr(config, key, sorted(set(buckets)))
     return config
 
 
@@ -248,27 +425,66 @@ def keep_logits_steps(keep_logits: str, prompt_id: str, steps: int) -> list[int]
     return []
 
 
-def resolve(config: RunConfig, cuda_available: bool) -> dict[str, Any]:
-    """The effective config: every field filled, as a plain dict (what fingerprints hash).
+# ---------------------------------------------------------------- resolution
 
-    Device `auto` becomes `cuda` when CUDA is there; opt level defaults to 2 on GPU, 0 on CPU;
-    on CPU the opt level never fills a CUDA graph mode (there are none), an explicit one is kept
-    so that the engine can refuse it with a clear message.
+def resolve(config: RunConfig, cuda_available: bool) -> EffectiveConfig:
+    """The effective config: every field filled, then validated for the device.
+
+    Device `auto` becomes `cuda` when CUDA is there; the opt level defaults to 2 on GPU, 0 on CPU.
+    A level fills only what the user left unset, and fills a value compatible with what the user did
+    set (vLLM downgrades the same way); each such adjustment is recorded with its reason. On CPU a
+    level never fills a CUDA graph mode (there are none here).
     """
-    resolved = dataclasses.asdict(config)
-    device = resolved["device"]
-    if device == "auto":
-        device = "cuda" if cuda_available else "cpu"
-    resolved["device"] = device
+    values = dataclasses.asdict(config)
+    device = "cuda" if values["device"] == "auto" and cuda_available else values["device"]
+    device = "cpu" if device == "auto" else device
+    values["device"] = device
     on_gpu = device.startswith("cuda")
-    if resolved["opt_level"] is None:
-        resolved["opt_level"] = 2 if on_gpu else 0
-    for key, value in OPT_LEVEL_DEFAULTS[resolved["opt_level"]].items():
-        if resolved[key] is None:
-            resolved[key] = value if (on_gpu or key != "cudagraph_mode") else "none"
+    level = values["opt_level"] if values["opt_level"] is not None else (2 if on_gpu else 0)
+    values["opt_level"] = level
+    adjustments = []
+    defaults = dict(OPT_LEVEL_DEFAULTS[level])
+    if not on_gpu:
+        defaults["cudagraph_mode"] = "none"
+    graphs_set, compilation_set = values["cudagraph_mode"] is not None, values["compilation_mode"] is not None
+    if graphs_set and not compilation_set and CUDAGraphMode(values["cudagraph_mode"]).requires_piecewise_compilation():
+        if defaults["compilation_mode"] != "piecewise":
+            adjustments.append(f"compilation_mode: -O{level} fills {defaults['compilation_mode']}, but "
+                               f"cudagraph_mode={values['cudagraph_mode']} needs piecewise; filled piecewise")
+        defaults["compilation_mode"] = "piecewise"
+    if compilation_set and not graphs_set and values["compilation_mode"] != "piecewise":
+        wanted = CUDAGraphMode(defaults["cudagraph_mode"])
+        if wanted.requires_piecewise_compilation():
+            defaults["cudagraph_mode"] = wanted.without_piecewise().value
+            adjustments.append(f"cudagraph_mode: -O{level} fills {wanted.value}, which needs piecewise compilation; "
+                               f"with compilation_mode={values['compilation_mode']} filled {defaults['cudagraph_mode']}")
+    for key, value in defaults.items():
+        if values[key] is None:
+            values[key] = value
     for key, value in INDUCTOR_DEFAULTS.items():
-        if resolved[key] is None:
-            resolved[key] = value
-    if resolved["dtype"] is None:
-        resolved["dtype"] = "bfloat16" if on_gpu else "float32"
-    return resolved
+        if values[key] is None:
+            values[key] = value
+    if values["dtype"] is None:
+        values["dtype"] = "bfloat16" if on_gpu else "float32"
+    values.update(compilation_mode=CompilationMode(values["compilation_mode"]),
+                  cudagraph_mode=CUDAGraphMode(values["cudagraph_mode"]),
+                  prefill_buckets=tuple(values["prefill_buckets"]), batch_buckets=tuple(values["batch_buckets"]),
+                  adjustments=tuple(adjustments))
+    effective = EffectiveConfig(**values)
+    validate(effective, cuda_available)
+    return effective
+
+
+def validate(config: EffectiveConfig, cuda_available: bool, gpu_count: int | None = None) -> None:
+    """The one check that a resolved config can exist here; ConfigError names the fix."""
+    if config.on_gpu and not cuda_available:
+        raise ConfigError(f"--device {config.device} was asked for but this machine has no CUDA GPU; use --device cpu")
+    if config.on_gpu and gpu_count is not None and ":" in config.device and int(config.device[5:]) >= gpu_count:
+        raise ConfigError(f"--device {config.device}: only {gpu_count} GPU(s) here; use cuda:0")
+    if config.cudagraph_mode.needs_gpu() and not config.on_gpu:
+        raise ConfigError(f"cudagraph_mode={config.cudagraph_mode} needs a GPU; on CPU use --cudagraph-mode none")
+    if config.cudagraph_mode.requires_piecewise_compilation() and config.compilation_mode is not CompilationMode.PIECEWISE:
+        raise ConfigError(f"cudagraph_mode={config.cudagraph_mode} wraps compiled pieces and needs --compilation-mode "
+                          "piecewise; use it, or --cudagraph-mode full / full-decode-only / none")
+    if config.dtype == "float16" and not config.on_gpu:
+        raise ConfigError("dtype float16 is not supported on CPU here; use float32 or bfloat16")

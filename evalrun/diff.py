@@ -44,6 +44,16 @@ def load_run(ref: str, store: Store | None, golden_dir: str | Path = "golden") -
     return RunRef(record.id[:12], record, store.load_results(record.id))
 
 
+def diff_refs(ref_a: str, ref_b: str, store_path: Path, golden_dir: str | Path = "golden",
+              prompt_ids: tuple[str, ...] = (), decoder_for=None) -> "RunDiff":
+    """`evalrun diff A B`: load both runs (a store is opened only when a side needs one) and compare.
+    `decoder_for(record)` returns a token decoder for the runs' model, or None."""
+    needs_store = not (ref_a.startswith("golden:") and ref_b.startswith("golden:"))
+    store = Store(store_path, create=False) if needs_store else None
+    a, b = load_run(ref_a, store, golden_dir), load_run(ref_b, store, golden_dir)
+    return diff_runs(a, b, prompt_ids, decode=decoder_for(a.record) if decoder_for else None)
+
+
 @dataclass
 class StepSeries:
     """Per-step figures over the shared steps of one prompt (lists, for JSON)."""

@@ -11,7 +11,7 @@ import numpy as np
 
 from .diff import PromptDiff, RunDiff
 from .errors import EvalrunError
-from .report import table
+from .report import markdown_cell, markdown_code, table, to_json
 
 
 def _value(value: Any, width: int = 60) -> str:
@@ -91,28 +91,28 @@ def as_json(diff: RunDiff) -> str:
         data[section] = [{"key": k, "a": a, "b": b} for k, a, b in getattr(diff, section)]
     for prompt, entry in zip(diff.prompts, data["prompts"]):
         entry["summary"] = _summary(prompt)
-    return json.dumps(data, indent=2, sort_keys=True, default=str, ensure_ascii=False)
+    return to_json(data)
 
 
-def _md(value: Any) -> str:
-    return str(value).replace("|", "\\|").replace("\n", "\\n")
+_md = markdown_cell
 
 
 def markdown(diff: RunDiff) -> str:
-    lines = [f"### evalrun diff `{diff.a}` vs `{diff.b}`", ""]
+    """A PR comment; every value from a run (ids, tokens, prompt ids) is escaped (`report.markdown_cell`)."""
+    lines = [f"### evalrun diff {_md(diff.a)} vs {_md(diff.b)}", ""]
     key_rows = _key_rows(diff)
     if key_rows:
         lines += [f"| section | key | {diff.a} | {diff.b} |", "|---|---|---|---|"]
         lines += ["| " + " | ".join(_md(c) for c in row) + " |" for row in key_rows]
         lines.append("")
     if diff.note:
-        lines += [f"> {diff.note}", ""]
+        lines += [f"> {_md(diff.note)}", ""]
     if diff.prompts:
         lines += ["| " + " | ".join(PROMPT_HEADERS) + " |", "|" + "---|" * len(PROMPT_HEADERS)]
         lines += ["| " + " | ".join(_md(c) for c in row) + " |" for row in _prompt_rows(diff)]
     for prompt in diff.prompts:
         if not prompt.tokens_identical and prompt.top_a:
-            lines += ["", "```", *_divergence_lines(diff, prompt), "```"]
+            lines += ["", *markdown_code(_divergence_lines(diff, prompt))]
     return "\n".join(lines) + "\n"
 
 

@@ -1,7 +1,19 @@
-"""Named errors. Each one carries a single line that says what was wrong and what to do.
+"""Named errors and the exit-code contract. Each error carries a single line that says what was
+wrong and what to do.
 
-The CLI maps every `EvalrunError` to one line on stderr and exit code 2.
+Exit codes, everywhere:
+  0  success (identical, drift)
+  1  a check failed: `changed`, or `drift` under --strict; `store check` found problems
+  2  the command could not do its job: bad input, missing or damaged file, incomparable, impossible
+     config (every `EvalrunError`)
+  3  evalrun itself failed: an unexpected exception; one line on stderr names the file holding the
+     traceback. CI must never read a crash as "changed".
 """
+
+EXIT_OK = 0
+EXIT_CHANGED = 1
+EXIT_UNUSABLE = 2
+EXIT_INTERNAL = 3
 
 
 class EvalrunError(Exception):
@@ -10,6 +22,10 @@ class EvalrunError(Exception):
 
 class ConfigError(EvalrunError):
     """A configuration key or value is invalid or unavailable."""
+
+
+class FallbackError(ConfigError):
+    """Under --strict-config, the requested execution mode fell back to another."""
 
 
 class ModelError(EvalrunError):
@@ -30,3 +46,7 @@ class DeviceError(EvalrunError):
 
 class GoldenError(EvalrunError):
     """A golden file is missing, damaged, edited, or cannot be compared."""
+
+
+class OutputError(EvalrunError):
+    """An output path (report, plot, golden folder) cannot be written."""

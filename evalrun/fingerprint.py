@@ -17,6 +17,7 @@ from typing import Any
 import numpy as np
 import torch
 
+from .config import EffectiveConfig
 from .hashing import hash_bytes, hash_value
 
 # Environment variables that can change kernels, their selection, or their reduction order.
@@ -94,15 +95,18 @@ def _gpu(device: str) -> dict[str, Any]:
             "gpu_count": torch.cuda.device_count(), "driver": driver}
 
 
-# The package's own code that computes logits and their capture: a change there can change bits.
-ENGINE_SOURCES = ("engine/*.py", "capture.py")
+# The package's own code that runs per step (forward, capture, mixing, modes): a change there can change bits.
+# Fault injection lives beside it but never runs in a real run, so it is left out.
+ENGINE_SOURCES = ("engine/*.py",)
+ENGINE_EXCLUDED = ("engine/faults.py",)
 
 
 def engine_code_digest() -> str:
     """xxh3-128 over the engine's source files (name and bytes), so a golden made before an engine
     change is explained by the environment diff ("engine_code"), not taken for nondeterminism."""
     package = Path(__file__).resolve().parent
-    files = sorted(path for pattern in ENGINE_SOURCES for path in package.glob(pattern))
+    files = sorted(path for pattern in ENGINE_SOURCES for path in package.glob(pattern)
+                   if path.relative_to(package).as_posix() not in ENGINE_EXCLUDED)
     return hash_bytes(*[chunk for path in files for chunk in (path.relative_to(package).as_posix().encode(),
                                                              path.read_bytes())])
 
@@ -134,14 +138,14 @@ def environment_hash(env: dict[str, Any]) -> str:
     return hash_value(env)
 
 
-def apply_numerics_flags(effective: dict[str, Any]) -> dict[str, Any]:
+def apply_numerics_flags(effective: EffectiveConfig) -> dict[str, Any]:
     """Set deterministic / TF32 flags from the effective config; return each flag as set.
 
     `CUBLAS_WORKSPACE_CONFIG` only takes effect if set before CUDA initialises: it is set here,
     which the runner calls before it touches the GPU.
     """
     baseline_backend_flags()
-    deterministic, tf32 = bool(effective["deterministic"]), bool(effective["tf32"])
+    deterministic, tf32 = effective.deterministic, effective.tf32
     applied: dict[str, Any] = {}
     if deterministic:
         if "CUBLAS_WORKSPACE_CONFIG" not in os.environ:

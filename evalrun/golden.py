@@ -1,17 +1,17 @@
-"""Goldens: one self-contained SQLite file per golden, and the verdict of a candidate against it.
+"""Goldens: one self-contained SQLite file per golden (the format), and how one is made.
 
-A golden file is a store (same schema as `store/evalrun.db`) holding three runs,
-  pinned     the config the golden was created with
-  reference  the reference config: O0, eager, deterministic, same dtype (the pinned run when equal)
-  oracle     the same prompts forced along the pinned tokens in float64 (float32 when float64 would
-             not fit), probed on the pinned run's top-k ids
-plus a `golden` table (name, roles, requested config, oracle dtype) and a digest of its own
-content, so an edited or damaged file is refused.
-
-Verify: identity gates (model -> changed; prompts -> incomparable) -> candidate run -> identical if
-every digest matches -> else forced decoding along the golden's tokens, error against the oracle
-within the drift budget (`compare.drift_check`) -> and, in the golden's environment, a re-run of
-the reference config that must reproduce the golden's reference bit for bit.
+A golden file is a store (same schema as `store/evalrun.db`) holding these runs, by role:
+  pinned              the config the golden was created with, free-running: the tokens every check follows
+  oracle              float64, eager, forced along the pinned tokens; each step it probes its own top-64
+                      ids plus a fixed sample of the vocabulary: the ids every later run is probed at
+  envelope:pinned     known-good implementations, forced along the pinned tokens and probed at the
+  envelope:reference  oracle's ids: the pinned config, and the reference (O0, eager, deterministic, same dtype)
+  function            float32, eager, deterministic, TF32 off, forced and probed likewise: what the
+                      function check holds a candidate environment's float32 run against
+Roles with the same config share one run. A `golden` table holds the format version, the roles, the
+requested config and a digest of the whole content, so an edited or damaged file is refused. The
+digest is an unkeyed checksum, not a signature: anyone can edit a golden and recompute it, so every
+value read from one is validated as untrusted input.
 """
 
 from __future__ import annotations
@@ -22,43 +22,69 @@ import os
 import re
 import sqlite3
 import tempfile
-import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable
 
 import numpy as np
 
 from . import __version__
-from .compare import (DRIFT_MULTIPLIER, dict_diff, digest_mismatch_steps, drift_check, first_divergence,
-                      rms_error, worst_verdict)
-from .config import RunConfig, build_config
-from .errors import GoldenError, StoreError
-from .hashing import hash_bytes, hash_value
-from .runner import Forcing, Prepared, generate_all, prepare, run_digests
+from .config import CompilationMode, CUDAGraphMode, EffectiveConfig, RunConfig
+from .errors import ConfigError, GoldenError, OutputError, StoreError
+from .hashing import hash_bytes
+from .runner import Prepared, Probes, Run, execute, prepare, record
 from .store import PromptResult, Store
 
+GOLDEN_FORMAT = 2
 DEFAULT_DIR = Path("golden")
 ORACLE_FP64_MAX_PARAMETERS = 2_000_000_000  # 16 GB of fp64 weights; above it the oracle runs in fp32
-# Differences that do not make two environments different for the reference re-run.
-ENVIRONMENT_IGNORE = ("backend_flags.num_threads",)
-NAME_PATTERN = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]*")
+PROBE_TOPK = 64  # the oracle's own top ids probed each step
+PROBE_SAMPLE = 64  # plus this many ids sampled from the whole vocabulary (fixed per golden)
+PROBE_SEED = 20261129
+NAME_PATTERN = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,99}")
+ENVELOPE_ROLES = ("envelope:pinned", "envelope:reference")
+REQUIRED_ROLES = ("pinned", "oracle", *ENVELOPE_ROLES, "function")
+Hook = Callable[[Prepared], None]  # called on every model a golden operation loads (tests, calibration)
 
 
 def golden_path(name: str, directory: str | Path = DEFAULT_DIR) -> Path:
     if not NAME_PATTERN.fullmatch(name):
-        raise GoldenError(f"golden name {name!r} is not valid; use letters, digits, '.', '_' and '-'")
+        raise GoldenError(f"golden name {name!r} is not valid; use up to 100 letters, digits, '.', '_' and '-'")
     return Path(directory) / f"{name}.db"
 
 
-def reference_config(config: RunConfig) -> RunConfig:
-    """The reference config: O0, eager, no CUDA graphs, deterministic, no TF32; all else unchanged."""
-    return dataclasses.replace(config, opt_level=0, compilation_mode="none", cudagraph_mode="none",
-                               deterministic=True, tf32=False, max_autotune=None, coordinate_descent_tuning=None)
+# ---------------------------------------------------------------- the configs a golden records
+
+def reference_config(config: EffectiveConfig) -> EffectiveConfig:
+    """O0: eager, no CUDA graphs, deterministic, no TF32, Inductor knobs at their defaults; all else kept."""
+    return config.replace(opt_level=0, compilation_mode=CompilationMode.NONE, cudagraph_mode=CUDAGraphMode.NONE,
+                          deterministic=True, tf32=False, max_autotune=False, coordinate_descent_tuning=False,
+                          epilogue_fusion=True, emulate_precision_casts=False, adjustments=(), keep_logits="none",
+                          strict_config=False)
 
 
-def oracle_dtype(parameters: int) -> str:
-    return "float64" if parameters <= ORACLE_FP64_MAX_PARAMETERS else "float32"
+def function_config(config: EffectiveConfig) -> EffectiveConfig:
+    """The function check's config: the reference in float32."""
+    return reference_config(config).replace(dtype="float32")
+
+
+def oracle_config(config: EffectiveConfig, parameters: int) -> EffectiveConfig:
+    """The reference in float64 (float32 when float64 weights would not fit)."""
+    return reference_config(config).replace(dtype="float64" if parameters <= ORACLE_FP64_MAX_PARAMETERS else "float32")
+
+
+def pinned_request(config: RunConfig, cuda_available: bool) -> RunConfig:
+    """The request a golden stores: as asked, with device and dtype made concrete, so a golden made on
+    the CPU verifies on the CPU on a machine with a GPU too (pass --device to verify elsewhere)."""
+    from .config import resolve
+
+    effective = resolve(config, cuda_available)
+    return dataclasses.replace(config, device=effective.device, dtype=effective.dtype)
+
+
+def sample_ids(vocab: int, count: int, seed: int = PROBE_SEED) -> np.ndarray:
+    """A fixed sample of `count` distinct vocabulary ids (the probe set's broad part)."""
+    return np.sort(np.random.default_rng(seed).choice(vocab, size=min(count, vocab), replace=False)).astype(np.int64)
 
 
 # ---------------------------------------------------------------- content digest
@@ -103,17 +129,31 @@ class Golden:
     def results(self, role: str) -> list[PromptResult]:
         return self.store.load_results(self.run_id(role))
 
+    def record(self, role: str):
+        return self.store.get_run(self.run_id(role))
+
     @property
     def pinned(self):
-        return self.store.get_run(self.run_id("pinned"))
+        return self.record("pinned")
+
+    def config(self, role: str = "pinned") -> EffectiveConfig:
+        try:
+            return EffectiveConfig.from_dict(self.record(role).config)
+        except ConfigError as error:
+            raise GoldenError(f"golden {self.path}: the {role} run's config is damaged ({error}); "
+                              f"{recreate_hint(self.name)}") from None
 
     def summary(self) -> dict[str, Any]:
         pinned = self.pinned
         return {"name": self.name, "path": str(self.path), "created_at": self.meta["created_at"],
                 "model": pinned.json["model"]["ref"], "prompts": pinned.json["prompt_set"]["name"],
                 "device": pinned.config["device"], "dtype": pinned.config["dtype"],
-                "opt_level": pinned.config["opt_level"], "oracle_dtype": self.meta["oracle_dtype"],
-                "bytes": self.path.stat().st_size, "evalrun": self.meta["evalrun_version"]}
+                "opt_level": pinned.config["opt_level"], "oracle_dtype": self.config("oracle").dtype,
+                "format": self.meta["format"], "bytes": self.path.stat().st_size, "evalrun": self.meta["evalrun_version"]}
+
+
+def recreate_hint(name: str) -> str:
+    return f"restore it from git or re-create it with `evalrun golden create {name} --force`"
 
 
 def open_golden(name: str, directory: str | Path = DEFAULT_DIR) -> Golden:
@@ -122,7 +162,9 @@ def open_golden(name: str, directory: str | Path = DEFAULT_DIR) -> Golden:
     if not path.exists():
         raise GoldenError(f"golden {path} does not exist; create it with `evalrun golden create {name}` "
                           "and commit it")
-    fix = f"restore it from git or recreate it with `evalrun golden create {name} --force`"
+    if not path.is_file():
+        raise GoldenError(f"golden {path} is not a regular file; remove it and re-create the golden")
+    fix = recreate_hint(name)
     try:
         store = Store(path, readonly=True)
         integrity = store.db.execute("PRAGMA integrity_check").fetchone()[0]
@@ -133,61 +175,142 @@ def open_golden(name: str, directory: str | Path = DEFAULT_DIR) -> Golden:
         if stored != content_digest(store.db.conn):
             raise GoldenError(f"golden {path} was edited or damaged (content digest mismatch); {fix}")
         meta = {key: json.loads(value) for key, value in rows.items()}
-    except (sqlite3.Error, StoreError, json.JSONDecodeError, KeyError) as error:
+    except (sqlite3.Error, StoreError, json.JSONDecodeError, KeyError, TypeError, ValueError) as error:
         raise GoldenError(f"golden {path} is damaged or not a golden ({str(error).splitlines()[0]}); {fix}") from None
+    _check_meta(name, path, meta)
     return Golden(name, path, store, meta)
 
 
+def _check_meta(name: str, path: Path, meta: dict[str, Any]) -> None:
+    """The golden table's values, validated: format version, roles that name stored runs."""
+    version = meta.get("format", 1)
+    if version != GOLDEN_FORMAT:
+        raise GoldenError(f"golden {path} has format {version}; this evalrun reads format {GOLDEN_FORMAT}; "
+                          f"re-create it with `evalrun golden create {name} --force`")
+    roles = meta.get("roles")
+    if not isinstance(roles, dict) or any(not isinstance(roles.get(role), str) for role in REQUIRED_ROLES):
+        raise GoldenError(f"golden {path} lacks the runs {', '.join(REQUIRED_ROLES)}; {recreate_hint(name)}")
+    if not isinstance(meta.get("requested_config"), dict) or not isinstance(meta.get("created_at"), str):
+        raise GoldenError(f"golden {path} lacks its requested config; {recreate_hint(name)}")
+
+
 def list_goldens(directory: str | Path = DEFAULT_DIR) -> list[dict[str, Any]]:
+    """Every `*.db` in the folder: its summary, or the one-line problem that keeps it from opening."""
     entries = []
-    for path in sorted(Path(directory).glob("*.db")):
+    folder = Path(directory)
+    if folder.exists() and not folder.is_dir():
+        raise GoldenError(f"{folder} is not a folder; pass --dir with the folder of goldens")
+    for path in sorted(folder.glob("*.db")):
         try:
             entries.append(open_golden(path.stem, directory).summary())
         except GoldenError as error:
+            entries.append({"name": path.stem, "path": str(path), "error": str(error)})
+        except StoreError as error:
             entries.append({"name": path.stem, "path": str(path), "error": str(error)})
     return entries
 
 
 # ---------------------------------------------------------------- create
 
-def _store_run(store: Store, prepared: Prepared, results: list[PromptResult], timings: dict, evidence: dict,
-               plan: list, label: str) -> str:
-    run_id = store.begin_run(prepared.header, label)
-    tokens_digest, logits_digest = run_digests(results)
-    store.finish_run(run_id, results, {"timings": timings, "evidence": evidence, "batches": plan},
-                     tokens_digest, logits_digest)
-    return run_id
+@dataclass
+class CreatedRuns:
+    """The runs of a new golden, by role (roles with one config share a run)."""
+
+    runs: dict[str, Run]
+    seconds: dict[str, float]
+
+
+def _forced_probed(prepared: Prepared, tokens: dict[int, np.ndarray], probes: Probes, progress, role: str) -> Run:
+    return execute(prepared, forced=tokens, probes=probes, progress=_tick(progress, role, prepared), timed=False)
+
+
+def make_runs(config: RunConfig, progress=None, hook: Hook | None = None) -> CreatedRuns:
+    """Run pinned, oracle, the envelope members and the function run (each distinct config once)."""
+    import time
+
+    seconds: dict[str, float] = {}
+    started = time.perf_counter()
+    pinned = prepare(config)
+    if hook:
+        hook(pinned)
+    runs = {"pinned": execute(pinned, progress=_tick(progress, "pinned", pinned))}
+    seconds["pinned_s"] = time.perf_counter() - started
+    tokens = {r.prompt_index: r.arrays["tokens"] for r in runs["pinned"].results}
+    started = time.perf_counter()
+    oracle = _prepared(oracle_config(pinned.config, pinned.header["model"]["parameters"]), pinned, hook)
+    vocab = pinned.loaded.model.config.vocab_size
+    own = min(PROBE_TOPK, vocab)
+    sample = sample_ids(vocab, PROBE_SAMPLE)
+    blank = {i: np.concatenate([np.zeros((len(t), own), np.int64), np.tile(sample, (len(t), 1))], axis=1)
+             for i, t in tokens.items()}
+    runs["oracle"] = _forced_probed(oracle, tokens, Probes(blank, own_topk=own), progress, "oracle")
+    seconds["oracle_s"] = time.perf_counter() - started
+    probes = Probes({r.prompt_index: r.arrays["probe_ids"] for r in runs["oracle"].results})
+    members = {"envelope:pinned": pinned.config, "envelope:reference": reference_config(pinned.config),
+               "function": function_config(pinned.config)}
+    done: dict[str, Run] = {}
+    started = time.perf_counter()
+    for role, member in members.items():
+        key = member.compute_hash()
+        if key not in done:
+            prepared = pinned if key == pinned.config.compute_hash() else _prepared(member, pinned, hook)
+            done[key] = _forced_probed(prepared, tokens, probes, progress, role)
+        runs[role] = done[key]
+    seconds["envelope_s"] = time.perf_counter() - started
+    return CreatedRuns(runs, seconds)
+
+
+def _prepared(config: EffectiveConfig, like: Prepared, hook: Hook | None) -> Prepared:
+    prepared = prepare(config, reuse=like)
+    if hook:
+        hook(prepared)
+    return prepared
+
+
+def check_writable_folder(directory: str | Path) -> None:
+    """Fail before any model runs when the golden folder cannot take a new file."""
+    folder = Path(directory)
+    if folder.exists() and not folder.is_dir():
+        raise OutputError(f"{folder} is not a folder; pass --dir with a folder for goldens")
+    probe = folder if folder.exists() else next((p for p in folder.parents if p.exists()), Path("."))
+    if not os.access(probe, os.W_OK | os.X_OK):
+        raise OutputError(f"cannot write goldens into {folder}: {probe} is not writable; pass --dir with a writable folder")
 
 
 def create_golden(name: str, config: RunConfig, directory: str | Path = DEFAULT_DIR, force: bool = False,
-                  progress: Callable[[str, int], Any] | None = None) -> Golden:
-    """Run pinned, reference and oracle; write them into `directory/NAME.db` atomically."""
+                  progress: Callable[[str, int], Any] | None = None, hook: Hook | None = None,
+                  cuda_available: bool | None = None) -> Golden:
+    """Make every run of a golden and write `directory/NAME.db` atomically; returns the opened golden."""
+    import torch
+
     path = golden_path(name, directory)
     if path.exists() and not force:
         raise GoldenError(f"golden {path} exists; pass --force to overwrite it")
-    pinned = prepare(config)
-    runs = {"pinned": (pinned, *generate_all(pinned, _tick(progress, "pinned", pinned)))}
-    reference = prepare(reference_config(config), reuse=pinned)
-    if reference.header["config_hash"] != pinned.header["config_hash"]:
-        runs["reference"] = (reference, *generate_all(reference, _tick(progress, "reference", reference)))
-    pinned_results = runs["pinned"][1]
-    o_dtype = oracle_dtype(pinned.header["model"]["parameters"])
-    oracle = prepare(reference_config(config), dtype_override=o_dtype, reuse=pinned)
-    forcing = Forcing({r.prompt_index: r.arrays["tokens"] for r in pinned_results},
-                      {r.prompt_index: r.arrays["topk_ids"] for r in pinned_results})
-    runs["oracle"] = (oracle, *generate_all(oracle, _tick(progress, "oracle", oracle), forcing))
+    check_writable_folder(directory)
+    request = pinned_request(config, torch.cuda.is_available() if cuda_available is None else cuda_available)
+    created = make_runs(request, progress, hook)
+    write_golden(path, created, request)
+    return open_golden(name, directory)
 
-    Path(directory).mkdir(parents=True, exist_ok=True)
-    handle, staging = tempfile.mkstemp(prefix=f".{name}.", suffix=".tmp", dir=directory)
+
+def write_golden(path: Path, created: CreatedRuns, request: RunConfig) -> None:
+    """Write the runs and the golden table to a staging file, compact it, and rename it into place."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    handle, staging = tempfile.mkstemp(prefix=f".{path.stem}.", suffix=".tmp", dir=path.parent)
     os.close(handle)
     os.unlink(staging)
     try:
         store = Store(staging)
-        roles = {role: _store_run(store, *run, label=f"golden:{role}") for role, run in runs.items()}
-        roles.setdefault("reference", roles["pinned"])
-        meta = {"name": name, "created_at": store.get_run(roles["pinned"]).created_at, "roles": roles,
-                "requested_config": dataclasses.asdict(config), "oracle_dtype": o_dtype,
-                "evalrun_version": __version__}
+        stored: dict[int, str] = {}
+        roles = {}
+        for role, run in created.runs.items():
+            if id(run) not in stored:
+                stored[id(run)] = record(store, run.header, lambda: run, label=f"golden:{role}").run_id
+            roles[role] = stored[id(run)]
+        meta = {"format": GOLDEN_FORMAT, "name": path.stem, "created_at": store.get_run(roles["pinned"]).created_at,
+                "roles": roles, "requested_config": dataclasses.asdict(request), "evalrun_version": __version__,
+                "create_seconds": created.seconds,
+                "probes": {"own_topk": PROBE_TOPK, "sample": PROBE_SAMPLE, "seed": PROBE_SEED}}
         with store.transaction() as conn:
             conn.execute("CREATE TABLE golden (key TEXT PRIMARY KEY, value TEXT)")
             conn.executemany("INSERT INTO golden VALUES (?, ?)", [(k, json.dumps(v, sort_keys=True)) for k, v in meta.items()])
@@ -199,186 +322,9 @@ def create_golden(name: str, config: RunConfig, directory: str | Path = DEFAULT_
         for leftover in (staging, staging + "-wal", staging + "-shm"):
             if os.path.exists(leftover):
                 os.unlink(leftover)
-    return open_golden(name, directory)
 
 
 def _tick(progress, role: str, prepared: Prepared):
     if progress is None:
         return None
     return progress(role, len(prepared.prompt_set.records))
-
-
-# ---------------------------------------------------------------- verify
-
-@dataclass
-class Flip:
-    step: int
-    golden_token: str
-    candidate_token: str
-    golden_margin: float
-    oracle_margin: float
-
-
-@dataclass
-class PromptVerdict:
-    prompt_id: str
-    verdict: str
-    first_divergent_step: int  # tokens of the free candidate run vs golden; -1 when equal
-    digest_mismatches: int  # steps whose logits digest differs
-    flips: list[Flip] = field(default_factory=list)  # forced decoding: steps where the candidate's choice differs
-    worst_ratio: float = 0.0  # max over steps of candidate error / golden error against the oracle
-    worst_step: int = -1
-    candidate_rms: float = 0.0
-    golden_rms: float = 0.0
-    reason: str = ""
-
-
-@dataclass
-class Verdict:
-    golden: str
-    verdict: str
-    exit_code: int
-    causes: list[str]
-    prompts: list[PromptVerdict]
-    config_diff: list[tuple[str, Any, Any]]
-    environment_diff: list[tuple[str, Any, Any]]
-    model_diff: list[str]
-    reference_rerun: str  # "reproduced", "not reproduced", "skipped: ..."
-    candidate_config: dict[str, Any]
-    timings: dict[str, float]
-
-    def as_dict(self) -> dict[str, Any]:
-        data = dataclasses.asdict(self)
-        data["config_diff"] = [{"key": k, "golden": a, "candidate": b} for k, a, b in self.config_diff]
-        data["environment_diff"] = [{"key": k, "golden": a, "candidate": b} for k, a, b in self.environment_diff]
-        return data
-
-
-def exit_code_for(verdict: str, strict: bool) -> int:
-    return {"identical": 0, "drift": 1 if strict else 0, "changed": 1, "incomparable": 2}[verdict]
-
-
-def candidate_config(golden: Golden, config_source: str | None, flags: dict[str, Any], sets: tuple[str, ...]) -> RunConfig:
-    """The golden's requested config with the user's explicit options on top."""
-    requested = dict(golden.meta["requested_config"])
-    return build_config(config_source, flags, sets, base=requested)
-
-
-def _incomparable(golden: Golden, cause: str, candidate: dict[str, Any]) -> Verdict:
-    return Verdict(golden.name, "incomparable", 2, [cause], [], [], [], [], "skipped: incomparable", candidate, {})
-
-
-def _decode(tokenizer: Any, token: int) -> str:
-    return tokenizer.decode([int(token)])
-
-
-def _flips(tokenizer, golden_r: PromptResult, forced_r: PromptResult, oracle_r: PromptResult) -> list[Flip]:
-    golden_tokens, chosen = golden_r.arrays["tokens"], forced_r.arrays["tokens"]
-    steps = np.flatnonzero(golden_tokens[: len(chosen)] != chosen[: len(golden_tokens)])
-    return [Flip(int(s), _decode(tokenizer, golden_tokens[s]), _decode(tokenizer, chosen[s]),
-                 float(golden_r.arrays["margins"][s]), float(oracle_r.arrays["margins"][s])) for s in steps]
-
-
-def _identity_gate(golden: Golden, golden_results: list[PromptResult], candidate: Prepared, config_diff: list,
-                   env_diff: list, causes: list[str]) -> Verdict | None:
-    """Model identity differs -> changed (naming the parts); prompt records differ -> incomparable."""
-    pinned, effective = golden.pinned, candidate.effective
-    model_diff = [part for part in ("weights", "config", "tokenizer")
-                  if candidate.header["model"][part] != pinned.json["model"][part]]
-    if model_diff:
-        return Verdict(golden.name, "changed", 1, [f"model identity: {part} differ" for part in model_diff] + causes,
-                       [], config_diff, env_diff, model_diff, "skipped: model changed", effective, {})
-    golden_records = [r.record for r in golden_results]
-    if hash_value(golden_records) != hash_value([r.as_dict() for r in candidate.prompt_set.records]):
-        return _incomparable(golden, f"prompt set differs from the golden's ({pinned.json['prompt_set']['name']}): "
-                             "verify with the golden's prompts or create a new golden", effective)
-    return None
-
-
-def _free_run_verdicts(golden_results: list[PromptResult], results: list[PromptResult]) -> list[PromptVerdict]:
-    """Per prompt: identical when every digest and token matches, else provisionally drift."""
-    verdicts = []
-    for g, c in zip(golden_results, results):
-        mismatches = digest_mismatch_steps(g.arrays["digests"], c.arrays["digests"])
-        same = mismatches.size == 0 and np.array_equal(g.arrays["tokens"], c.arrays["tokens"])
-        verdicts.append(PromptVerdict(g.prompt_id, "identical" if same else "drift",
-                                      first_divergence(g.arrays["tokens"], c.arrays["tokens"]), int(mismatches.size)))
-    return verdicts
-
-
-def verify_golden(golden: Golden, config: RunConfig, strict: bool = False,
-                  progress: Callable[[str, int], Any] | None = None) -> Verdict:
-    """The verdict of `config` against `golden` (see the module docstring for the steps)."""
-    started = time.perf_counter()
-    candidate = prepare(config)
-    effective, pinned = candidate.effective, golden.pinned
-    config_diff = dict_diff(pinned.config, effective)
-    env_diff = dict_diff(pinned.json["environment"], candidate.header["environment"], ENVIRONMENT_IGNORE)
-    causes = [f"config: {k} {a} -> {b}" for k, a, b in config_diff]
-    causes += [f"environment: {k} {a} -> {b}" for k, a, b in env_diff]
-    golden_results = golden.results("pinned")
-    gated = _identity_gate(golden, golden_results, candidate, config_diff, env_diff, causes)
-    if gated is not None:
-        return gated
-    results, run_timings, _, _ = generate_all(candidate, _tick(progress, "candidate", candidate))
-    timings = {"candidate_s": run_timings["generate_s"]}
-    verdicts = _free_run_verdicts(golden_results, results)
-    if all(v.verdict == "identical" for v in verdicts):
-        timings["total_s"] = time.perf_counter() - started
-        return Verdict(golden.name, "identical", 0, causes or ["every token and logits digest equal"], verdicts,
-                       config_diff, env_diff, [], "skipped: identical", effective, timings)
-    if not config_diff and not env_diff:
-        causes.append("nondeterminism: same config and environment, different bits")
-    started_forced = time.perf_counter()
-    forced = generate_all(candidate, _tick(progress, "forced", candidate),
-                          Forcing({r.prompt_index: r.arrays["tokens"] for r in golden_results},
-                                  {r.prompt_index: r.arrays["topk_ids"] for r in golden_results}))[0]
-    timings["forced_s"] = time.perf_counter() - started_forced
-    _judge_drift(golden, candidate, golden_results, forced, verdicts)
-    rerun = _reference_rerun(golden, candidate, env_diff, progress, timings)
-    if rerun == "not reproduced":
-        causes.append("reference config no longer reproduces the golden's reference in the same environment: "
-                      "the model or its code changed")
-    overall = worst_verdict([v.verdict for v in verdicts] + (["changed"] if rerun == "not reproduced" else []))
-    if overall == "changed" and rerun != "not reproduced":
-        causes.append("error against the oracle left the drift budget")
-    timings["total_s"] = time.perf_counter() - started
-    return Verdict(golden.name, overall, exit_code_for(overall, strict), causes, verdicts, config_diff, env_diff, [],
-                   rerun, effective, timings)
-
-
-def _judge_drift(golden: Golden, candidate: Prepared, golden_results: list[PromptResult],
-                 forced: list[PromptResult], verdicts: list[PromptVerdict]) -> None:
-    """Fill each non-identical prompt's verdict from forced decoding against the oracle."""
-    oracle_results = golden.results("oracle")
-    dtype = golden.pinned.config["dtype"]
-    golden_errors = np.concatenate([rms_error(g.arrays["topk_values"], o.arrays["probe_values"])
-                                    for g, o in zip(golden_results, oracle_results)])
-    noise = float(np.median(golden_errors))
-    tokenizer = candidate.loaded.tokenizer
-    for verdict, g, f, o in zip(verdicts, golden_results, forced, oracle_results):
-        if verdict.verdict == "identical":
-            continue
-        check = drift_check(f.arrays["probe_values"], g.arrays["topk_values"], o.arrays["probe_values"], dtype, noise)
-        verdict.flips = _flips(tokenizer, g, f, o)
-        verdict.worst_ratio, verdict.worst_step = check.worst_ratio, check.worst_step
-        verdict.candidate_rms = float(np.sqrt(np.mean(check.candidate_error ** 2)))
-        verdict.golden_rms = float(np.sqrt(np.mean(check.reference_error ** 2)))
-        failure = check.fails()
-        verdict.verdict = "drift" if failure is None else "changed"
-        verdict.reason = failure or f"within {DRIFT_MULTIPLIER[dtype]:g}x the golden's error against the oracle"
-
-
-def _reference_rerun(golden: Golden, candidate: Prepared, env_diff: list, progress,
-                     timings: dict[str, float]) -> str:
-    """Re-run the golden's reference config when the environment is the golden's; compare bit for bit."""
-    if env_diff:
-        return "skipped: environment differs from the golden's"
-    started = time.perf_counter()
-    requested = build_config(base=golden.meta["requested_config"])
-    reference = prepare(reference_config(requested), reuse=candidate)
-    results = generate_all(reference, _tick(progress, "reference", reference))[0]
-    timings["reference_s"] = time.perf_counter() - started
-    expected = golden.results("reference")
-    same = all(np.array_equal(a.arrays["digests"], b.arrays["digests"]) for a, b in zip(expected, results))
-    return "reproduced" if same else "not reproduced"

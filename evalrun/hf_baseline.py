@@ -20,6 +20,7 @@ import numpy as np
 import torch
 
 from .config import build_config
+from .errors import EvalrunError
 from .engine.timing import latency_summary, peak_memory_bytes, reset_peak_memory
 from .models import load_model
 from .prompts import load_prompt_set
@@ -43,22 +44,26 @@ def _generate(model, ids: list[int], new_tokens: int, kind: str, device: torch.d
 
 
 def main() -> None:
+    """Only the options a baseline honours are accepted (batch 1, transformers' own execution);
+    anything else is refused by the parser (exit 2), never silently ignored."""
     parser = argparse.ArgumentParser(description=__doc__)
     parser.add_argument("--kind", choices=("eager", "static-compile"), required=True)
-    for name in ("--model", "--prompts", "--dtype", "--device", "--max-new-tokens", "-O", "--batch-size",
-                 "--compilation-mode", "--cudagraph-mode"):
+    for name in ("--model", "--prompts", "--dtype", "--device", "--max-new-tokens"):
         parser.add_argument(name)
     args = parser.parse_args()
     flags = {"model": args.model, "prompts": args.prompts, "dtype": args.dtype, "device": args.device,
              "max_new_tokens": args.max_new_tokens}
-    effective = effective_config(build_config(flags=flags))
-    device = torch.device(effective["device"])
-    loaded = load_model(effective["model"], effective["device"], effective["dtype"])
+    try:
+        effective = effective_config(build_config(flags=flags))
+    except EvalrunError as error:
+        parser.exit(2, f"evalrun.hf_baseline: error: {error}\n")
+    device = torch.device(effective.device)
+    loaded = load_model(effective.model, effective.device, effective.dtype)
     model = loaded.model
     model.generation_config.pad_token_id = loaded.tokenizer.pad_token_id or loaded.tokenizer.eos_token_id
     started = time.perf_counter()
-    prompts = load_prompt_set(effective["prompts"], loaded.tokenizer)
-    steps = effective["max_new_tokens"]
+    prompts = load_prompt_set(effective.prompts, loaded.tokenizer)
+    steps = effective.max_new_tokens
     first_request = _generate(model, prompts.token_ids[0], 1, args.kind, device)
     # Warm-up, as evalrun warms each shape: a static cache is sized prompt + new tokens, so every
     # prompt length compiles its own decoding graph, and CUDA graphs record on a second call.

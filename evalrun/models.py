@@ -29,6 +29,7 @@ from typing import Any
 import numpy as np
 import torch
 
+from .engine.mixing import GOLDEN_GAMMA, logical_shift_right, splitmix64
 from .errors import ModelError
 from .hashing import hash_bytes, hash_value
 
@@ -65,25 +66,16 @@ class LoadedModel:
     source: dict[str, Any]
     weights_hash: str = ""
 
+    @property
+    def context_limit(self) -> int | None:
+        """The longest sequence (prompt + new tokens) the model's positions cover, when it says."""
+        limit = getattr(self.model.config, "max_position_embeddings", None)
+        return int(limit) if isinstance(limit, int) and limit > 0 else None
+
 
 # ---------------------------------------------------------------- seeded weights
 
 SEEDED_GENERATOR = "splitmix64-uniform-v1"  # change when seeded_uniform or fill_seeded changes
-_MIX_1 = -7046029254386353131  # 0x9E3779B97F4A7C15 as int64 (golden ratio)
-_MIX_2 = -4658895280553007687  # 0xBF58476D1CE4E5B9 as int64 (splitmix64)
-_MIX_3 = -7723592293110705685  # 0x94D049BB133111EB as int64 (splitmix64)
-
-
-def _logical_shift_right(x: torch.Tensor, bits: int) -> torch.Tensor:
-    """x >>> bits for int64 (torch's >> is arithmetic)."""
-    return (x >> bits) & ((1 << (64 - bits)) - 1)
-
-
-def splitmix64(x: torch.Tensor) -> torch.Tensor:
-    """The splitmix64 finalizer on int64 tensors (wrapping arithmetic): a bijection on 64 bits."""
-    x = (x ^ _logical_shift_right(x, 30)) * _MIX_2
-    x = (x ^ _logical_shift_right(x, 27)) * _MIX_3
-    return x ^ _logical_shift_right(x, 31)
 
 
 def seeded_uniform(shape: tuple[int, ...], seed: int, scale: float, device: torch.device | str) -> torch.Tensor:
@@ -93,8 +85,8 @@ def seeded_uniform(shape: tuple[int, ...], seed: int, scale: float, device: torc
     """
     count = int(np.prod(shape)) if shape else 1
     index = torch.arange(count, dtype=torch.int64, device=device)
-    bits = splitmix64(index * _MIX_1 + seed)
-    top24 = _logical_shift_right(bits, 40).to(torch.float32)  # [0, 2^24), exact in float32
+    bits = splitmix64(index * GOLDEN_GAMMA + seed)
+    top24 = logical_shift_right(bits, 40).to(torch.float32)  # [0, 2^24), exact in float32
     return ((top24 * (2.0 / 2**24) - 1.0) * scale).reshape(shape)
 
 
@@ -260,6 +252,16 @@ def load_tokenizer_for(ref: str) -> Any:
     if ref.endswith(".gguf"):
         return load_tokenizer(converted_gguf_dir(Path(ref)))
     return load_tokenizer(Path(ref) if Path(ref).is_dir() else ref)
+
+
+def decoder_for(record: Any):
+    """A token decoder for a stored run's model when its tokenizer loads without weights; else None
+    (a diff then shows token ids: decoding is a convenience, ids still identify tokens)."""
+    try:
+        tokenizer = load_tokenizer_for(record.json["model"]["ref"])
+    except Exception:  # noqa: BLE001 - any failure to load a tokenizer only costs the decoded text
+        return None
+    return lambda ids: tokenizer.decode(ids)
 
 
 def _load_directory(ref: str, directory: Path, device: torch.device, dtype: torch.dtype, attn: str,

@@ -11,7 +11,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from .config import CONFIGS_DIR
+from .config import CONFIGS_DIR, MAX_NEW_TOKENS_LIMIT
 from .errors import PromptError
 from .hashing import hash_value
 
@@ -82,8 +82,9 @@ def _parse_record(path: Path, number: int, line: str) -> PromptRecord:
     if has_messages and not all(isinstance(m, dict) and {"role", "content"} <= set(m) for m in data["messages"]):
         raise PromptError(f"{where}: every message needs 'role' and 'content'")
     limit = data.get("max_new_tokens")
-    if limit is not None and (not isinstance(limit, int) or limit < 1):
-        raise PromptError(f"{where}: max_new_tokens must be a positive integer")
+    if limit is not None and (not isinstance(limit, int) or isinstance(limit, bool)
+                              or not 1 <= limit <= MAX_NEW_TOKENS_LIMIT):
+        raise PromptError(f"{where}: max_new_tokens must be an integer from 1 to {MAX_NEW_TOKENS_LIMIT}")
     return PromptRecord(str(data["id"]), data.get("prompt"), data.get("messages"), limit)
 
 
@@ -115,11 +116,18 @@ def encode(tokenizer: Any, record: PromptRecord) -> list[int]:
     return [int(i) for i in tokenizer(record.prompt, add_special_tokens=True)["input_ids"]]
 
 
-def load_prompt_set(name_or_path: str, tokenizer: Any) -> PromptSet:
+def load_prompt_set(name_or_path: str, tokenizer: Any, context_limit: int | None = None,
+                    new_tokens: int | None = None) -> PromptSet:
+    """Read, validate and tokenize a prompt set; with `context_limit`, every prompt plus its new
+    tokens (its own max_new_tokens, else `new_tokens`) must fit the model's positions."""
     path = resolve_path(name_or_path)
     records = read_records(path)
     token_ids = [encode(tokenizer, record) for record in records]
     for record, ids in zip(records, token_ids):
         if not ids:
             raise PromptError(f"{path}: prompt {record.id!r} encodes to no tokens; give it some text")
+        total = len(ids) + (record.max_new_tokens or new_tokens or 0)
+        if context_limit is not None and total > context_limit:
+            raise PromptError(f"{path}: prompt {record.id!r} has {len(ids)} tokens, with its new tokens {total}, "
+                              f"past the model's {context_limit} positions; shorten it or lower --max-new-tokens")
     return PromptSet(path.stem, str(path), records, token_ids)

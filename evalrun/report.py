@@ -2,14 +2,49 @@
 
 from __future__ import annotations
 
+import html
 import json
+import math
+import re
 from typing import Any, Iterable, Sequence
 
 from .store import PromptResult, RunRecord
 
 
+def _finite(value: Any) -> Any:
+    """NaN and infinities become null: the output is strict JSON that any parser reads."""
+    if isinstance(value, float):
+        return value if math.isfinite(value) else None
+    if isinstance(value, dict):
+        return {str(k): _finite(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [_finite(v) for v in value]
+    return value
+
+
 def to_json(value: Any) -> str:
-    return json.dumps(value, indent=2, sort_keys=True, default=str, ensure_ascii=False)
+    """Strict JSON (no NaN/Infinity), sorted keys, UTF-8 text kept readable."""
+    return json.dumps(_finite(value), indent=2, sort_keys=True, default=str, ensure_ascii=False, allow_nan=False)
+
+
+_MARKDOWN_SPECIALS = re.compile(r"([\\`*_{}\[\]()#+\-.!|<>~])")
+
+
+def markdown_cell(value: Any) -> str:
+    """Text that came from a file, safe inside a Markdown table cell or list item of a PR comment:
+    HTML escaped (no comments, no tags), every Markdown special escaped, line breaks and control
+    characters shown as escapes, so nothing can add structure or hide text."""
+    text = str(value)
+    text = "".join(ch if ch.isprintable() else repr(ch)[1:-1] for ch in text)
+    return _MARKDOWN_SPECIALS.sub(r"\\\1", html.escape(text, quote=True))
+
+
+def markdown_code(lines: list[str]) -> list[str]:
+    """A fenced code block whose fence is longer than any backtick run inside (nothing escapes it)."""
+    body = ["".join(ch if ch.isprintable() else repr(ch)[1:-1] for ch in line) for line in lines]
+    longest = max((len(run) for line in body for run in re.findall(r"`+", line)), default=0)
+    fence = "`" * max(3, longest + 1)
+    return [fence, *body, fence]
 
 
 def table(headers: Sequence[str], rows: Iterable[Sequence[Any]]) -> str:
@@ -66,26 +101,80 @@ def results_table(results: list[PromptResult]) -> str:
     return table(["prompt", "in", "new", "eos", "min margin", "logits digest", "output"], rows)
 
 
-def run_text(run_id: str | None, header: dict[str, Any], results: list[PromptResult], timings: dict[str, Any],
-             evidence: dict[str, Any]) -> str:
-    lines = [config_line(header["config"]), results_table(results), timings_text(timings)]
-    if evidence.get("fallbacks"):
-        lines.append("FALLBACKS: " + "; ".join(evidence["fallbacks"]))
-    if run_id:
-        lines.append(f"run {run_id}")
+def run_text(run) -> str:
+    """A run (runner.Run) as the `evalrun run` summary."""
+    lines = [config_line(run.header["config"]), results_table(run.results), timings_text(run.timings)]
+    if run.evidence.get("config_adjustments"):
+        lines.append("ADJUSTED: " + "; ".join(run.evidence["config_adjustments"]))
+    if run.evidence.get("fallbacks"):
+        lines.append("FALLBACKS: " + "; ".join(run.evidence["fallbacks"]))
+    if run.run_id:
+        lines.append(f"run {run.run_id}")
     return "\n".join(lines)
 
 
-def run_json(run_id: str | None, header: dict[str, Any], results: list[PromptResult], timings: dict[str, Any],
-             evidence: dict[str, Any], tokens_digest: str, logits_digest: str) -> dict[str, Any]:
+def run_json(run) -> dict[str, Any]:
+    header = run.header
     return {
-        "run_id": run_id, "config": header["config"], "config_hash": header["config_hash"],
+        "run_id": run.run_id, "config": header["config"], "config_hash": header["config_hash"],
         "environment_hash": header["environment_hash"], "model": header["model"], "prompt_set": header["prompt_set"],
-        "timings": timings, "evidence": evidence, "tokens_digest": tokens_digest, "logits_digest": logits_digest,
+        "timings": run.timings, "evidence": run.evidence, "tokens_digest": run.tokens_digest,
+        "logits_digest": run.logits_digest,
         "results": [{"prompt_id": r.prompt_id, "input_tokens": r.input_tokens, "new_tokens": r.new_tokens,
                      "eos_step": r.eos_step, "tokens": r.arrays["tokens"].tolist(), "text": r.output_text,
-                     "tokens_digest": r.tokens_digest, "logits_digest": r.logits_digest} for r in results],
+                     "tokens_digest": r.tokens_digest, "logits_digest": r.logits_digest} for r in run.results],
     }
+
+
+def run_record_json(record: RunRecord, results: list[PromptResult]) -> dict[str, Any]:
+    return {**record.summary(), **record.json, "error": record.error,
+            "results": [{"prompt_id": r.prompt_id, "text": r.output_text, "tokens": r.arrays["tokens"].tolist(),
+                         "logits_digest": r.logits_digest} for r in results]}
+
+
+def store_check_text(outcome: dict[str, Any]) -> str:
+    lines = [f"{outcome['path']}: {'ok' if outcome['ok'] else 'PROBLEMS'}  schema {outcome['schema_version']}  "
+             f"runs {outcome['runs']}"]
+    lines += [f"  {problem}" for problem in outcome["problems"]]
+    lines += [f"  note: run {run_id[:12]} was interrupted (its process is gone); it stays 'running', never complete"
+              for run_id in outcome["interrupted"]]
+    return "\n".join(lines)
+
+
+def golden_created_text(summary: dict[str, Any]) -> str:
+    return (f"golden {summary['path']}: {summary['model']} {summary['dtype']} on {summary['device']}, prompts "
+            f"{summary['prompts']}, oracle {summary['oracle_dtype']}, {summary['bytes']:,} bytes")
+
+
+def goldens_table(entries: list[dict[str, Any]]) -> str:
+    rows = [[e["name"], e.get("model", ""), e.get("prompts", ""), e.get("device", ""), e.get("dtype", ""),
+             e.get("oracle_dtype", ""), f"{e['bytes']:,}" if "bytes" in e else "", e.get("error", "")] for e in entries]
+    return table(["golden", "model", "prompts", "device", "dtype", "oracle", "bytes", "problem"], rows)
+
+
+def golden_json(golden, results: list[PromptResult]) -> dict[str, Any]:
+    return {**golden.summary(), "meta": golden.meta, **golden.pinned.json,
+            "results": [{"prompt_id": r.prompt_id, "text": r.output_text, "tokens": r.arrays["tokens"].tolist()}
+                        for r in results]}
+
+
+def golden_text(golden, results: list[PromptResult]) -> str:
+    summary = golden.summary()
+    return "\n".join([f"golden {golden.name} ({summary['path']}, {summary['bytes']:,} bytes), format "
+                      f"{summary['format']}, oracle {summary['oracle_dtype']}, created {summary['created_at']} by "
+                      f"evalrun {summary['evalrun']}", run_record_text(golden.pinned, results)])
+
+
+BENCH_COLUMNS = [("config", "config"), ("compile s", "compile_s"), ("peak GiB", "peak_memory_gib"),
+                 ("TTFT ms", "ttft_ms"), ("first req ms", "first_request_ms"), ("tok/s", "tokens_per_s"),
+                 ("p50 ms", "p50_ms"), ("p95 ms", "p95_ms"), ("p99 ms", "p99_ms"),
+                 ("identical to first", "identical_to_first"), ("launches/step", "kernel_launches_per_decode_step")]
+
+
+def bench_table(rows: list[dict[str, Any]]) -> str:
+    headers = [header for header, _ in BENCH_COLUMNS] + ["fallbacks / error"]
+    return table(headers, [[row.get(key) for _, key in BENCH_COLUMNS]
+                           + ["; ".join(row.get("fallbacks") or []) or row.get("error") or ""] for row in rows])
 
 
 def fingerprint_text(header: dict[str, Any]) -> str:

@@ -1,7 +1,8 @@
-"""A run, end to end: effective config -> model -> prompts -> batches on the engine -> store.
+"""A run, end to end: effective config -> model -> prompts -> batches on the engine -> one `Run` value.
 
 `prepare` resolves everything a run needs without generating (what `evalrun fingerprint` shows);
-`execute_run` generates, captures and stores. Both are library calls; the CLI only wraps them.
+`execute` generates and captures; `record` wraps an execution in the store's running -> complete
+(or failed) lifecycle. `run`, `golden create`, `golden verify`, bench and bisect all go through these.
 """
 
 from __future__ import annotations
@@ -13,12 +14,13 @@ from typing import Any, Callable
 import numpy as np
 import torch
 
-from .config import RunConfig, keep_logits_steps, resolve
-from .engine.generate import BatchOutput, generate_batch
+from .config import EffectiveConfig, RunConfig, keep_logits_steps, resolve, validate
+from .engine.driver import generate_batch
+from .engine.generate import BatchOutput, BatchSpec
 from .engine.modes import ExecutionMode, build_execution_mode
 from .engine.timing import latency_summary, peak_memory_bytes, reset_peak_memory
 from .engine.transformer import Transformer
-from .errors import ConfigError, DeviceError
+from .errors import FallbackError
 from .fingerprint import apply_numerics_flags, baseline_backend_flags, environment, environment_hash
 from .hashing import hash_bytes, hash_value
 from .models import LoadedModel, load_model, model_identity
@@ -29,18 +31,19 @@ Progress = Callable[[int], None]
 
 
 @dataclass
-class Forcing:
-    """Forced decoding: per prompt index, the tokens to feed [N] and the ids to probe each step [N, K]."""
+class Probes:
+    """Ids whose exact logits a run records each step: per prompt index [N, K'] (along that prompt's
+    steps), and/or the first `own_topk` columns filled by each step's own top-k (an oracle's choice)."""
 
-    tokens: dict[int, np.ndarray]
-    probe_ids: dict[int, np.ndarray] | None = None
+    ids: dict[int, np.ndarray]
+    own_topk: int = 0
 
 
 @dataclass
 class Prepared:
     """Everything resolved before generation: the header stored with a run."""
 
-    effective: dict[str, Any]
+    config: EffectiveConfig
     applied_flags: dict[str, Any]
     loaded: LoadedModel
     prompt_set: PromptSet
@@ -50,83 +53,84 @@ class Prepared:
 
     def execution_mode(self) -> ExecutionMode:
         if self.mode is None:
-            transformer = Transformer(self.loaded.model, self.effective["attn_implementation"])
-            self.mode = build_execution_mode(transformer, self.effective)
+            transformer = Transformer(self.loaded.model, self.config.attn_implementation)
+            self.mode = build_execution_mode(transformer, self.config)
         return self.mode
 
 
 @dataclass
-class RunOutcome:
-    run_id: str | None
+class Run:
+    """One run: the header (config, environment, model, prompt set), per-prompt results, timings,
+    evidence that the config took effect, and the batch plan. `run_id` is set once stored."""
+
     header: dict[str, Any]
     results: list[PromptResult]
     timings: dict[str, Any]
     evidence: dict[str, Any]
-    batches: list[dict[str, Any]] = field(default_factory=list)
-    tokens_digest: str = ""
-    logits_digest: str = ""
+    plan: list[dict[str, Any]] = field(default_factory=list)
+    run_id: str | None = None
+
+    @property
+    def config(self) -> EffectiveConfig:
+        return EffectiveConfig.from_dict(self.header["config"])
+
+    @property
+    def tokens_digest(self) -> str:
+        return hash_bytes(*[r.tokens_digest.encode() for r in self.results])
+
+    @property
+    def logits_digest(self) -> str:
+        return hash_bytes(*[r.logits_digest.encode() for r in self.results])
+
+    def by_index(self) -> dict[int, PromptResult]:
+        return {r.prompt_index: r for r in self.results}
 
 
-def check_device(effective: dict[str, Any]) -> None:
-    device = effective["device"]
-    if device.startswith("cuda"):
-        if not torch.cuda.is_available():
-            raise DeviceError(f"--device {device} was asked for but this machine has no CUDA GPU; use --device cpu")
-        index = torch.device(device).index or 0
-        if index >= torch.cuda.device_count():
-            raise DeviceError(f"--device {device}: only {torch.cuda.device_count()} GPU(s) here; use cuda:0")
-    elif effective["cudagraph_mode"] != "none":
-        raise ConfigError(f"cudagraph_mode={effective['cudagraph_mode']} needs a GPU; on CPU use --cudagraph-mode none")
-    if effective["dtype"] == "float16" and not device.startswith("cuda"):
-        raise ConfigError("dtype float16 is not supported on CPU here; use float32 or bfloat16")
-
-
-def effective_config(config: RunConfig) -> dict[str, Any]:
+def effective_config(config: RunConfig) -> EffectiveConfig:
+    """Resolve for this machine (`config.resolve` validates the result against it)."""
     effective = resolve(config, torch.cuda.is_available())
-    check_device(effective)
+    if effective.on_gpu:
+        validate(effective, True, torch.cuda.device_count())
     return effective
 
 
-def build_header(effective: dict[str, Any], applied: dict[str, Any], loaded: LoadedModel,
+def build_header(config: EffectiveConfig, applied: dict[str, Any], loaded: LoadedModel,
                  prompt_set: PromptSet) -> dict[str, Any]:
-    env = environment(effective["device"])
-    return {
-        "config": effective, "config_hash": hash_value(effective),
-        "environment": env, "environment_hash": environment_hash(env),
-        "model": model_identity(loaded), "prompt_set": prompt_set.as_dict(), "applied_flags": applied,
-    }
+    env = environment(config.device)
+    return {"config": config.as_dict(), "config_hash": config.compute_hash(), "environment": env,
+            "environment_hash": environment_hash(env), "model": model_identity(loaded),
+            "prompt_set": prompt_set.as_dict(), "applied_flags": applied}
 
 
-def _same_model(effective: dict[str, Any], dtype: str, other: Prepared) -> bool:
-    keys = ("model", "device", "attn_implementation", "prompts")
-    return all(effective[k] == other.effective[k] for k in keys) and getattr(torch, dtype) == other.loaded.model.dtype
+def _shares_model(config: EffectiveConfig, other: Prepared) -> bool:
+    keys = ("model", "device", "dtype", "attn_implementation", "prompts")
+    return all(getattr(config, k) == getattr(other.config, k) for k in keys)
 
 
-def prepare(config: RunConfig, dtype_override: str | None = None, reuse: Prepared | None = None) -> Prepared:
+def prepare(config: RunConfig | EffectiveConfig, reuse: Prepared | None = None) -> Prepared:
     """Resolve the effective config, apply numerics flags, load the model and the prompts.
 
-    `dtype_override` loads the model in another dtype (the oracle's float64) without touching the
-    effective config that fingerprints hash. `reuse` shares an already loaded model and prompt set
-    when model, device, dtype and prompts are the same (several configs in one process).
+    `reuse` shares an already loaded model and prompt set when model, device, dtype and prompts are
+    the same (several configs in one process).
     """
-    effective = effective_config(config)
+    effective = config if isinstance(config, EffectiveConfig) else effective_config(config)
     baseline_backend_flags()  # read the environment's own flags before the config changes any
     applied = apply_numerics_flags(effective)  # before anything initialises CUDA
-    dtype = dtype_override or effective["dtype"]
     started = time.perf_counter()
-    if reuse is not None and _same_model(effective, dtype, reuse):
+    if reuse is not None and _shares_model(effective, reuse):
         loaded, prompt_set = reuse.loaded, reuse.prompt_set
     else:
-        loaded = load_model(effective["model"], effective["device"], dtype, effective["attn_implementation"])
-        prompt_set = load_prompt_set(effective["prompts"], loaded.tokenizer)
+        loaded = load_model(effective.model, effective.device, effective.dtype, effective.attn_implementation)
+        prompt_set = load_prompt_set(effective.prompts, loaded.tokenizer, context_limit=loaded.context_limit,
+                                     new_tokens=effective.max_new_tokens)
     load_seconds = time.perf_counter() - started
     return Prepared(effective, applied, loaded, prompt_set, build_header(effective, applied, loaded, prompt_set),
                     load_seconds)
 
 
-def plan_batches(prompt_set: PromptSet, effective: dict[str, Any]) -> list[list[int]]:
+def plan_batches(prompt_set: PromptSet, config: EffectiveConfig) -> list[list[int]]:
     """Prompt indices per batch: file order, `batch_size` at a time (batch composition is recorded)."""
-    size, count = effective["batch_size"], len(prompt_set.records)
+    size, count = config.batch_size, len(prompt_set.records)
     return [list(range(start, min(start + size, count))) for start in range(0, count, size)]
 
 
@@ -134,9 +138,9 @@ def row_seed(prompt_id: str, seed: int) -> int:
     return int(hash_value([prompt_id, seed])[:15], 16)
 
 
-def steps_for(prompt_set: PromptSet, index: int, effective: dict[str, Any]) -> int:
+def steps_for(prompt_set: PromptSet, index: int, config: EffectiveConfig) -> int:
     """A prompt's own max_new_tokens wins over the config's."""
-    return prompt_set.records[index].max_new_tokens or effective["max_new_tokens"]
+    return prompt_set.records[index].max_new_tokens or config.max_new_tokens
 
 
 def _pad_id(loaded: LoadedModel) -> int:
@@ -147,18 +151,17 @@ def _pad_id(loaded: LoadedModel) -> int:
     return 0
 
 
-def run_batch(prepared: Prepared, mode: ExecutionMode, indices: list[int], forced: Forcing | None = None) -> BatchOutput:
-    """Generate one batch under the execution mode (forced along given tokens, probed, when `forced`)."""
-    effective, prompt_set = prepared.effective, prepared.prompt_set
-    steps = max(steps_for(prompt_set, index, effective) for index in indices)
-    prompts = [prompt_set.token_ids[index] for index in indices]
-    return generate_batch(
-        mode.transformer, prompts, steps, pad_id=_pad_id(prepared.loaded), top_k=effective["top_k"],
-        temperature=effective["temperature"],
-        row_seeds=[row_seed(prompt_set.records[i].id, effective["seed"]) for i in indices],
-        keep_logits=any(keep_logits_steps(effective["keep_logits"], prompt_set.records[i].id, steps) for i in indices),
-        forced_tokens=[forced.tokens[i] for i in indices] if forced else None,
-        probe_ids=[forced.probe_ids[i] for i in indices] if forced and forced.probe_ids else None, mode=mode)
+def batch_spec(prepared: Prepared, indices: list[int], forced: dict[int, np.ndarray] | None = None,
+               probes: Probes | None = None) -> BatchSpec:
+    """The engine's description of one batch of the run."""
+    config, prompt_set = prepared.config, prepared.prompt_set
+    steps = max(steps_for(prompt_set, index, config) for index in indices)
+    return BatchSpec(
+        [prompt_set.token_ids[index] for index in indices], steps, _pad_id(prepared.loaded), config.top_k,
+        config.temperature, [row_seed(prompt_set.records[i].id, config.seed) for i in indices],
+        any(keep_logits_steps(config.keep_logits, prompt_set.records[i].id, steps) for i in indices),
+        [forced[i] for i in indices] if forced else None,
+        [probes.ids[i] for i in indices] if probes else None, probes.own_topk if probes else 0)
 
 
 def to_results(prepared: Prepared, batch_index: int, indices: list[int], output: BatchOutput) -> list[PromptResult]:
@@ -166,16 +169,17 @@ def to_results(prepared: Prepared, batch_index: int, indices: list[int], output:
     tokenizer, eos = prepared.loaded.tokenizer, prepared.loaded.tokenizer.eos_token_id
     results = []
     for row, index in enumerate(indices):
-        steps = steps_for(prepared.prompt_set, index, prepared.effective)
+        steps = steps_for(prepared.prompt_set, index, prepared.config)
         arrays = {"input_ids": np.asarray(prepared.prompt_set.token_ids[index], dtype=np.int64),
                   "tokens": output.tokens[row, :steps], "digests": output.digests[row, :steps],
                   "topk_ids": output.topk_ids[row, :steps], "topk_values": output.topk_values[row, :steps],
                   "margins": output.margins[row, :steps]}
-        kept = keep_logits_steps(prepared.effective["keep_logits"], prepared.prompt_set.records[index].id, steps)
+        kept = keep_logits_steps(prepared.config.keep_logits, prepared.prompt_set.records[index].id, steps)
         if output.logits is not None and kept:
             arrays["logits"] = output.logits[row, kept]  # raw bits of the model dtype [n_kept, V]
             arrays["logits_steps"] = np.asarray(kept, dtype=np.int64)
         if output.probe_values is not None:
+            arrays["probe_ids"] = output.probe_ids[row, :steps]
             arrays["probe_values"] = output.probe_values[row, :steps]
         tokens = arrays["tokens"]
         eos_hits = np.flatnonzero(tokens == eos) if eos is not None else np.array([])
@@ -187,11 +191,6 @@ def to_results(prepared: Prepared, batch_index: int, indices: list[int], output:
             eos_step, text, hash_bytes(tokens.astype("<i8").tobytes()),
             hash_bytes(arrays["digests"].astype("<i8").tobytes()), arrays))
     return results
-
-
-def run_digests(results: list[PromptResult]) -> tuple[str, str]:
-    return (hash_bytes(*[r.tokens_digest.encode() for r in results]),
-            hash_bytes(*[r.logits_digest.encode() for r in results]))
 
 
 def _timings(prepared: Prepared, outputs: list[BatchOutput], warmup_seconds: float, compile_seconds: float,
@@ -224,63 +223,83 @@ def warmup_batches(batches: list[list[int]], prepared: Prepared, mode: Execution
     return list(chosen.values()) if mode.static else batches[:1]
 
 
-def generate_all(prepared: Prepared, progress: Progress | None = None,
-                 forced: Forcing | None = None) -> tuple[list[PromptResult], dict[str, Any], dict, list]:
-    """Warm up, then run every batch; returns results, timings, evidence and the batch plan.
+def execute(prepared: Prepared, forced: dict[int, np.ndarray] | None = None, probes: Probes | None = None,
+            progress: Progress | None = None, only: set[int] | None = None, timed: bool = True) -> Run:
+    """Warm up, then run every batch of the plan (or only those holding a prompt index in `only`).
 
-    `forced` feeds given tokens instead of the model's own choices (forced decoding) and records
-    the logits at given ids (probing).
+    `forced` feeds given tokens per prompt index instead of the model's own choices (forced
+    decoding); `probes` records the logits at given ids. Batch composition is always the plan's,
+    so a partial re-run computes the same bits as the full one would. `timed=False` skips the
+    warm-up of eager modes (runs made for their numbers, not their timings); static modes always warm
+    up, since that is where they compile and capture.
     """
-    effective = prepared.effective
-    device = torch.device(effective["device"])
-    batches = plan_batches(prepared.prompt_set, effective)
+    config = prepared.config
+    device = torch.device(config.device)
+    batches = [b for b in plan_batches(prepared.prompt_set, config) if only is None or set(b) & only]
     mode = prepared.execution_mode()
     prompt_set = prepared.prompt_set
     mode.plan(max(len(ids) for ids in prompt_set.token_ids),
-              max(steps_for(prompt_set, i, effective) for i in range(len(prompt_set.records))))
+              max(steps_for(prompt_set, i, config) for i in range(len(prompt_set.records))))
+    apply_numerics_flags(config)  # another config's prepare may have changed the process's flags since
     started, cold_ttft_ms = time.perf_counter(), None
-    for _ in range(effective["warmup"]):  # discarded: compile, capture, autotune and allocator warm-up
+    for _ in range(config.warmup if timed or mode.static else 0):  # discarded: compile, capture, autotune and allocator warm-up
         for indices in warmup_batches(batches, prepared, mode):
             for _ in range(mode.calls_to_warm):
-                output = run_batch(prepared, mode, indices, forced)
+                output = generate_batch(mode.transformer, batch_spec(prepared, indices, forced, probes), mode)
                 cold_ttft_ms = float(output.step_ms[0]) if cold_ttft_ms is None else cold_ttft_ms
     warmup_seconds = time.perf_counter() - started
     reset_peak_memory(device)
     mode.start_measuring()
     results, outputs = [], []
     started = time.perf_counter()
-    for batch_index, indices in enumerate(batches):
-        output = run_batch(prepared, mode, indices, forced)
+    plan = plan_batches(prepared.prompt_set, config)
+    for indices in batches:
+        output = generate_batch(mode.transformer, batch_spec(prepared, indices, forced, probes), mode)
         outputs.append(output)
-        results += to_results(prepared, batch_index, indices, output)
+        results += to_results(prepared, plan.index(indices), indices, output)
         if progress:
             progress(len(indices))
     generate_seconds = time.perf_counter() - started
     evidence = mode.evidence()
+    evidence["config_adjustments"] = list(config.adjustments)
     timings = _timings(prepared, outputs, warmup_seconds, evidence["compile_s"], generate_seconds, device, cold_ttft_ms)
-    plan = [{"batch": i, "prompt_ids": [prepared.prompt_set.records[j].id for j in indices],
-             "padded_length": int(outputs[i].padded_length)} for i, indices in enumerate(batches)]
-    return results, timings, evidence, plan
+    batch_plan = [{"batch": plan.index(indices), "prompt_ids": [prompt_set.records[j].id for j in indices],
+                   "padded_length": int(output.padded_length)} for indices, output in zip(batches, outputs)]
+    run = Run(prepared.header, results, timings, evidence, batch_plan)
+    if config.strict_config and evidence["fallbacks"]:
+        raise FallbackError("the requested mode fell back (" + "; ".join(evidence["fallbacks"])
+                            + "); drop --strict-config or fix the cause")
+    return run
 
 
-def execute_run(config: RunConfig, store: Store | None, label: str | None = None,
-                progress_factory: Callable[[int], Any] | None = None, prepared: Prepared | None = None) -> RunOutcome:
-    """Do a run and (when `store` is given) record it: running -> complete, or failed on error."""
-    prepared = prepared or prepare(config)
-    run_id = store.begin_run(prepared.header, label) if store else None
+def record(store: Store | None, header: dict[str, Any], produce: Callable[[], Run], label: str | None = None) -> Run:
+    """Store a run's lifecycle: `running` before `produce()` starts, `complete` with its results, or
+    `failed` with the error; without a store, just produce."""
+    if store is None:
+        return produce()
+    run_id = store.begin_run(header, label)
     try:
+        run = produce()
+        store.finish_run(run_id, run.results, {"timings": run.timings, "evidence": run.evidence,
+                                               "batches": run.plan}, run.tokens_digest, run.logits_digest)
+    except BaseException as error:
+        store.fail_run(run_id, f"{type(error).__name__}: {str(error)[:500]}")
+        raise
+    run.run_id = run_id
+    return run
+
+
+def execute_run(config: RunConfig | EffectiveConfig, store: Store | None, label: str | None = None,
+                progress_factory: Callable[[int], Any] | None = None, prepared: Prepared | None = None) -> Run:
+    """`evalrun run`: prepare, execute with a progress bar, record in the store."""
+    prepared = prepared or prepare(config)
+
+    def produce() -> Run:
         bar = progress_factory(len(prepared.prompt_set.records)) if progress_factory else None
         with (bar if bar is not None else _NullBar()) as active:
-            results, timings, evidence, plan = generate_all(prepared, active.update)
-        tokens_digest, logits_digest = run_digests(results)
-        if store:
-            store.finish_run(run_id, results, {"timings": timings, "evidence": evidence, "batches": plan},
-                             tokens_digest, logits_digest)
-    except BaseException as error:
-        if store:
-            store.fail_run(run_id, f"{type(error).__name__}: {error}")
-        raise
-    return RunOutcome(run_id, prepared.header, results, timings, evidence, plan, tokens_digest, logits_digest)
+            return execute(prepared, progress=active.update)
+
+    return record(store, prepared.header, produce, label)
 
 
 class _NullBar:

@@ -85,3 +85,34 @@ def copy_model_dir(source: Path, target: Path, edit=None) -> Path:
         edit(state)
         save_file(state, weights, metadata={"format": "pt"})
     return target
+
+
+@pytest.fixture(scope="session")
+def golden_factory(tmp_path_factory):
+    """make(*options, model=..., prompts=..., tokens=...) -> a folder holding golden `g`, made once per
+    distinct call in this test session through the CLI. Tests that alter a golden copy it first."""
+    made: dict[tuple, Path] = {}
+
+    def make(*options: str, model: str = "random:tiny", prompts: str = "smoke", tokens: int = 6) -> Path:
+        key = (model, prompts, tokens, options)
+        if key not in made:
+            directory = tmp_path_factory.mktemp("golden")
+            with pytest.raises(SystemExit) as exit:
+                main(["golden", "create", "g", "--model", model, "--prompts", prompts, "--max-new-tokens",
+                      str(tokens), *options, "--dir", str(directory), "--quiet"])
+            assert exit.value.code == 0
+            made[key] = directory
+        return made[key]
+
+    return make
+
+
+@pytest.fixture
+def verify(cli):
+    """verify(directory, *options) -> (exit code, verdict dict or None, stderr) of `golden verify g`."""
+
+    def run(directory: Path, *options: str, name: str = "g") -> tuple[int, dict | None, str]:
+        code, out, err = cli("golden", "verify", name, "--dir", str(directory), "--quiet", "--format", "json", *options)
+        return code, (json.loads(out) if out.strip().startswith("{") else None), err
+
+    return run

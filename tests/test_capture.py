@@ -2,7 +2,7 @@ import numpy as np
 import pytest
 import torch
 
-from evalrun.capture import digest_hex, logits_digest, raw_bits, reference_digest, topk_sketch
+from evalrun.engine.capture import digest_hex, logits_digest, raw_bits, reference_digest, topk_sketch
 
 
 def _digest(row: torch.Tensor) -> str:

@@ -4,7 +4,8 @@ import json
 import pytest
 import torch
 
-from evalrun.config import RunConfig, resolve
+from evalrun.config import (NUMERICS_FACTORS, WORKLOAD_FACTORS, CompilationMode, CUDAGraphMode, EffectiveConfig,
+                            RunConfig, resolve)
 from evalrun.fingerprint import apply_numerics_flags, backend_flags, environment, environment_hash
 from evalrun.hashing import canonical_json, hash_value
 from evalrun.models import load_model, model_identity
@@ -17,18 +18,43 @@ def test_canonical_json_ignores_key_order():
     assert canonical_json({"b": 1, "a": [1, 2]}) == canonical_json({"a": [1, 2], "b": 1}) == '{"a":[1,2],"b":1}'
 
 
-def _effective() -> dict:
+def _effective():
     return resolve(RunConfig(model="random:tiny"), cuda_available=False)
 
 
-@pytest.mark.parametrize("key", list(_effective()))
-def test_changing_any_config_field_changes_the_config_hash(key):
+def _other(value):
+    if isinstance(value, bool):
+        return not value
+    if isinstance(value, (int, float)):
+        return value + 1
+    if isinstance(value, tuple):
+        return value + (4096,)
+    if isinstance(value, CompilationMode):
+        return CompilationMode.STOCK
+    if isinstance(value, CUDAGraphMode):
+        return CUDAGraphMode.FULL
+    return f"{value}-x"
+
+
+@pytest.mark.parametrize("key", NUMERICS_FACTORS + WORKLOAD_FACTORS)
+def test_changing_any_declared_factor_changes_the_config_hash(key):
     base = _effective()
-    changed = dict(base)
-    value = base[key]
-    changed[key] = (not value) if isinstance(value, bool) else (value + 1) if isinstance(value, (int, float)) \
-        else (value + [1]) if isinstance(value, list) else f"{value}-x"
-    assert hash_value(changed) != hash_value(base)
+    changed = base.replace(**{key: _other(getattr(base, key))})
+    assert changed.compute_hash() != base.compute_hash()
+
+
+@pytest.mark.parametrize("key", ["opt_level", "warmup", "strict_config", "keep_logits", "adjustments"])
+def test_fields_that_change_no_numbers_are_not_hashed(key):
+    """Recording or procedure, not numerics: they must never show up as a verdict's cause."""
+    base = _effective()
+    value = {"keep_logits": "all", "adjustments": ("x",)}.get(key, _other(getattr(base, key)))
+    assert base.replace(**{key: value}).compute_hash() == base.compute_hash()
+
+
+def test_every_field_is_a_factor_or_declared_unhashed():
+    unhashed = {"opt_level", "warmup", "strict_config", "keep_logits", "adjustments"}
+    fields = {f.name for f in dataclasses.fields(EffectiveConfig)}
+    assert fields == set(NUMERICS_FACTORS) | set(WORKLOAD_FACTORS) | unhashed
 
 
 def test_environment_covers_the_design_list():
@@ -41,10 +67,10 @@ def test_environment_covers_the_design_list():
 @pytest.mark.parametrize("key", ["torch", "transformers", "cpu", "python"])
 def test_changing_any_environment_key_changes_only_the_environment_hash(key):
     env = environment("cpu")
-    config_hash = hash_value(_effective())
+    config_hash = _effective().compute_hash()
     changed = dict(env, **{key: "something-else"})
     assert environment_hash(changed) != environment_hash(env)
-    assert hash_value(_effective()) == config_hash
+    assert _effective().compute_hash() == config_hash
 
 
 def test_numerics_env_vars_are_recorded(monkeypatch):
@@ -54,7 +80,7 @@ def test_numerics_env_vars_are_recorded(monkeypatch):
 
 def test_deterministic_flags_are_applied_and_recorded():
     try:
-        applied = apply_numerics_flags(dict(_effective(), deterministic=True))
+        applied = apply_numerics_flags(_effective().replace(deterministic=True))
         assert applied["use_deterministic_algorithms"] is True
         assert backend_flags()["deterministic_algorithms"] is True
         assert applied["CUBLAS_WORKSPACE_CONFIG"]
@@ -128,9 +154,11 @@ def test_environment_names_the_engine_code(monkeypatch, tmp_path):
     assert environment("cpu")["engine_code"] == digest and len(digest) == 32
     package = tmp_path / "evalrun"
     (package / "engine").mkdir(parents=True)
-    for name in ("fingerprint.py", "capture.py", "engine/transformer.py"):
+    for name in ("fingerprint.py", "engine/capture.py", "engine/transformer.py", "engine/faults.py"):
         (package / name).write_text(f"# {name}\n")
     monkeypatch.setattr(fingerprint, "__file__", str(package / "fingerprint.py"))
     copy = fingerprint.engine_code_digest()
-    (package / "engine" / "transformer.py").write_text("# transformer.py, one line changed\n")
+    (package / "engine" / "faults.py").write_text("# fault injection never runs in a real run\n")
+    assert fingerprint.engine_code_digest() == copy
+    (package / "engine" / "capture.py").write_text("# capture.py, one line changed\n")
     assert fingerprint.engine_code_digest() != copy != digest

@@ -7,8 +7,9 @@ import numpy as np
 import pytest
 import torch
 
-from evalrun.capture import logits_digest
-from evalrun.engine.generate import generate_batch
+from evalrun.engine.capture import logits_digest
+from evalrun.engine.driver import generate_batch
+from evalrun.engine.generate import BatchSpec
 from evalrun.engine.transformer import Transformer
 from evalrun.models import load_model, seeded_uniform
 
@@ -30,7 +31,7 @@ def test_two_eager_runs_on_cuda_are_bit_identical(dtype):
     loaded = load_model("random:tiny", "cuda", dtype)
     model = Transformer(loaded.model)
     prompts = [loaded.tokenizer(text)["input_ids"] for text in ("A longer prompt on a GPU", "Hi")]
-    first, second = (generate_batch(model, prompts, 16, pad_id=0) for _ in range(2))
+    first, second = (generate_batch(model, BatchSpec(prompts, 16, pad_id=0)) for _ in range(2))
     assert np.array_equal(first.digests, second.digests) and np.array_equal(first.tokens, second.tokens)
 
 
@@ -38,9 +39,9 @@ def test_padded_batch_gives_the_unbatched_tokens_on_cuda():
     loaded = load_model("random:tiny", "cuda", "float32")
     model = Transformer(loaded.model)
     prompts = [loaded.tokenizer(text)["input_ids"] for text in ("Rivers and towns and ledgers", "Hi", "1 2 3")]
-    batched = generate_batch(model, prompts, 10, pad_id=0)
+    batched = generate_batch(model, BatchSpec(prompts, 10, pad_id=0))
     for row, ids in enumerate(prompts):
-        assert batched.tokens[row].tolist() == generate_batch(model, [ids], 10, pad_id=0).tokens[0].tolist()
+        assert batched.tokens[row].tolist() == generate_batch(model, BatchSpec([ids], 10, pad_id=0)).tokens[0].tolist()
 
 
 def test_cli_run_on_cuda_twice_is_identical(cli, tiny_args):

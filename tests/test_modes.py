@@ -46,7 +46,7 @@ def test_o0_golden_under_each_compilation_mode_is_never_changed(cli, o0_golden, 
     assert verdict["candidate_config"]["compilation_mode"] == mode
 
 
-def test_a_graph_break_is_a_reported_fallback_and_fails_strict(cli, tiny_args, monkeypatch):
+def test_a_graph_break_is_a_reported_fallback_and_fails_strict(cli, tiny_args, monkeypatch, tmp_path):
     import torch
 
     from evalrun.engine import transformer
@@ -64,8 +64,13 @@ def test_a_graph_break_is_a_reported_fallback_and_fails_strict(cli, tiny_args, m
     assert code == 0 and evidence["graph_breaks"]
     assert any(f.startswith("graph break") for f in evidence["fallbacks"])
     code, out, err = cli("run", *tiny_args, "--compilation-mode", "stock", "--strict-config", "--quiet")
-    assert code == 2 and "fell back" in err and "graph break" in err
-    assert "FALLBACKS" in out
+    assert code == 2 and "fell back" in err and "graph break" in err and len(err.strip().splitlines()) == 1
+    code, out, _ = cli("store", "ls", "--store", tiny_args[-1], "--json")
+    assert json.loads(out)[0]["status"] == "failed"
+    # --strict-config is the library's rule: golden create refuses a fallback too
+    code, _, err = cli("golden", "create", "g", "--model", "random:tiny", "--prompts", "smoke", "--max-new-tokens", "3",
+                       "--compilation-mode", "stock", "--strict-config", "--dir", str(tmp_path), "--quiet")
+    assert code == 2 and "fell back" in err and not (tmp_path / "g.db").exists()
 
 
 def _patched_init(init, head_function):
@@ -78,22 +83,6 @@ def _patched_init(init, head_function):
 def test_cuda_graph_modes_need_a_gpu_and_piecewise_graphs_need_piecewise(cli, tiny_args):
     code, _, err = cli("run", *tiny_args, "--cudagraph-mode", "piecewise")
     assert code == 2 and "needs a GPU" in err
-
-
-def test_piecewise_graphs_need_piecewise_compilation():
-    import torch
-
-    from evalrun.engine.modes import build_execution_mode
-    from evalrun.errors import ConfigError
-
-    class FakeTransformer:
-        device = torch.device("cuda")
-
-    effective = {"compilation_mode": "stock", "cudagraph_mode": "piecewise", "prefill_buckets": [8],
-                 "batch_buckets": [1], "max_autotune": False, "coordinate_descent_tuning": False,
-                 "epilogue_fusion": True, "emulate_precision_casts": False}
-    with pytest.raises(ConfigError, match="needs --compilation-mode piecewise"):
-        build_execution_mode(FakeTransformer(), effective)
 
 
 @pytest.mark.parametrize("value,buckets,expected", [(5, [4, 8, 16], 8), (16, [4, 8, 16], 16), (17, [4, 8, 16], 32),
@@ -166,13 +155,13 @@ def test_inductor_graph_modes_warm_each_shape_twice(monkeypatch):
     flags = {"model": "random:tiny", "prompts": "smoke", "max_new_tokens": 2, "compilation_mode": "piecewise"}
     prepared = runner.prepare(build_config(flags=flags))
     mode = prepared.execution_mode()
-    batches = runner.plan_batches(prepared.prompt_set, prepared.effective)
+    batches = runner.plan_batches(prepared.prompt_set, prepared.config)
     shapes = len(runner.warmup_batches(batches, prepared, mode))
-    calls, real = [], runner.run_batch
-    monkeypatch.setattr(runner, "run_batch", lambda *args, **kw: calls.append(1) or real(*args, **kw))
-    runner.generate_all(prepared)
+    calls, real = [], runner.generate_batch
+    monkeypatch.setattr(runner, "generate_batch", lambda *args, **kw: calls.append(1) or real(*args, **kw))
+    runner.execute(prepared)
     assert len(calls) == shapes + len(batches)
     calls.clear()
     mode.inductor_graphs = True  # what --cudagraph-mode piecewise / full-and-piecewise set (GPU only)
-    runner.generate_all(prepared)
+    runner.execute(prepared)
     assert len(calls) == 2 * shapes + len(batches)

@@ -1,4 +1,4 @@
-"""Prefill + decode with on-device capture, gpt-fast style.
+"""Workspaces and the prefill and decode steps, with on-device capture, gpt-fast style.
 
 A `Workspace` holds every buffer a batch needs, allocated once: KV cache, capture buffers, the
 key-validity mask, and the decode step's inputs as device tensors (last token, prompt lengths,
@@ -18,17 +18,46 @@ from typing import Callable
 import numpy as np
 import torch
 
-from ..capture import BITS_VIEW, logits_digest, topk_sketch
-from ..models import splitmix64
-from .timing import StepClock
+from .capture import BITS_VIEW, logits_digest, topk_sketch
+from .mixing import splitmix64
 from .transformer import KVCache, Transformer
 
 Forward = Callable[..., torch.Tensor]  # (tokens [B,T], positions [B,T], slots [T], key_valid [B,S], cache) -> [B,V]
 
 
+@dataclass(frozen=True)
+class BatchSpec:
+    """What to generate for one batch: the prompts and every option of the decode loop.
+
+    `forced_tokens` (one [N] array per row) feeds those tokens instead of the model's choices:
+    forced decoding along another run's path; the capture still records the model's own choice.
+    `probe_ids` (one [N, K'] array per row) records the exact logits at those ids each step; with
+    `probe_own_topk` = k the first k probe columns of each step are that step's own top-k ids
+    (an oracle run chooses the ids later runs are probed at).
+    """
+
+    prompts: list[list[int]]
+    steps: int
+    pad_id: int
+    top_k: int = 8
+    temperature: float = 0.0
+    row_seeds: list[int] | None = None
+    keep_logits: bool = False
+    forced_tokens: list[np.ndarray] | None = None
+    probe_ids: list[np.ndarray] | None = None
+    probe_own_topk: int = 0
+    capture: bool = True
+
+    def layout(self) -> tuple:
+        """What fixes a workspace's buffers, besides its shape: batches with equal layouts share one."""
+        probe_width = self.probe_ids[0].shape[-1] if self.probe_ids is not None else 0
+        return (self.top_k, self.temperature, self.keep_logits, self.forced_tokens is not None, probe_width,
+                self.probe_own_topk, self.capture)
+
+
 @dataclass
 class BatchOutput:
-    """Host arrays for one batch. B rows, N steps, K top-k entries."""
+    """Host arrays for one batch. B rows, N steps, K top-k entries, K' probe ids."""
 
     tokens: np.ndarray  # [B, N] int64
     digests: np.ndarray  # [B, N, 2] int64
@@ -38,6 +67,7 @@ class BatchOutput:
     logits: np.ndarray | None  # [B, N, V] raw bits of the model dtype, when kept
     step_ms: np.ndarray  # [N] wall time of each step; step 0 is prefill + first token (TTFT)
     padded_length: int = 0  # P, the prompt length the batch was padded to
+    probe_ids: np.ndarray | None = None  # [B, N, K'] int64, when probed
     probe_values: np.ndarray | None = None  # [B, N, K'] float64 logits at the probe ids, when probed
 
 
@@ -53,27 +83,32 @@ class CaptureBuffers:
     logits: torch.Tensor | None  # [B, N, V] model dtype
     probe_ids: torch.Tensor | None = None  # [B, N, K'] int64: ids whose logits each step records exactly
     probe_values: torch.Tensor | None = None  # [B, N, K'] float64
+    probe_own_topk: int = 0  # the first k probe columns are filled by the step's own top-k ids
 
     @classmethod
-    def allocate(cls, batch: int, steps: int, top_k: int, vocab: int, keep_logits: bool,
-                 dtype: torch.dtype, device: torch.device) -> "CaptureBuffers":
+    def allocate(cls, batch: int, steps: int, vocab: int, spec: BatchSpec, dtype: torch.dtype,
+                 device: torch.device) -> "CaptureBuffers":
+        probe_width = spec.probe_ids[0].shape[-1] if spec.probe_ids is not None else 0
+        zeros = lambda *shape, kind=torch.int64: torch.zeros(*shape, dtype=kind, device=device)  # noqa: E731
         return cls(
-            tokens=torch.zeros(batch, steps, dtype=torch.int64, device=device),
-            digests=torch.zeros(batch, steps, 2, dtype=torch.int64, device=device),
-            topk_ids=torch.zeros(batch, steps, top_k, dtype=torch.int64, device=device),
-            topk_values=torch.zeros(batch, steps, top_k, dtype=torch.float32, device=device),
-            margins=torch.zeros(batch, steps, dtype=torch.float32, device=device),
-            logits=torch.zeros(batch, steps, vocab, dtype=dtype, device=device) if keep_logits else None,
+            tokens=zeros(batch, steps), digests=zeros(batch, steps, 2), topk_ids=zeros(batch, steps, spec.top_k),
+            topk_values=zeros(batch, steps, spec.top_k, kind=torch.float32),
+            margins=zeros(batch, steps, kind=torch.float32),
+            logits=zeros(batch, steps, vocab, kind=dtype) if spec.keep_logits else None,
+            probe_ids=zeros(batch, steps, probe_width) if probe_width else None,
+            probe_values=zeros(batch, steps, probe_width, kind=torch.float64) if probe_width else None,
+            probe_own_topk=spec.probe_own_topk,
         )
 
     def to_host(self, rows: int, steps: int, step_ms: np.ndarray, padded_length: int) -> BatchOutput:
         """The first `rows` rows and `steps` steps, copied to the host (the one sync of a batch)."""
-        cut = lambda t: t[:rows, :steps].to("cpu", copy=True)  # noqa: E731 - a copy: the buffers are reused
-        logits = cut(self.logits).view(BITS_VIEW[self.logits.dtype]).numpy() if self.logits is not None else None
-        probe = cut(self.probe_values).numpy() if self.probe_values is not None else None
-        return BatchOutput(cut(self.tokens).numpy(), cut(self.digests).numpy(), cut(self.topk_ids).numpy(),
-                           cut(self.topk_values).numpy(), cut(self.margins).numpy(), logits, step_ms,
-                           padded_length, probe)
+        cut = lambda t: t[:rows, :steps].to("cpu", copy=True).numpy() if t is not None else None  # noqa: E731
+        logits = None
+        if self.logits is not None:  # raw bits of the model dtype
+            logits = self.logits[:rows, :steps].to("cpu", copy=True).view(BITS_VIEW[self.logits.dtype]).numpy()
+        return BatchOutput(cut(self.tokens), cut(self.digests), cut(self.topk_ids), cut(self.topk_values),
+                           cut(self.margins), logits, step_ms, padded_length, cut(self.probe_ids),
+                           cut(self.probe_values))
 
 
 def choose_token(logits: torch.Tensor, temperature: float, row_seeds: torch.Tensor, step: torch.Tensor) -> torch.Tensor:
@@ -111,6 +146,9 @@ def capture_step(logits: torch.Tensor, step: torch.Tensor, buffers: CaptureBuffe
     if buffers.logits is not None:
         buffers.logits.index_copy_(1, step, logits[:, None])
     if buffers.probe_ids is not None:
+        if buffers.probe_own_topk:  # an oracle chooses its own probe ids: its top-k at this step
+            own = torch.topk(logits, buffers.probe_own_topk, dim=-1).indices  # [B, k]
+            buffers.probe_ids[:, :, :buffers.probe_own_topk].index_copy_(1, step, own[:, None])
         probe = buffers.probe_ids.index_select(1, step)[:, 0]  # [B, K']
         buffers.probe_values.index_copy_(1, step, logits.gather(1, probe).double()[:, None])
     return token
@@ -134,18 +172,14 @@ class Workspace:
     capture: bool = True
 
     @classmethod
-    def allocate(cls, model: Transformer, batch: int, slots: int, steps: int, top_k: int, temperature: float,
-                 keep_logits: bool = False, forced: bool = False, probe_width: int | None = None,
-                 capture: bool = True) -> "Workspace":
+    def allocate(cls, model: Transformer, batch: int, slots: int, steps: int, spec: BatchSpec) -> "Workspace":
         device = model.device
-        buffers = CaptureBuffers.allocate(batch, steps, top_k, model.vocab_size, keep_logits, model.dtype, device)
-        if probe_width:
-            buffers.probe_ids = torch.zeros(batch, steps, probe_width, dtype=torch.int64, device=device)
-            buffers.probe_values = torch.zeros(batch, steps, probe_width, dtype=torch.float64, device=device)
+        buffers = CaptureBuffers.allocate(batch, steps, model.vocab_size, spec, model.dtype, device)
         zeros = lambda *shape: torch.zeros(*shape, dtype=torch.int64, device=device)  # noqa: E731
         return cls(model.new_cache(batch, slots), buffers, torch.zeros(batch, slots, dtype=torch.bool, device=device),
                    zeros(batch), zeros(batch), zeros(1), zeros(1), zeros(batch),
-                   zeros(batch, steps) if forced else None, top_k, temperature, capture)
+                   zeros(batch, steps) if spec.forced_tokens is not None else None, spec.top_k, spec.temperature,
+                   spec.capture)
 
     @property
     def shape(self) -> tuple[int, int, int]:
@@ -189,10 +223,10 @@ def row_matrix(rows: list[np.ndarray], batch: int, steps: int) -> torch.Tensor:
     return torch.from_numpy(matrix)
 
 
-def load_batch(workspace: Workspace, padded: PaddedBatch, seeds: list[int], forced: list[np.ndarray] | None,
-               probe_ids: list[np.ndarray] | None) -> None:
+def load_batch(workspace: Workspace, padded: PaddedBatch, spec: BatchSpec) -> None:
     """Copy one batch's inputs into the workspace's static buffers."""
     batch, _, steps = workspace.shape
+    seeds, forced, probe_ids = spec.row_seeds or [0] * len(spec.prompts), spec.forced_tokens, spec.probe_ids
     workspace.key_valid.copy_(padded.key_valid)
     workspace.lengths.copy_(padded.lengths)
     workspace.slot_base.fill_(padded.tokens.shape[1])
@@ -222,38 +256,3 @@ def decode_step(forward: Forward, workspace: Workspace) -> None:
     logits = forward(fed[:, None], position, ws.slot_base + previous, ws.key_valid, ws.cache)
     ws.token.copy_(capture_step(logits, ws.step, ws.buffers, ws.top_k, ws.temperature, ws.seeds, ws.capture))
     ws.step.add_(1)
-
-
-@torch.no_grad()
-def generate_batch(model: Transformer, prompts: list[list[int]], max_new_tokens: int, *, pad_id: int,
-                   top_k: int = 8, temperature: float = 0.0, row_seeds: list[int] | None = None,
-                   keep_logits: bool = False, forced_tokens: list[np.ndarray] | None = None,
-                   probe_ids: list[np.ndarray] | None = None, capture: bool = True,
-                   mode=None) -> BatchOutput:
-    """Greedy (or seeded-sampled) generation of one batch with on-device capture of every step.
-
-    `mode` (an `ExecutionMode`) decides padding, workspaces, and how prefill and decode steps run
-    (eager, compiled, CUDA graphs); without one the batch runs eagerly in a fresh workspace.
-    `forced_tokens` (one array per row) feeds those tokens instead of the model's choices: forced
-    decoding along another run's path; the buffers still record the model's own choice.
-    `probe_ids` (one [N, K'] array per row) records the exact logits at those ids each step.
-    """
-    from .modes import eager_mode
-
-    mode = mode or eager_mode(model)
-    padded_length, batch = mode.padded_length(prompts), mode.padded_batch(len(prompts))
-    rows = prompts + [prompts[-1]] * (batch - len(prompts))  # batch-bucket filler rows repeat the last prompt
-    workspace = mode.workspace(batch, padded_length, max_new_tokens, top_k=top_k, temperature=temperature,
-                               keep_logits=keep_logits, forced=forced_tokens is not None,
-                               probe_width=probe_ids[0].shape[-1] if probe_ids is not None else None, capture=capture)
-    _, slots, _ = workspace.shape
-    padded = PaddedBatch.build(rows, pad_id, padded_length, slots, model.device)
-    load_batch(workspace, padded, row_seeds or [0] * len(prompts), forced_tokens, probe_ids)
-    clock = StepClock(model.device)
-    clock.start()
-    mode.prefill(workspace, padded.tokens, padded.positions)
-    clock.mark()
-    for _ in range(1, max_new_tokens):
-        mode.decode(workspace)
-        clock.mark()
-    return workspace.buffers.to_host(len(prompts), max_new_tokens, clock.elapsed_ms(), padded_length)

@@ -29,13 +29,12 @@ from typing import Any, Callable
 
 import torch
 
-from ..errors import ConfigError
-from .generate import Workspace, decode_step, prefill_step
+from ..config import CompilationMode, CUDAGraphMode, EffectiveConfig
+from .generate import BatchSpec, Workspace, decode_step, prefill_step
 from .transformer import Transformer, head, post_attention, pre_attention, prologue
 
-FULL_DECODE_MODES = ("full", "full-decode-only", "full-and-piecewise")
-PIECEWISE_PREFILL_MODES = ("piecewise", "full-and-piecewise")
-INDUCTOR_KNOBS = ("max_autotune", "coordinate_descent_tuning", "epilogue_fusion", "emulate_precision_casts")
+DEFAULT_PREFILL_BUCKETS = (16, 32, 64, 128, 256, 512, 1024, 2048)
+DEFAULT_BATCH_BUCKETS = (1, 2, 4, 8, 16, 32)
 
 
 def _bucket(value: int, buckets: list[int]) -> int:
@@ -67,16 +66,16 @@ def _dynamo_snapshot() -> dict[str, Any]:
 @dataclass
 class ExecutionMode:
     transformer: Transformer
-    compilation_mode: str = "none"
-    cudagraph_mode: str = "none"
-    prefill_buckets: list[int] = field(default_factory=lambda: [16, 32, 64, 128, 256, 512, 1024, 2048])
-    batch_buckets: list[int] = field(default_factory=lambda: [1, 2, 4, 8, 16, 32])
+    compilation_mode: CompilationMode = CompilationMode.NONE
+    cudagraph_mode: CUDAGraphMode = CUDAGraphMode.NONE
+    prefill_buckets: tuple[int, ...] = DEFAULT_PREFILL_BUCKETS
+    batch_buckets: tuple[int, ...] = DEFAULT_BATCH_BUCKETS
     inductor_options: dict[str, Any] = field(default_factory=dict)
     fallbacks: list[str] = field(default_factory=list)
 
     def __post_init__(self) -> None:
-        self.static = (self.compilation_mode, self.cudagraph_mode) != ("none", "none")
-        self.inductor_graphs = self.cudagraph_mode in PIECEWISE_PREFILL_MODES
+        self.static = (self.compilation_mode, self.cudagraph_mode) != (CompilationMode.NONE, CUDAGraphMode.NONE)
+        self.inductor_graphs = self.cudagraph_mode.has_piecewise_cudagraphs()
         self.workspaces: dict[tuple, Workspace] = {}
         self.graphs: dict[tuple, torch.cuda.CUDAGraph] = {}
         self.graph_inputs: dict[tuple, tuple[torch.Tensor, torch.Tensor]] = {}
@@ -105,14 +104,14 @@ class ExecutionMode:
 
     def _build_forwards(self) -> tuple[Callable, Callable]:
         compilation, graphs = self.compilation_mode, self.cudagraph_mode
-        if compilation == "none":
+        if not compilation.is_compiled():
             return self.transformer.forward, self.transformer.forward
-        if compilation == "piecewise":
-            prefill = self._pieces("prefill", graphs in PIECEWISE_PREFILL_MODES)
-            decode = self._pieces("decode", graphs == "piecewise")
+        if compilation is CompilationMode.PIECEWISE:
+            prefill = self._pieces("prefill", graphs.has_piecewise_cudagraphs())
+            decode = self._pieces("decode", graphs is CUDAGraphMode.PIECEWISE)
             return prefill.forward, decode.forward
-        fullgraph, dynamic = (True, False) if compilation == "trace-once" else (False, None)
-        compiled = self._compile(Transformer.forward, compilation.replace("-", "_"), False, fullgraph, dynamic)
+        fullgraph, dynamic = (True, False) if compilation is CompilationMode.TRACE_ONCE else (False, None)
+        compiled = self._compile(Transformer.forward, compilation.value.replace("-", "_"), False, fullgraph, dynamic)
         forward = self._guarded(lambda *args: compiled(self.transformer, *args), self.transformer.forward)
         return forward, forward
 
@@ -149,16 +148,17 @@ class ExecutionMode:
     def padded_batch(self, rows: int) -> int:
         return _bucket(rows, self.batch_buckets) if self.static else rows
 
-    def workspace(self, batch: int, padded_length: int, steps: int, **options) -> Workspace:
-        """A fresh workspace (eager), or the run's one workspace for this batch bucket (static)."""
+    def workspace(self, batch: int, padded_length: int, spec: BatchSpec) -> Workspace:
+        """A fresh workspace (eager), or the run's one workspace for this batch bucket and layout (static)."""
         if not self.static:
-            self.last_workspace = Workspace.allocate(self.transformer, batch, padded_length + steps, steps, **options)
+            self.last_workspace = Workspace.allocate(self.transformer, batch, padded_length + spec.steps, spec.steps,
+                                                     spec)
             return self.last_workspace
-        slots = max(self.plan_slots or 0, padded_length + steps)
-        steps = max(self.plan_steps or 0, steps)
-        key = (batch, slots, steps, tuple(sorted(options.items())))
+        slots = max(self.plan_slots or 0, padded_length + spec.steps)
+        steps = max(self.plan_steps or 0, spec.steps)
+        key = (batch, slots, steps, spec.layout())
         if key not in self.workspaces:
-            self.workspaces[key] = Workspace.allocate(self.transformer, batch, slots, steps, **options)
+            self.workspaces[key] = Workspace.allocate(self.transformer, batch, slots, steps, spec)
         return self.workspaces[key]
 
     # ------------------------------------------------------------ steps
@@ -176,7 +176,7 @@ class ExecutionMode:
 
     def prefill(self, workspace: Workspace, tokens: torch.Tensor, positions: torch.Tensor) -> None:
         self._new_step()
-        if self.cudagraph_mode != "full":
+        if not self.cudagraph_mode.captures_full_prefill():
             prefill_step(self.prefill_forward, workspace, tokens, positions)
             return
         key = ("prefill", id(workspace), tokens.shape)
@@ -192,7 +192,7 @@ class ExecutionMode:
 
     def decode(self, workspace: Workspace) -> None:
         self._new_step()
-        if self.cudagraph_mode not in FULL_DECODE_MODES:
+        if not self.cudagraph_mode.has_full_cudagraphs():
             decode_step(self.decode_forward, workspace)
             return
         key = ("decode", id(workspace))
@@ -255,7 +255,7 @@ class ExecutionMode:
         breaks = {reason.splitlines()[0][:200]: count - start["breaks"].get(reason, 0)
                   for reason, count in now["breaks"].items() if count > start["breaks"].get(reason, 0)}
         evidence = {
-            "compilation_mode": self.compilation_mode, "cudagraph_mode": self.cudagraph_mode,
+            "compilation_mode": self.compilation_mode.value, "cudagraph_mode": self.cudagraph_mode.value,
             "dynamo_graphs": now["graphs"] - start["graphs"], "frames_compiled": now["frames"] - start["frames"],
             "graph_breaks": [{"reason": reason, "count": count} for reason, count in breaks.items()],
             "recompiles_after_warmup": now["graphs"] - measured["graphs"],
@@ -272,16 +272,16 @@ class ExecutionMode:
 def find_fallbacks(evidence: dict[str, Any]) -> list[str]:
     """Compare what the mode implies with what happened; each mismatch is a fallback (one line each)."""
     found = []
-    compilation, graphs = evidence["compilation_mode"], evidence["cudagraph_mode"]
-    if compilation != "none" and evidence["dynamo_graphs"] == 0:
+    compilation, graphs = CompilationMode(evidence["compilation_mode"]), CUDAGraphMode(evidence["cudagraph_mode"])
+    if compilation.is_compiled() and evidence["dynamo_graphs"] == 0:
         found.append(f"compilation_mode={compilation} but dynamo compiled no graph: everything ran eagerly")
     for entry in evidence["graph_breaks"]:
         found.append(f"graph break ({entry['count']}x): {entry['reason']}")
-    if compilation == "trace-once" and evidence["recompiles_after_warmup"]:
+    if compilation is CompilationMode.TRACE_ONCE and evidence["recompiles_after_warmup"]:
         found.append(f"trace-once recompiled {evidence['recompiles_after_warmup']}x after warm-up")
-    if graphs in FULL_DECODE_MODES and evidence["cudagraph_replays"] == 0:
+    if graphs.has_full_cudagraphs() and evidence["cudagraph_replays"] == 0:
         found.append(f"cudagraph_mode={graphs} but no CUDA graph was replayed")
-    if graphs in ("piecewise",) + PIECEWISE_PREFILL_MODES and evidence["inductor_cudagraph_skips"]:
+    if graphs.has_piecewise_cudagraphs() and evidence["inductor_cudagraph_skips"]:
         found.append(f"Inductor skipped CUDA graphs {evidence['inductor_cudagraph_skips']}x (piecewise pieces ran without graphs)")
     return found
 
@@ -290,15 +290,9 @@ def eager_mode(transformer: Transformer) -> ExecutionMode:
     return ExecutionMode(transformer)
 
 
-def build_execution_mode(transformer: Transformer, effective: dict[str, Any]) -> ExecutionMode:
-    """The execution mode an effective config asks for; ConfigError when it cannot exist here."""
-    compilation, graphs = effective["compilation_mode"], effective["cudagraph_mode"]
-    if graphs != "none" and transformer.device.type != "cuda":
-        raise ConfigError(f"cudagraph_mode={graphs} needs a GPU; on CPU use --cudagraph-mode none")
-    if graphs in ("piecewise",) + PIECEWISE_PREFILL_MODES and compilation != "piecewise":
-        raise ConfigError(f"cudagraph_mode={graphs} wraps compiled pieces and needs --compilation-mode piecewise; "
-                          "use it, or --cudagraph-mode full / full-decode-only / none")
-    if compilation != "none":
+def build_execution_mode(transformer: Transformer, config: EffectiveConfig) -> ExecutionMode:
+    """The execution mode an effective config asks for (`config.validate` has vouched that it can exist)."""
+    if config.compilation_mode.is_compiled():
         torch._dynamo.reset()  # Dynamo's caches are not keyed on Inductor config: never reuse another config's
-    return ExecutionMode(transformer, compilation, graphs, list(effective["prefill_buckets"]),
-                         list(effective["batch_buckets"]), {k: effective[k] for k in INDUCTOR_KNOBS})
+    return ExecutionMode(transformer, config.compilation_mode, config.cudagraph_mode, config.prefill_buckets,
+                         config.batch_buckets, config.inductor_options())

@@ -14,7 +14,7 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-from .models import splitmix64
+from .mixing import splitmix64
 
 _LANE_SEEDS = (0x243F6A8885A308D3, 0x13198A2E03707344)  # pi digits; lane separation
 _LANE_STEP = _LANE_SEEDS[1] - _LANE_SEEDS[0]  # fits in int64: lane seed = lane * step + first seed

@@ -1,0 +1,422 @@
+"""Verify a candidate config against a golden: gates, runs, the two checks, one verdict.
+
+1. Gates. Model identity differs -> changed, naming weights, config or tokenizer. Prompt records
+   differ -> incomparable. More new tokens than the golden holds -> incomparable; fewer -> the
+   prefix is verified, and the causes say so.
+2. The candidate runs free, probed at the golden's ids. Every digest and token equal -> identical,
+   with no other run (the cheap path).
+3. Forced decoding: the batches holding a prompt whose tokens left the golden's path run again, fed
+   the golden's tokens (the other prompts' free runs already followed it).
+4. Function check (is it the same model?): the candidate environment runs the golden's function
+   config (float32, eager, deterministic, TF32 off) forced and probed. In the golden's own
+   environment it must reproduce the golden's function run bit for bit; elsewhere its error against
+   the float64 oracle must stay within `rules.FUNCTION_RULE` of the golden's. When the candidate's
+   own config is that config, its run is reused.
+5. Execution check (does this config compute that model faithfully?): the candidate's own forced
+   numbers against the envelope of known-good implementations of its dtype recorded in the golden
+   (pinned, reference, function). When the golden has none of that dtype, the reference config in
+   that dtype runs here, in the candidate's environment, and the report says so.
+Verdict: changed when a check fails (the cause says which and by how much), else drift; the distance
+to the decision (observed / allowed, <= 1 passes) is reported for every prompt and for the set.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+from typing import Any, Callable
+
+import numpy as np
+
+from .compare import dict_diff, digest_mismatch_steps, first_divergence, worst_verdict
+from .config import EffectiveConfig, RunConfig, build_config
+from .errors import GoldenError
+from .golden import ENVELOPE_ROLES, Golden, Hook, function_config, reference_config
+from .hashing import hash_value
+from .rules import EXECUTION_RULE, FUNCTION_RULE, Evidence, Judgement, judge, judge_set, typical
+from .runner import Prepared, Probes, Run, execute, prepare, steps_for
+from .store import PromptResult
+
+FUNCTION_CHECK_MODES = ("auto", "statistical")
+
+
+@dataclass
+class FlipReport:
+    step: int
+    golden_token: str
+    candidate_token: str
+    golden_margin: float  # the pinned run's own top1 - top2 at that step
+    oracle_gap: float  # oracle logit of the golden's token minus the candidate's
+    allowed_gap: float
+    passed: bool
+
+
+@dataclass
+class CheckReport:
+    """One check on one prompt, as reported."""
+
+    candidate_error: float
+    envelope_error: float
+    ratio: float
+    distance: float
+    worst_step: int
+    reason: str = ""
+
+    @classmethod
+    def of(cls, judgement: Judgement) -> "CheckReport":
+        return cls(judgement.candidate_error, judgement.envelope_error, judgement.ratio, judgement.distance,
+                   judgement.worst_step, judgement.reason)
+
+
+@dataclass
+class PromptVerdict:
+    prompt_id: str
+    verdict: str
+    first_divergent_step: int  # tokens of the free candidate run vs golden; -1 when equal
+    digest_mismatches: int  # steps whose logits digest differs
+    function: CheckReport | None = None
+    execution: CheckReport | None = None
+    flips: list[FlipReport] = field(default_factory=list)
+    distance: float = 0.0  # the largest of the checks' distances
+    reason: str = ""
+
+
+@dataclass
+class Verdict:
+    golden: str
+    verdict: str
+    exit_code: int
+    causes: list[str]
+    prompts: list[PromptVerdict]
+    config_diff: list[tuple[str, Any, Any]]
+    environment_diff: list[tuple[str, Any, Any]]
+    model_diff: list[str]
+    function_check: str  # how the function check ran and came out, one line
+    execution_check: str
+    distance: float  # the largest distance anywhere (per prompt or per set); <= 1 passes
+    closest: str  # where that distance is, in words
+    envelope: list[str]
+    steps_verified: int | None
+    candidate_config: dict[str, Any]
+    timings: dict[str, float]
+
+    def as_dict(self) -> dict[str, Any]:
+        import dataclasses
+
+        data = dataclasses.asdict(self)
+        data["config_diff"] = [{"key": k, "golden": a, "candidate": b} for k, a, b in self.config_diff]
+        data["environment_diff"] = [{"key": k, "golden": a, "candidate": b} for k, a, b in self.environment_diff]
+        return data
+
+
+def exit_code_for(verdict: str, strict: bool) -> int:
+    return {"identical": 0, "drift": 1 if strict else 0, "changed": 1, "incomparable": 2}[verdict]
+
+
+def candidate_config(golden: Golden, config_source: str | None, flags: dict[str, Any],
+                     sets: tuple[str, ...]) -> RunConfig:
+    """The golden's requested config with the user's explicit options on top."""
+    return build_config(config_source, flags, sets, base=golden.meta["requested_config"])
+
+
+# ---------------------------------------------------------------- the verification, step by step
+
+@dataclass
+class Context:
+    """What the steps of one verification share."""
+
+    golden: Golden
+    candidate: Prepared
+    golden_results: list[PromptResult]  # pinned, cut to the verified steps
+    oracle: list[PromptResult]
+    steps: dict[int, int]  # prompt index -> verified steps
+    strict: bool
+    progress: Callable[[str, int], Any] | None
+    hook: Hook | None
+    causes: list[str]
+    config_diff: list
+    env_diff: list
+    timings: dict[str, float]
+    started: float
+
+    def tick(self, phase: str, prepared: Prepared):
+        return self.progress(phase, len(prepared.prompt_set.records)) if self.progress else None
+
+    def oracle_by_index(self, index: int) -> PromptResult:
+        return next(r for r in self.oracle if r.prompt_index == index)
+
+    def tokens(self) -> dict[int, np.ndarray]:
+        return {r.prompt_index: r.arrays["tokens"] for r in self.golden_results}
+
+    def probes(self) -> Probes:
+        return Probes({r.prompt_index: r.arrays["probe_ids"] for r in self.oracle})
+
+    def verdict(self, verdict: str, prompts: list[PromptVerdict], function_check: str, execution_check: str,
+                distance: float = 0.0, closest: str = "", envelope: list[str] | None = None,
+                model_diff: list[str] | None = None) -> Verdict:
+        self.timings["total_s"] = time.perf_counter() - self.started
+        return Verdict(self.golden.name, verdict, exit_code_for(verdict, self.strict), self.causes, prompts,
+                       self.config_diff, self.env_diff, model_diff or [], function_check, execution_check, distance,
+                       closest, envelope or [], max(self.steps.values()) if self.steps else None,
+                       self.candidate.config.as_dict(), self.timings)
+
+
+def _cut(result: PromptResult, steps: int) -> PromptResult:
+    """A result limited to its first `steps` steps (the prefix a shorter candidate verifies)."""
+    import dataclasses
+
+    per_step = ("tokens", "digests", "topk_ids", "topk_values", "margins", "probe_ids", "probe_values")
+    arrays = {name: (array[:steps] if name in per_step else array) for name, array in result.arrays.items()}
+    return dataclasses.replace(result, arrays=arrays, new_tokens=min(result.new_tokens, steps))
+
+
+def _gate(golden: Golden, candidate: Prepared, golden_results: list[PromptResult]) -> tuple[str, str, list[str]] | None:
+    """(verdict, cause, model parts) when the candidate cannot be verified as a run of the golden's model."""
+    pinned = golden.pinned
+    model_diff = [part for part in ("weights", "config", "tokenizer")
+                  if candidate.header["model"][part] != pinned.json["model"].get(part)]
+    if model_diff:
+        return "changed", "; ".join(f"model identity: {part} differ" for part in model_diff), model_diff
+    records = [r.record for r in golden_results]
+    if hash_value(records) != hash_value([r.as_dict() for r in candidate.prompt_set.records]):
+        return ("incomparable", f"prompt set differs from the golden's ({pinned.json['prompt_set']['name']}): "
+                "verify with the golden's prompts or create a new golden", [])
+    for result in golden_results:
+        wanted = steps_for(candidate.prompt_set, result.prompt_index, candidate.config)
+        if wanted > len(result.arrays["tokens"]):
+            return ("incomparable", f"prompt {result.prompt_id!r}: the golden holds {len(result.arrays['tokens'])} new "
+                    f"tokens, the candidate asks {wanted}; verify with --max-new-tokens {len(result.arrays['tokens'])} "
+                    "or fewer, or re-create the golden", [])
+    return None
+
+
+def verify_golden(golden: Golden, config: RunConfig, strict: bool = False,
+                  progress: Callable[[str, int], Any] | None = None, hook: Hook | None = None,
+                  function_check: str = "auto") -> Verdict:
+    """The verdict of `config` against `golden` (see the module docstring for the steps).
+
+    `hook` is called on every model this verification loads (tests and calibration plant faults
+    with it); `function_check="statistical"` judges the function check by its numbers even in the
+    golden's own environment, where "auto" demands bit-for-bit reproduction.
+    """
+    if function_check not in FUNCTION_CHECK_MODES:
+        raise ValueError(f"function_check must be one of {FUNCTION_CHECK_MODES}")
+    started = time.perf_counter()
+    candidate = prepare(config)
+    if hook:
+        hook(candidate)
+    pinned = golden.config("pinned")
+    config_diff = dict_diff(pinned.factors(), candidate.config.factors())
+    env_diff = dict_diff(golden.pinned.json["environment"], candidate.header["environment"])
+    causes = [f"config: {k} {a} -> {b}" for k, a, b in config_diff]
+    causes += [f"environment: {k} {a} -> {b}" for k, a, b in env_diff]
+    golden_results = golden.results("pinned")
+    gated = _gate(golden, candidate, golden_results)
+    steps = {r.prompt_index: steps_for(candidate.prompt_set, r.prompt_index, candidate.config) for r in golden_results}
+    context = Context(golden, candidate, [_cut(r, steps[r.prompt_index]) for r in golden_results], [], steps, strict,
+                      progress, hook, causes, config_diff, env_diff, {}, started)
+    if gated is not None:
+        verdict, cause, model_diff = gated
+        context.causes = [cause] + causes
+        return context.verdict(verdict, [], "skipped: " + verdict, "skipped: " + verdict, model_diff=model_diff)
+    if any(steps[r.prompt_index] < len(r.arrays["tokens"]) for r in golden_results):
+        causes.append(f"verified the first {max(steps.values())} of {max(len(r.arrays['tokens']) for r in golden_results)} "
+                      "new tokens per prompt (the candidate asks fewer)")
+    context.oracle = [_cut(r, steps[r.prompt_index]) for r in golden.results("oracle")]
+    return _verify_runs(context, function_check)
+
+
+def _verify_runs(context: Context, function_check: str) -> Verdict:
+    candidate = context.candidate
+    free = execute(candidate, probes=context.probes(), progress=context.tick("candidate", candidate))
+    context.timings["candidate_s"] = free.timings["generate_s"]
+    prompts = _free_verdicts(context.golden_results, free.results)
+    if all(p.verdict == "identical" for p in prompts):
+        context.causes = context.causes or ["every token and logits digest equal"]
+        return context.verdict("identical", prompts, "skipped: identical", "skipped: identical")
+    if not context.config_diff and not context.env_diff:
+        context.causes.append("nondeterminism: same config and environment, different bits")
+    forced = _forced_results(context, free, prompts)
+    function_results, function_line, function_reports, function_set = _function_check(context, forced, function_check)
+    envelope_names, members = _envelope(context, forced)
+    execution = _execution_check(context, forced, members, prompts)
+    return _decide(context, prompts, function_results, function_line, function_reports, function_set, envelope_names,
+                   execution)
+
+
+def _free_verdicts(golden_results: list[PromptResult], results: list[PromptResult]) -> list[PromptVerdict]:
+    """Per prompt: identical when every digest and token matches, else provisionally drift."""
+    verdicts = []
+    for g, c in zip(golden_results, results):
+        mismatches = digest_mismatch_steps(g.arrays["digests"], c.arrays["digests"])
+        same = mismatches.size == 0 and np.array_equal(g.arrays["tokens"], c.arrays["tokens"])
+        verdicts.append(PromptVerdict(g.prompt_id, "identical" if same else "drift",
+                                      first_divergence(g.arrays["tokens"], c.arrays["tokens"]), int(mismatches.size)))
+    return verdicts
+
+
+def _forced_results(context: Context, free: Run, prompts: list[PromptVerdict]) -> dict[int, PromptResult]:
+    """Every prompt's numbers along the golden's tokens: free results where the tokens stayed on the
+    path, a forced re-run of the batches where they did not."""
+    results = free.by_index()
+    diverged = {r.prompt_index for r, p in zip(context.golden_results, prompts) if p.first_divergent_step >= 0}
+    if diverged:
+        started = time.perf_counter()
+        rerun = execute(context.candidate, forced=context.tokens(), probes=context.probes(),
+                        progress=context.tick("forced", context.candidate), only=diverged, timed=False)
+        results.update(rerun.by_index())
+        context.timings["forced_s"] = time.perf_counter() - started
+    return results
+
+
+def _run_forced(context: Context, config: EffectiveConfig, phase: str) -> dict[int, PromptResult]:
+    prepared = prepare(config, reuse=context.candidate)
+    if context.hook:
+        context.hook(prepared)
+    return execute(prepared, forced=context.tokens(), probes=context.probes(), progress=context.tick(phase, prepared),
+                   timed=False).by_index()
+
+
+def _function_config(context: Context) -> EffectiveConfig:
+    """The golden's function config, on the candidate's device and workload."""
+    golden_function = context.golden.config("function")
+    workload = {key: getattr(context.candidate.config, key) for key in ("model", "prompts", "max_new_tokens")}
+    return golden_function.replace(device=context.candidate.config.device, **workload)
+
+
+def _function_check(context: Context, forced: dict[int, PromptResult], mode: str):
+    """Returns (function results, one-line summary, per-prompt reports, set distance)."""
+    config = _function_config(context)
+    started = time.perf_counter()
+    if config.compute_hash() == context.candidate.config.compute_hash():
+        results = forced
+    else:
+        results = _run_forced(context, config, "function")
+        context.timings["function_s"] = time.perf_counter() - started
+    golden_function = {r.prompt_index: _cut(r, context.steps[r.prompt_index]) for r in context.golden.results("function")}
+    same_environment = not context.env_diff and config.compute_hash() == context.golden.config("function").compute_hash()
+    reproduced = {i: np.array_equal(golden_function[i].arrays["digests"], results[i].arrays["digests"])
+                  for i in golden_function}
+    reports, judgements = {}, []
+    typical_error = typical([_error(golden_function[i], context.oracle_by_index(i)) for i in golden_function])
+    for index, golden_run in golden_function.items():
+        oracle = context.oracle_by_index(index)
+        evidence = Evidence(results[index].arrays["probe_values"], (golden_run.arrays["probe_values"],),
+                            oracle.arrays["probe_values"], oracle.arrays["probe_ids"],
+                            results[index].arrays["tokens"], golden_run.arrays["tokens"])
+        judgement = judge(evidence, "float32", FUNCTION_RULE, typical_error)
+        judgements.append(judgement)
+        reports[index] = CheckReport.of(judgement)
+    set_distance = judge_set(judgements, FUNCTION_RULE)
+    if same_environment and mode == "auto":
+        if all(reproduced.values()):
+            return results, "reproduced the golden's float32 reference bit for bit (same environment)", reports, 0.0
+        context.causes.append("function check: the float32 reference no longer reproduces the golden's bit for "
+                              "bit in the same environment: the model or its code changed")
+        for index, report in reports.items():
+            report.reason = "" if reproduced[index] else "float32 reference not reproduced bit for bit"
+        return results, "NOT reproduced bit for bit in the golden's own environment", reports, float("inf")
+    worst = max(list(reports.values()), key=lambda r: r.distance)
+    line = (f"float32 eager in this environment vs the golden's, against the float64 oracle: worst prompt at "
+            f"{worst.distance:.2f} of the budget, the set at {set_distance:.2f}")
+    return results, line, reports, set_distance
+
+
+def _error(result: PromptResult, oracle: PromptResult) -> float:
+    from .rules import aggregate, step_errors
+
+    return aggregate(step_errors(result.arrays["probe_values"], oracle.arrays["probe_values"]))
+
+
+def _envelope(context: Context, forced: dict[int, PromptResult]) -> tuple[list[str], list[dict[int, PromptResult]]]:
+    """The known-good implementations of the candidate's dtype: the golden's, else one run here."""
+    dtype = context.candidate.config.dtype
+    names, members, seen = [], [], set()
+    for role in (*ENVELOPE_ROLES, "function"):
+        run_id = context.golden.run_id(role)
+        if run_id in seen or context.golden.config(role).dtype != dtype:
+            continue
+        seen.add(run_id)
+        names.append(f"{role} ({_describe(context.golden.config(role))})")
+        members.append({r.prompt_index: _cut(r, context.steps[r.prompt_index]) for r in context.golden.results(role)})
+    if not members:
+        config = reference_config(context.candidate.config)
+        started = time.perf_counter()
+        members.append(_run_forced(context, config, "envelope"))
+        context.timings["envelope_s"] = time.perf_counter() - started
+        names.append(f"reference run here ({_describe(config)}): the golden has no {dtype} implementation")
+    return names, members
+
+
+def _describe(config: EffectiveConfig) -> str:
+    return (f"{config.dtype} -O{config.opt_level} {config.compilation_mode}/{config.cudagraph_mode} "
+            f"batch {config.batch_size} on {config.device}")
+
+
+def _execution_check(context: Context, forced: dict[int, PromptResult], members: list[dict[int, PromptResult]],
+                     prompts: list[PromptVerdict]) -> tuple[dict[int, Judgement], float]:
+    judgements: dict[int, Judgement] = {}
+    per_prompt_envelope = {}
+    for golden_run in context.golden_results:
+        index, oracle = golden_run.prompt_index, context.oracle_by_index(golden_run.prompt_index)
+        per_prompt_envelope[index] = max(_error(member[index], oracle) for member in members)
+    typical_error = typical(list(per_prompt_envelope.values()))
+    dtype = context.candidate.config.dtype
+    for golden_run, prompt in zip(context.golden_results, prompts):
+        index = golden_run.prompt_index
+        if prompt.verdict == "identical":
+            continue
+        oracle = context.oracle_by_index(index)
+        evidence = Evidence(forced[index].arrays["probe_values"],
+                            tuple(member[index].arrays["probe_values"] for member in members),
+                            oracle.arrays["probe_values"], oracle.arrays["probe_ids"], forced[index].arrays["tokens"],
+                            golden_run.arrays["tokens"])
+        judgements[index] = judge(evidence, dtype, EXECUTION_RULE, typical_error)
+    return judgements, judge_set(list(judgements.values()), EXECUTION_RULE)
+
+
+def _decide(context: Context, prompts: list[PromptVerdict], function_results, function_line: str,
+            function_reports: dict[int, CheckReport], function_set: float, envelope: list[str],
+            execution: tuple[dict[int, Judgement], float]) -> Verdict:
+    judgements, execution_set = execution
+    tokenizer = context.candidate.loaded.tokenizer
+    closest = [(function_set, "the whole set, function check"), (execution_set, "the whole set, execution check")]
+    function_failed, execution_failed = [], []
+    for golden_run, prompt in zip(context.golden_results, prompts):
+        index = golden_run.prompt_index
+        prompt.function = function_reports.get(index)
+        judgement = judgements.get(index)
+        if judgement is not None:
+            prompt.execution = CheckReport.of(judgement)
+            prompt.flips = [FlipReport(f.step, tokenizer.decode([f.reference_token]), tokenizer.decode([f.candidate_token]),
+                                       float(golden_run.arrays["margins"][f.step]), f.oracle_gap, f.allowed_gap, f.passed)
+                            for f in judgement.flips]
+        checks = [c for c in (prompt.function, prompt.execution) if c is not None]
+        prompt.distance = max((c.distance for c in checks), default=0.0)
+        if prompt.function is not None and prompt.function.reason:
+            prompt.verdict, prompt.reason = "changed", "function check: " + prompt.function.reason
+            function_failed.append(prompt.prompt_id)
+        elif prompt.execution is not None and prompt.execution.reason:
+            prompt.verdict, prompt.reason = "changed", "execution check: " + prompt.execution.reason
+            execution_failed.append(prompt.prompt_id)
+        elif prompt.verdict != "identical":
+            prompt.reason = f"within the budgets (at {prompt.distance:.2f} of the closest)"
+        closest += [(c.distance, f"prompt {prompt.prompt_id}, {name} check") for c, name in
+                    ((prompt.function, "function"), (prompt.execution, "execution")) if c is not None]
+    if function_set > 1 and not function_failed and np.isfinite(function_set):
+        function_failed.append("(the set)")
+    if execution_set > 1 and not execution_failed:
+        execution_failed.append("(the set)")
+    if function_failed and np.isfinite(function_set):
+        context.causes.append(f"function check failed on {', '.join(function_failed[:5])}: the model computes a "
+                              "different function (weights, code, a library op or a config field changed)")
+    if execution_failed and not function_failed:
+        context.causes.append(f"execution check failed on {', '.join(execution_failed[:5])}: the model is unchanged "
+                              "(function check passed), but this execution config computes it wrongly; "
+                              "`evalrun bisect` finds the knob")
+    distance, where = max(closest, key=lambda item: item[0])
+    failed = bool(function_failed or execution_failed or not np.isfinite(function_set))
+    execution_line = (f"candidate vs the envelope, against the float64 oracle: set at {execution_set:.2f} of the budget"
+                      if judgements else "skipped: every prompt identical")
+    overall = "changed" if failed else worst_verdict([p.verdict for p in prompts])
+    return context.verdict(overall, prompts, function_line, execution_line, distance, where, envelope)

@@ -1,0 +1,168 @@
+"""golden verify: the verdict lifecycle on real runs of random:tiny (CPU): gates, the cheap identical path,
+forced decoding, the function check, the execution check, and planted faults."""
+
+import json
+import shutil
+
+import pytest
+
+from evalrun import fingerprint, runner
+from evalrun.engine.faults import Fault, fault_hook
+from evalrun.golden import open_golden
+from evalrun.verify import candidate_config, verify_golden
+
+
+@pytest.fixture
+def o0(golden_factory):
+    return golden_factory()
+
+
+def _verdict(directory, hook=None, mode="auto", **flags):
+    golden = open_golden("g", directory)
+    return verify_golden(golden, candidate_config(golden, None, flags, ()), hook=hook, function_check=mode)
+
+
+def test_same_config_is_identical_with_no_extra_run(verify, o0, monkeypatch):
+    calls, real = [], runner.execute
+    monkeypatch.setattr("evalrun.verify.execute", lambda *a, **k: calls.append(1) or real(*a, **k))
+    code, verdict, _ = verify(o0)
+    assert (code, verdict["verdict"]) == (0, "identical") and len(calls) == 1
+    assert verdict["function_check"].startswith("skipped")
+
+
+def test_batch_change_is_drift_and_strict_fails(verify, o0, tmp_path):
+    import xml.etree.ElementTree as ElementTree
+
+    junit = tmp_path / "report.xml"
+    code, verdict, _ = verify(o0, "--batch-size", "3", "--junit", str(junit))
+    assert (code, verdict["verdict"]) == (0, "drift")
+    assert any(c["key"] == "batch_size" for c in verdict["config_diff"])
+    assert verdict["function_check"].startswith("reproduced")  # same environment: bit for bit
+    assert 0 < verdict["distance"] < 1 and verdict["closest"]
+    assert all(p["execution"]["distance"] < 1 for p in verdict["prompts"])
+    root = ElementTree.parse(junit).getroot()
+    assert [c.get("name") for c in root.findall("testcase")] == ["capital", "chat-hello", "zh-short"]
+    assert {p.get("name") for p in root.iter("property")} >= {"evalrun.verdict", "evalrun.distance"}
+    code, verdict, _ = verify(o0, "--batch-size", "3", "--strict")
+    assert (code, verdict["verdict"]) == (1, "drift")
+
+
+def test_another_dtype_is_judged_against_a_reference_of_that_dtype(verify, o0):
+    code, verdict, _ = verify(o0, "--dtype", "bfloat16")
+    assert (code, verdict["verdict"]) == (0, "drift"), verdict["causes"]
+    assert "run here" in verdict["envelope"][0] and "envelope_s" in verdict["timings"]
+    assert verdict["function_check"].startswith("reproduced")
+
+
+@pytest.mark.parametrize("mode", ["stock", "trace-once", "piecewise"])
+def test_compiled_candidates_of_an_o0_golden_are_never_changed(verify, o0, mode):
+    code, verdict, err = verify(o0, "--compilation-mode", mode)
+    assert code == 0 and verdict["verdict"] in ("identical", "drift"), (err, verdict and verdict["causes"])
+    assert verdict["candidate_config"]["compilation_mode"] == mode
+
+
+def test_more_tokens_than_the_golden_holds_is_incomparable(verify, o0):
+    code, verdict, err = verify(o0, "--max-new-tokens", "9")
+    assert code == 2 and verdict["verdict"] == "incomparable" and "holds 6" in verdict["causes"][0]
+    assert len(err.strip().splitlines()) == 1 and "Traceback" not in err
+
+
+def test_fewer_tokens_verify_the_prefix_and_say_so(verify, o0):
+    code, verdict, _ = verify(o0, "--max-new-tokens", "4")
+    assert code == 0 and verdict["verdict"] in ("identical", "drift") and verdict["steps_verified"] == 4
+    assert any("first 4 of 6" in c for c in verdict["causes"])
+    assert all(p["first_divergent_step"] < 4 for p in verdict["prompts"])
+
+
+def test_changed_model_code_in_the_same_environment_is_changed(verify, o0, monkeypatch):
+    from evalrun.engine import transformer
+
+    original = transformer.rms_norm
+    monkeypatch.setattr(transformer, "rms_norm", lambda x, w, eps: original(x, w, eps) * 1.01)
+    code, verdict, _ = verify(o0, "--batch-size", "3")
+    assert (code, verdict["verdict"]) == (1, "changed")
+    assert verdict["function_check"].startswith("NOT reproduced")
+    assert any("no longer reproduces" in c for c in verdict["causes"])
+
+
+FAULTS = [Fault("scale", 1e-4), Fault("int8"), Fault("rope_theta", 0.01), Fault("norm_eps", 10),
+          Fault("mask_position"), Fault("sign_flip"), Fault("swap_layers", layer=0)]
+
+
+@pytest.mark.parametrize("fault", FAULTS, ids=lambda f: f.describe())
+def test_planted_model_changes_fail_the_function_check_by_its_numbers(o0, fault):
+    """Statistical mode: as in another environment, where bit-for-bit reproduction is not expected."""
+    verdict = _verdict(o0, fault_hook(fault), mode="statistical")
+    assert verdict.verdict == "changed" and verdict.exit_code == 1
+    assert any(cause.startswith("function check failed") for cause in verdict.causes)
+    assert all(p.function.distance > 1 for p in verdict.prompts)
+
+
+def test_an_unchanged_model_passes_the_statistical_function_check(o0):
+    verdict = _verdict(o0, mode="statistical", batch_size=3)
+    assert verdict.verdict == "drift" and all(p.function.distance < 1 for p in verdict.prompts)
+
+
+def test_a_fault_only_in_the_candidates_execution_fails_the_execution_check(o0):
+    """The function run (float32) and the reference are clean; the compiled bfloat16 candidate's engine
+    computes the model wrongly (a fault in its execution, not in the shared weights)."""
+    fault = fault_hook(Fault("mask_position"))
+
+    def only_bf16(prepared):
+        if prepared.config.dtype == "bfloat16" and prepared.config.compilation_mode == "stock":
+            fault(prepared)
+
+    verdict = _verdict(o0, only_bf16, dtype="bfloat16", compilation_mode="stock")
+    assert verdict.verdict == "changed", verdict.causes
+    assert any(c.startswith("execution check failed") and "function check passed" in c for c in verdict.causes)
+
+
+def test_another_environment_uses_the_statistical_function_check(verify, o0, monkeypatch):
+    real = fingerprint.environment
+    monkeypatch.setattr(runner, "environment", lambda device: dict(real(device), cpu="another CPU"))
+    code, verdict, _ = verify(o0)
+    assert code == 0 and verdict["verdict"] in ("identical", "drift")
+    code, verdict, _ = verify(o0, "--batch-size", "3")
+    assert (code, verdict["verdict"]) == (0, "drift")
+    assert verdict["function_check"].startswith("float32 eager in this environment")
+    assert any(d["key"] == "cpu" for d in verdict["environment_diff"])
+
+
+def test_a_changed_model_file_is_changed_naming_weights(verify, golden_factory, tiny_hf_dir, tmp_path):
+    import torch
+
+    from conftest import copy_model_dir
+
+    model_dir = copy_model_dir(tiny_hf_dir, tmp_path / "model")
+    directory = golden_factory(model=str(model_dir))
+    shutil.rmtree(model_dir)
+
+    def perturb(state):
+        state["model.layers.1.self_attn.o_proj.weight"].view(torch.int32)[3, 5] += 1
+
+    copy_model_dir(tiny_hf_dir, model_dir, perturb)
+    code, verdict, _ = verify(directory)
+    assert (code, verdict["verdict"]) == (1, "changed")
+    assert verdict["model_diff"] == ["weights"] and "model identity: weights differ" in verdict["causes"][0]
+
+
+def test_an_edited_prompt_file_is_incomparable(cli, verify, write_prompts, tmp_path):
+    path = write_prompts([{"id": "a", "prompt": "one"}, {"id": "b", "prompt": "two"}])
+    directory = tmp_path / "g"
+    code, _, err = cli("golden", "create", "g", "--model", "random:tiny", "--prompts", str(path),
+                       "--max-new-tokens", "4", "--dir", str(directory), "--quiet")
+    assert code == 0, err
+    write_prompts([{"id": "a", "prompt": "one"}, {"id": "b", "prompt": "two!"}])
+    code, verdict, err = verify(directory)
+    assert code == 2 and verdict["verdict"] == "incomparable" and "prompt set differs" in verdict["causes"][0]
+    assert "incomparable" in err
+
+
+def test_markdown_output_is_a_pr_comment(cli, o0):
+    code, out, _ = cli("golden", "verify", "g", "--dir", str(o0), "--quiet", "--format", "markdown", "--batch-size", "3")
+    assert code == 0 and out.startswith("### ") and "| prompt | verdict |" in out and "function check" in out
+
+
+def test_json_is_strict(cli, o0):
+    code, out, _ = cli("golden", "verify", "g", "--dir", str(o0), "--quiet", "--json", "--batch-size", "3")
+    json.loads(out, parse_constant=lambda name: pytest.fail(f"non-standard JSON constant {name}"))
