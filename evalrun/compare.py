@@ -178,3 +178,12 @@ def sketch_ulps(values_a: np.ndarray, values_b: np.ndarray, dtype: str) -> np.nd
     else:
         bits_a, bits_b = values_a.astype(np.float32).view(np.int32), values_b.astype(np.float32).view(np.int32)
     return ulp_distance(bits_a, bits_b)
+
+
+def bits_to_float(bits: np.ndarray, dtype: str) -> np.ndarray:
+    """Raw bit patterns of a float dtype (as stored for kept logits) -> float64 values, exactly."""
+    if dtype == "bfloat16":
+        return (bits.astype(np.int32) << 16).view(np.float32).astype(np.float64)
+    if dtype == "float16":
+        return bits.view(np.float16).astype(np.float64)
+    return bits.view(np.float32 if bits.dtype == np.int32 else np.float64).astype(np.float64)

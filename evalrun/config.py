@@ -257,6 +257,8 @@ def parse_opt_level(value: Any) -> int:
 def _coerce(key: str, value: Any) -> Any:
     """Coerce a raw value (from TOML, --set text or a stored config) to the type of field `key`."""
     kind = FIELD_TYPES[key]
+    if key == "opt_level" and value is not None:
+        return parse_opt_level(value)
     if value is None:
         if "None" in kind:
             return None

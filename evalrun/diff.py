@@ -13,7 +13,7 @@ from typing import Any
 
 import numpy as np
 
-from .compare import dict_diff, digest_mismatch_steps, first_divergence, sketch_series, ulp_distance
+from .compare import bits_to_float, dict_diff, digest_mismatch_steps, first_divergence, sketch_series, ulp_distance
 from .errors import StoreError
 from .store import PromptResult, RunRecord, Store
 
@@ -132,7 +132,7 @@ def logits_figures(bits_a: np.ndarray, bits_b: np.ndarray, dtype: str) -> dict[s
     n = min(len(bits_a), len(bits_b))
     bits_a, bits_b = bits_a[:n], bits_b[:n]
     ulps = ulp_distance(bits_a, bits_b)
-    values_a, values_b = _bits_to_float(bits_a, dtype), _bits_to_float(bits_b, dtype)
+    values_a, values_b = bits_to_float(bits_a, dtype), bits_to_float(bits_b, dtype)
     delta = np.abs(values_a - values_b)
     step, token = np.unravel_index(int(np.argmax(delta)), delta.shape) if delta.size else (0, 0)
     edges = list(ULP_BUCKETS) + [np.iinfo(np.int64).max]
@@ -141,14 +141,6 @@ def logits_figures(bits_a: np.ndarray, bits_b: np.ndarray, dtype: str) -> dict[s
     return {"elements": int(ulps.size), "bit_identical_share": float(np.mean(ulps == 0)) if ulps.size else 1.0,
             "ulp_histogram": histogram, "max_abs_delta": float(delta.max()) if delta.size else 0.0,
             "max_at_step": int(step), "max_at_token_id": int(token)}
-
-
-def _bits_to_float(bits: np.ndarray, dtype: str) -> np.ndarray:
-    if dtype == "bfloat16":
-        return (bits.astype(np.int32) << 16).view(np.float32).astype(np.float64)
-    if dtype == "float16":
-        return bits.view(np.float16).astype(np.float64)
-    return bits.view(np.float32 if bits.dtype == np.int32 else np.float64).astype(np.float64)
 
 
 def diff_prompt(a: PromptResult, b: PromptResult, dtype: str, decode, series: StepSeries) -> PromptDiff:

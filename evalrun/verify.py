@@ -133,6 +133,7 @@ class Context:
     strict: bool
     progress: Callable[[str, int], Any] | None
     hook: Hook | None
+    observe: Callable[[str, Run], None] | None
     causes: list[str]
     config_diff: list
     env_diff: list
@@ -141,6 +142,12 @@ class Context:
 
     def tick(self, phase: str, prepared: Prepared):
         return self.progress(phase, len(prepared.prompt_set.records)) if self.progress else None
+
+    def ran(self, phase: str, run: Run) -> Run:
+        """Hand each run this verification makes to the observer (calibration keeps their logits)."""
+        if self.observe:
+            self.observe(phase, run)
+        return run
 
     def oracle_by_index(self, index: int) -> PromptResult:
         return next(r for r in self.oracle if r.prompt_index == index)
@@ -192,12 +199,13 @@ def _gate(golden: Golden, candidate: Prepared, golden_results: list[PromptResult
 
 def verify_golden(golden: Golden, config: RunConfig, strict: bool = False,
                   progress: Callable[[str, int], Any] | None = None, hook: Hook | None = None,
-                  function_check: str = "auto") -> Verdict:
+                  function_check: str = "auto", observe: Callable[[str, Run], None] | None = None) -> Verdict:
     """The verdict of `config` against `golden` (see the module docstring for the steps).
 
-    `hook` is called on every model this verification loads (tests and calibration plant faults
+    `hook` is called on every run this verification prepares (tests and calibration plant faults
     with it); `function_check="statistical"` judges the function check by its numbers even in the
-    golden's own environment, where "auto" demands bit-for-bit reproduction.
+    golden's own environment, where "auto" demands bit-for-bit reproduction; `observe(phase, run)`
+    sees every run made (phases: candidate, forced, function, envelope).
     """
     if function_check not in FUNCTION_CHECK_MODES:
         raise ValueError(f"function_check must be one of {FUNCTION_CHECK_MODES}")
@@ -214,7 +222,7 @@ def verify_golden(golden: Golden, config: RunConfig, strict: bool = False,
     gated = _gate(golden, candidate, golden_results)
     steps = {r.prompt_index: steps_for(candidate.prompt_set, r.prompt_index, candidate.config) for r in golden_results}
     context = Context(golden, candidate, [_cut(r, steps[r.prompt_index]) for r in golden_results], [], steps, strict,
-                      progress, hook, causes, config_diff, env_diff, {}, started)
+                      progress, hook, observe, causes, config_diff, env_diff, {}, started)
     if gated is not None:
         verdict, cause, model_diff = gated
         context.causes = [cause] + causes
@@ -228,7 +236,8 @@ def verify_golden(golden: Golden, config: RunConfig, strict: bool = False,
 
 def _verify_runs(context: Context, function_check: str) -> Verdict:
     candidate = context.candidate
-    free = execute(candidate, probes=context.probes(), progress=context.tick("candidate", candidate))
+    free = context.ran("candidate", execute(candidate, probes=context.probes(),
+                                            progress=context.tick("candidate", candidate)))
     context.timings["candidate_s"] = free.timings["generate_s"]
     prompts = _free_verdicts(context.golden_results, free.results)
     if all(p.verdict == "identical" for p in prompts):
@@ -262,8 +271,9 @@ def _forced_results(context: Context, free: Run, prompts: list[PromptVerdict]) -
     diverged = {r.prompt_index for r, p in zip(context.golden_results, prompts) if p.first_divergent_step >= 0}
     if diverged:
         started = time.perf_counter()
-        rerun = execute(context.candidate, forced=context.tokens(), probes=context.probes(),
-                        progress=context.tick("forced", context.candidate), only=diverged, timed=False)
+        rerun = context.ran("forced", execute(context.candidate, forced=context.tokens(), probes=context.probes(),
+                                              progress=context.tick("forced", context.candidate), only=diverged,
+                                              timed=False))
         results.update(rerun.by_index())
         context.timings["forced_s"] = time.perf_counter() - started
     return results
@@ -273,8 +283,8 @@ def _run_forced(context: Context, config: EffectiveConfig, phase: str) -> dict[i
     prepared = prepare(config, reuse=context.candidate)
     if context.hook:
         context.hook(prepared)
-    return execute(prepared, forced=context.tokens(), probes=context.probes(), progress=context.tick(phase, prepared),
-                   timed=False).by_index()
+    return context.ran(phase, execute(prepared, forced=context.tokens(), probes=context.probes(),
+                                      progress=context.tick(phase, prepared), timed=False)).by_index()
 
 
 def _function_config(context: Context) -> EffectiveConfig:

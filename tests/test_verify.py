@@ -106,13 +106,8 @@ def test_an_unchanged_model_passes_the_statistical_function_check(o0):
 def test_a_fault_only_in_the_candidates_execution_fails_the_execution_check(o0):
     """The function run (float32) and the reference are clean; the compiled bfloat16 candidate's engine
     computes the model wrongly (a fault in its execution, not in the shared weights)."""
-    fault = fault_hook(Fault("mask_position"))
-
-    def only_bf16(prepared):
-        if prepared.config.dtype == "bfloat16" and prepared.config.compilation_mode == "stock":
-            fault(prepared)
-
-    verdict = _verdict(o0, only_bf16, dtype="bfloat16", compilation_mode="stock")
+    hook = fault_hook(Fault("scale", 0.25), only=lambda prepared: prepared.config.compilation_mode == "stock")
+    verdict = _verdict(o0, hook, dtype="bfloat16", compilation_mode="stock")
     assert verdict.verdict == "changed", verdict.causes
     assert any(c.startswith("execution check failed") and "function check passed" in c for c in verdict.causes)
 

@@ -1,15 +1,18 @@
-"""Fault injection: planted numeric changes in a loaded model, for tests and calibration only.
+"""Fault injection: planted numeric changes in the engine, for tests and calibration only.
 
 Each fault makes the engine compute a different function from the same files, after the model's
 identity was hashed, so the identity gate cannot see it: what the verdict's checks must catch.
 Nothing in evalrun imports this module; no config key, preset, flag or golden can reach it. Tests
 and `benchmarks/calibrate.py` plant a fault through the `hook` argument of `create_golden` /
-`verify_golden`, which is called on every model those load:
+`verify_golden`, which is called on every model those prepare:
 
-    verify_golden(golden, config, hook=fault_hook(Fault("scale", 1e-4)))
+    verify_golden(golden, config, hook=fault_hook(Fault("scale", 1e-4)))        # the model changed
+    verify_golden(golden, config, hook=fault_hook(Fault("mask_position"), only=lambda p: ...))  # one execution
 
+Faults live in the engine's own copy of the affected tensors (the Hugging Face module is never
+touched), so a fault planted in one prepared run never leaks into another that shares the weights.
 Kinds (`layer` defaults to the middle layer):
-  scale          one MLP tensor (down projection) x (1 + magnitude)
+  scale          one MLP tensor (down projection) x (1 + magnitude), rounded to the run dtype
   int8           every projection of one layer fake-quantized to int8 (symmetric, per output row)
   rope_theta     rotary base x (1 + magnitude)
   norm_eps       RMSNorm epsilon x magnitude
@@ -20,16 +23,16 @@ Kinds (`layer` defaults to the middle layer):
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 from typing import Any, Callable
 
 import torch
 
 from .modes import build_execution_mode
-from .transformer import Transformer
+from .transformer import LayerWeights, Transformer
 
 KINDS = ("scale", "int8", "rope_theta", "norm_eps", "mask_position", "sign_flip", "swap_layers")
-_PLANTED = "_evalrun_planted_faults"  # on the HF module: faults already applied to its weights
 
 
 @dataclass(frozen=True)
@@ -49,39 +52,31 @@ class Fault:
         return f"{self.kind}{size}{where}"
 
 
-def _layer(model: torch.nn.Module, fault: Fault) -> int:
-    count = len(model.model.layers)
-    return fault.layer if fault.layer is not None else count // 2
+def _scaled(weight: torch.Tensor, factor: float) -> torch.Tensor:
+    """A copy of `weight` x factor, computed in float64 and rounded once to the weight's dtype."""
+    return (weight.double() * factor).to(weight.dtype)
 
 
-@torch.no_grad()
-def _fake_int8(weight: torch.Tensor) -> None:
-    scale = weight.abs().amax(dim=1, keepdim=True).clamp(min=torch.finfo(weight.dtype).tiny) / 127
-    weight.copy_((weight / scale).round().clamp(-127, 127) * scale)
+def _fake_int8(weight: torch.Tensor) -> torch.Tensor:
+    """A copy quantized symmetrically per output row to int8 and back."""
+    wide = weight.double()
+    scale = wide.abs().amax(dim=1, keepdim=True).clamp(min=1e-30) / 127
+    return ((wide / scale).round().clamp(-127, 127) * scale).to(weight.dtype)
 
 
-@torch.no_grad()
-def plant_in_weights(model: torch.nn.Module, fault: Fault) -> None:
-    """Faults that live in the HF module (weights, rotary table, config): once per loaded model."""
-    planted = getattr(model, _PLANTED, set())
-    if fault in planted:
-        return
-    layer = model.model.layers[_layer(model, fault)]
+def _sign_flipped(weight: torch.Tensor) -> torch.Tensor:
+    copy = weight.clone()
+    copy[0].neg_()
+    return copy
+
+
+def _layer_fault(weights: LayerWeights, fault: Fault) -> LayerWeights:
     if fault.kind == "scale":
-        layer.mlp.down_proj.weight.mul_(1 + fault.magnitude)
-    elif fault.kind == "int8":
-        for module in (layer.self_attn.q_proj, layer.self_attn.k_proj, layer.self_attn.v_proj, layer.self_attn.o_proj,
-                       layer.mlp.gate_proj, layer.mlp.up_proj, layer.mlp.down_proj):
-            _fake_int8(module.weight)
-    elif fault.kind == "sign_flip":
-        layer.mlp.down_proj.weight[0].neg_()
-    elif fault.kind == "rope_theta":
-        inv_freq = model.model.rotary_emb.inv_freq  # theta^(-2i/D): a new base scales it by (1+m)^(-2i/D)
-        exponents = torch.arange(inv_freq.numel(), dtype=torch.float64, device=inv_freq.device) / inv_freq.numel()
-        inv_freq.mul_(((1 + fault.magnitude) ** -exponents).to(inv_freq.dtype))
-    elif fault.kind == "norm_eps":
-        model.config.rms_norm_eps *= fault.magnitude
-    setattr(model, _PLANTED, planted | {fault})
+        return dataclasses.replace(weights, down=_scaled(weights.down, 1 + fault.magnitude))
+    if fault.kind == "sign_flip":
+        return dataclasses.replace(weights, down=_sign_flipped(weights.down))
+    return dataclasses.replace(weights, qkv=_fake_int8(weights.qkv), o=_fake_int8(weights.o),
+                               gate_up=_fake_int8(weights.gate_up), down=_fake_int8(weights.down))
 
 
 def _mask_position(transformer: Transformer, position: int = 1) -> None:
@@ -99,20 +94,37 @@ def _mask_position(transformer: Transformer, position: int = 1) -> None:
     transformer.attend = attend
 
 
-def plant(prepared: Any, fault: Fault) -> None:
-    """Plant `fault` in a runner.Prepared: its weights, then its engine (the execution mode is built
-    here, on a faulted Transformer, so compiled pieces and graphs see the fault too)."""
-    model = prepared.loaded.model
-    plant_in_weights(model, fault)
-    transformer = Transformer(model, prepared.config.attn_implementation)
-    if fault.kind == "swap_layers":
-        index = _layer(model, fault)
-        transformer.layers[index], transformer.layers[index + 1] = transformer.layers[index + 1], transformer.layers[index]
+def apply(transformer: Transformer, fault: Fault) -> None:
+    """Plant `fault` in an engine Transformer (its own copies of the tensors it changes)."""
+    index = fault.layer if fault.layer is not None else len(transformer.layers) // 2
+    if fault.kind in ("scale", "sign_flip", "int8"):
+        transformer.layers[index] = _layer_fault(transformer.layers[index], fault)
+    elif fault.kind == "rope_theta":  # inv_freq = theta^(-2i/D): a new base scales it by (1+m)^(-2i/D)
+        exponents = torch.arange(transformer.inv_freq.numel(), dtype=torch.float64) / transformer.inv_freq.numel()
+        factor = ((1 + fault.magnitude) ** -exponents).to(transformer.inv_freq.device)
+        transformer.inv_freq = (transformer.inv_freq.double() * factor).to(transformer.inv_freq.dtype)
+    elif fault.kind == "norm_eps":
+        transformer.eps *= fault.magnitude
     elif fault.kind == "mask_position":
         _mask_position(transformer)
+    elif fault.kind == "swap_layers":
+        transformer.layers[index], transformer.layers[index + 1] = transformer.layers[index + 1], transformer.layers[index]
+
+
+def plant(prepared: Any, fault: Fault) -> None:
+    """Plant `fault` in a runner.Prepared: its execution mode is built here, on a faulted Transformer,
+    so compiled pieces and CUDA graphs see the fault too."""
+    transformer = Transformer(prepared.loaded.model, prepared.config.attn_implementation)
+    apply(transformer, fault)
     prepared.mode = build_execution_mode(transformer, prepared.config)
 
 
-def fault_hook(fault: Fault) -> Callable[[Any], None]:
-    """A hook for `create_golden` / `verify_golden` that plants `fault` in every model they load."""
-    return lambda prepared: plant(prepared, fault)
+def fault_hook(fault: Fault, only: Callable[[Any], bool] | None = None) -> Callable[[Any], None]:
+    """A hook for `create_golden` / `verify_golden` that plants `fault` in every prepared run (a model
+    change), or only in those `only(prepared)` accepts (a fault in one execution)."""
+
+    def hook(prepared: Any) -> None:
+        if only is None or only(prepared):
+            plant(prepared, fault)
+
+    return hook
