@@ -29,7 +29,7 @@ NUMERICS_ENV_VARS = (
     "MKL_NUM_THREADS", "OPENBLAS_NUM_THREADS", "OPENBLAS_CORETYPE", "ATEN_CPU_CAPABILITY", "DNNL_MAX_CPU_ISA",
 )
 CUBLAS_DETERMINISTIC_WORKSPACE = ":4096:8"
-_SET_BY_EVALRUN: set[str] = set()  # variables evalrun set itself (config, not environment)
+_SET_BY_EVALRUN: dict[str, str] = {}  # variables evalrun set itself, with the value (config, not environment)
 
 
 def _version(module_name: str) -> str | None:
@@ -129,7 +129,7 @@ def environment(device: str) -> dict[str, Any]:
         "engine_code": engine_code_digest(),
         **_gpu(device),
         "env": {name: os.environ.get(name) for name in NUMERICS_ENV_VARS
-                if os.environ.get(name) is not None and name not in _SET_BY_EVALRUN},
+                if os.environ.get(name) is not None and _SET_BY_EVALRUN.get(name) != os.environ[name]},
         "backend_flags": baseline_backend_flags(),
     }
 
@@ -150,7 +150,7 @@ def apply_numerics_flags(effective: EffectiveConfig) -> dict[str, Any]:
     if deterministic:
         if "CUBLAS_WORKSPACE_CONFIG" not in os.environ:
             os.environ["CUBLAS_WORKSPACE_CONFIG"] = CUBLAS_DETERMINISTIC_WORKSPACE
-            _SET_BY_EVALRUN.add("CUBLAS_WORKSPACE_CONFIG")
+            _SET_BY_EVALRUN["CUBLAS_WORKSPACE_CONFIG"] = CUBLAS_DETERMINISTIC_WORKSPACE
         applied["CUBLAS_WORKSPACE_CONFIG"] = os.environ["CUBLAS_WORKSPACE_CONFIG"]
     torch.use_deterministic_algorithms(deterministic, warn_only=False)
     torch.backends.cudnn.deterministic = deterministic

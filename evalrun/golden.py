@@ -244,6 +244,7 @@ def make_runs(config: RunConfig, progress=None, hook: Hook | None = None) -> Cre
     blank = {i: np.concatenate([np.zeros((len(t), own), np.int64), np.tile(sample, (len(t), 1))], axis=1)
              for i, t in tokens.items()}
     runs["oracle"] = _forced_probed(oracle, tokens, Probes(blank, own_topk=own), progress, "oracle")
+    del oracle  # float64 weights: free them before the envelope's models load (8B: 64 GB)
     seconds["oracle_s"] = time.perf_counter() - started
     probes = Probes({r.prompt_index: r.arrays["probe_ids"] for r in runs["oracle"].results})
     members = {"envelope:pinned": pinned.config, "envelope:reference": reference_config(pinned.config),

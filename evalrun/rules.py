@@ -136,7 +136,8 @@ def judge_flips(evidence: Evidence, allowed: np.ndarray) -> list[Flip]:
 def judge(evidence: Evidence, dtype: str, rule: Rule, typical_envelope_error: float = 0.0) -> Judgement:
     """Judge one prompt: aggregate, per-step excursions and flips against the envelope.
 
-    `typical_envelope_error` (the median over the set's prompts) floors this prompt's envelope error.
+    `typical_envelope_error` (the median over the set's prompts) floors this prompt's envelope error,
+    and every step's, as the median over this prompt's steps does.
     """
     floor = rule.floor_ulps * EPSILON[dtype] * logit_scale(evidence.oracle)
     candidate_steps = step_errors(evidence.candidate, evidence.oracle)  # [N]
@@ -145,7 +146,8 @@ def judge(evidence: Evidence, dtype: str, rule: Rule, typical_envelope_error: fl
                          typical_envelope_error)
     candidate_error = aggregate(candidate_steps)
     allowed = rule.multiplier * envelope_error + floor
-    floored_steps = np.maximum(envelope_steps, np.median(envelope_steps) if envelope_steps.size else 0.0)
+    step_floor = max(float(np.median(envelope_steps)) if envelope_steps.size else 0.0, typical_envelope_error)
+    floored_steps = np.maximum(envelope_steps, step_floor)  # [N]: no step's budget below the typical error
     step_allowed = rule.step_multiplier * floored_steps + floor  # [N]
     step_ratio = candidate_steps / np.maximum(step_allowed, np.finfo(np.float64).tiny)
     worst = int(np.argmax(step_ratio)) if step_ratio.size else -1

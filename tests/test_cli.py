@@ -152,10 +152,66 @@ def test_every_command_is_documented_with_an_example(path, command):
     assert command.help and "Example:" in command.help and f"evalrun {' '.join(path)}" in command.help
 
 
-def test_every_command_has_machine_output(path=None):
+def test_every_command_has_one_output_convention():
+    """--format text|json|... everywhere, --json as its alias."""
     for path, command in _commands(cli_group):
         names = {option.name for option in command.params}
-        assert names & {"as_json", "output_format"}, path
+        assert {"as_json", "output_format"} <= names, path
+
+
+@pytest.mark.parametrize("args", [("store", "ls"), ("store", "check"), ("golden", "list")])
+def test_json_alias_and_format_json_agree(cli, tiny_args, tmp_path, args):
+    cli("run", *tiny_args, "--quiet")
+    extra = ["--store", tiny_args[-1]] if args[0] == "store" else ["--dir", str(tmp_path)]
+    first, second = cli(*args, *extra, "--json"), cli(*args, *extra, "--format", "json")
+    assert first[0] == second[0] == 0
+    assert json.loads(first[1]) == json.loads(second[1])
+
+
+def test_a_crash_is_not_a_verdict(cli, tiny_args, monkeypatch):
+    """An unexpected exception exits 3 (never 1, which CI reads as "changed"), one line naming the traceback file."""
+    from evalrun import runner
+
+    def broken(*args, **kwargs):
+        raise ZeroDivisionError("planted")
+
+    monkeypatch.setattr(runner, "execute", broken)
+    code, out, err = cli("run", *tiny_args, "--quiet")
+    lines = err.strip().splitlines()
+    assert code == 3 and len(lines) == 1 and "Traceback" not in err
+    assert "internal error: ZeroDivisionError: planted" in lines[0]
+    path = lines[0].split("traceback in ")[1].split(";")[0]
+    assert "ZeroDivisionError" in open(path).read()
+    os.unlink(path)
+
+
+def test_output_paths_are_checked_before_any_model_runs(cli, golden_factory, tmp_path, monkeypatch):
+    directory = golden_factory()
+
+    def no_model(*args, **kwargs):
+        raise AssertionError("a model was loaded")
+
+    for module in ("evalrun.verify", "evalrun.golden"):
+        monkeypatch.setattr(f"{module}.prepare", no_model)
+    _one_line_exit_2(cli("golden", "verify", "g", "--dir", str(directory), "--junit", str(tmp_path / "missing" / "r.xml")),
+                     "--junit", "cannot write")
+    (tmp_path / "file.txt").write_text("x")
+    _one_line_exit_2(cli("golden", "create", "x", "--dir", str(tmp_path / "file.txt" / "sub"), "--model", "random:tiny"),
+                     "cannot write goldens")
+
+
+def test_markdown_cannot_be_injected_through_prompt_ids(cli, write_prompts, tmp_path):
+    hostile = 'x --> <!-- hidden | col\n# Heading [link](http://e) `code`'
+    path = write_prompts([{"id": hostile, "prompt": "one"}, {"id": "b", "prompt": "two"}])
+    directory = tmp_path / "g"
+    assert cli("golden", "create", "g", "--model", "random:tiny", "--prompts", str(path), "--max-new-tokens", "3",
+               "--dir", str(directory), "--quiet")[0] == 0
+    code, out, _ = cli("golden", "verify", "g", "--dir", str(directory), "--batch-size", "2", "--quiet",
+                       "--format", "markdown")
+    assert code == 0
+    assert "<!--" not in out and "-->" not in out and "\n# Heading" not in out and "](http" not in out
+    rows = [line for line in out.splitlines() if line.startswith("| ")]
+    assert all(line.count(" | ") == rows[0].count(" | ") for line in rows)  # no cell was split by a pipe
 
 
 def test_progress_bar_on_stderr_and_quiet_silences_it(cli, tiny_args):
