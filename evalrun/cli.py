@@ -122,8 +122,9 @@ def store_option(command: Callable) -> Callable:
 quiet_option = click.option("--quiet", "-q", is_flag=True, help="No progress bar.")
 
 
-def open_store(store_path: Path | None, create: bool = True) -> Store:
-    return Store(store_path or default_store_path(), create=create)
+def open_store(store_path: Path | None, readonly: bool = False) -> Store:
+    """The store for a command: read-only for commands that only read (no migration, no journal switch)."""
+    return Store(store_path or default_store_path(), readonly=readonly)
 
 
 def writable_output(path: Path | None, what: str) -> None:
@@ -207,7 +208,7 @@ def store_ls(store_path, limit, output_format, as_json) -> None:
     Example:
       evalrun store ls --limit 10 --json
     """
-    runs = open_store(store_path, create=False).list_runs(limit)
+    runs = open_store(store_path, readonly=True).list_runs(limit)
     json_out = chosen_format(output_format, as_json) == "json"
     click.echo(report.to_json([r.summary() for r in runs]) if json_out else report.runs_table(runs))
 
@@ -223,7 +224,7 @@ def store_show(run_id, store_path, output_format, as_json) -> None:
     Example:
       evalrun store show 3f2a
     """
-    db = open_store(store_path, create=False)
+    db = open_store(store_path, readonly=True)
     record = db.get_run(run_id)
     results = db.load_results(record.id, names=("tokens", "margins"))
     json_out = chosen_format(output_format, as_json) == "json"
@@ -241,7 +242,7 @@ def store_check(store_path, output_format, as_json) -> None:
     Example:
       evalrun store check --store store/evalrun.db
     """
-    outcome = open_store(store_path, create=False).check()
+    outcome = open_store(store_path, readonly=True).check()
     json_out = chosen_format(output_format, as_json) == "json"
     click.echo(report.to_json(outcome) if json_out else report.store_check_text(outcome))
     if not outcome["ok"]:

@@ -49,7 +49,7 @@ def diff_refs(ref_a: str, ref_b: str, store_path: Path, golden_dir: str | Path =
     """`evalrun diff A B`: load both runs (a store is opened only when a side needs one) and compare.
     `decoder_for(record)` returns a token decoder for the runs' model, or None."""
     needs_store = not (ref_a.startswith("golden:") and ref_b.startswith("golden:"))
-    store = Store(store_path, create=False) if needs_store else None
+    store = Store(store_path, readonly=True) if needs_store else None
     a, b = load_run(ref_a, store, golden_dir), load_run(ref_b, store, golden_dir)
     return diff_runs(a, b, prompt_ids, decode=decoder_for(a.record) if decoder_for else None)
 
@@ -127,23 +127,31 @@ def step_series_many(pairs: list[tuple[PromptResult, PromptResult]], dtype: str)
     return series
 
 
-def logits_figures(bits_a: np.ndarray, bits_b: np.ndarray, dtype: str) -> dict[str, Any]:
-    """Full logits as raw bits [N, V] each -> share bit-identical, ULP histogram, max |delta| and where."""
+def logits_figures(bits_a: np.ndarray, bits_b: np.ndarray, dtype: str, dtype_b: str | None = None) -> dict[str, Any] | None:
+    """Full logits as raw bits [N, V] each -> share bit-identical, ULP histogram, max |delta| and where.
+
+    Runs of two dtypes compare values (the ULP histogram is left empty: ULPs of which dtype?); runs
+    with different vocabularies compare nothing (None)."""
+    dtype_b = dtype_b or dtype
     n = min(len(bits_a), len(bits_b))
     bits_a, bits_b = bits_a[:n], bits_b[:n]
-    ulps = ulp_distance(bits_a, bits_b)
-    values_a, values_b = bits_to_float(bits_a, dtype), bits_to_float(bits_b, dtype)
+    if bits_a.shape != bits_b.shape:
+        return None
+    values_a, values_b = bits_to_float(bits_a, dtype), bits_to_float(bits_b, dtype_b)
+    ulps = ulp_distance(bits_a, bits_b) if dtype == dtype_b else None
     delta = np.abs(values_a - values_b)
     step, token = np.unravel_index(int(np.argmax(delta)), delta.shape) if delta.size else (0, 0)
     edges = list(ULP_BUCKETS) + [np.iinfo(np.int64).max]
-    histogram = {(f"{low}" if high - low == 1 else f"{low}-{high - 1}" if high < edges[-1] else f">={low}"):
-                 int(np.count_nonzero((ulps >= low) & (ulps < high))) for low, high in zip(edges, edges[1:])}
-    return {"elements": int(ulps.size), "bit_identical_share": float(np.mean(ulps == 0)) if ulps.size else 1.0,
+    histogram = {} if ulps is None else {
+        (f"{low}" if high - low == 1 else f"{low}-{high - 1}" if high < edges[-1] else f">={low}"):
+        int(np.count_nonzero((ulps >= low) & (ulps < high))) for low, high in zip(edges, edges[1:])}
+    return {"elements": int(delta.size), "bit_identical_share": float(np.mean(delta == 0)) if delta.size else 1.0,
             "ulp_histogram": histogram, "max_abs_delta": float(delta.max()) if delta.size else 0.0,
             "max_at_step": int(step), "max_at_token_id": int(token)}
 
 
-def diff_prompt(a: PromptResult, b: PromptResult, dtype: str, decode, series: StepSeries) -> PromptDiff:
+def diff_prompt(a: PromptResult, b: PromptResult, dtype: str, decode, series: StepSeries,
+                dtype_b: str | None = None) -> PromptDiff:
     tokens_a, tokens_b = a.arrays["tokens"], b.arrays["tokens"]
     divergence = first_divergence(tokens_a, tokens_b)
     result = PromptDiff(a.prompt_id, divergence < 0, divergence,
@@ -157,9 +165,10 @@ def diff_prompt(a: PromptResult, b: PromptResult, dtype: str, decode, series: St
     if "logits" in a.arrays and "logits" in b.arrays:
         steps, in_a, in_b = np.intersect1d(a.arrays["logits_steps"], b.arrays["logits_steps"], return_indices=True)
         if steps.size:
-            result.logits = logits_figures(a.arrays["logits"][in_a], b.arrays["logits"][in_b], dtype)
-            result.logits["max_at_step"] = int(steps[result.logits["max_at_step"]])
-            result.logits["steps"] = steps.tolist()
+            result.logits = logits_figures(a.arrays["logits"][in_a], b.arrays["logits"][in_b], dtype, dtype_b)
+            if result.logits is not None:
+                result.logits["max_at_step"] = int(steps[result.logits["max_at_step"]])
+                result.logits["steps"] = steps.tolist()
     return result
 
 
@@ -179,8 +188,9 @@ def diff_runs(a: RunRef, b: RunRef, prompt_ids: tuple[str, ...] = (), decode=Non
             not_comparable.append(result.prompt_id)
             continue
         pairs.append((result, other))
-    dtype = a.record.config["dtype"]
-    prompts = [diff_prompt(x, y, dtype, decode, series) for (x, y), series in zip(pairs, step_series_many(pairs, dtype))]
+    dtype, dtype_b = a.record.config["dtype"], b.record.config["dtype"]
+    prompts = [diff_prompt(x, y, dtype, decode, series, dtype_b)
+               for (x, y), series in zip(pairs, step_series_many(pairs, dtype))]
     ids_a = {r.prompt_id for r in a.results}
     not_comparable += [r.prompt_id for r in b.results if r.prompt_id not in ids_a
                        and (not prompt_ids or r.prompt_id in prompt_ids)]

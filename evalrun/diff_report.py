@@ -61,7 +61,7 @@ def _divergence_lines(diff: RunDiff, prompt: PromptDiff) -> list[str]:
 
 def _logits_lines(prompt: PromptDiff) -> list[str]:
     figures = prompt.logits
-    histogram = ", ".join(f"{k}: {v}" for k, v in figures["ulp_histogram"].items() if v)
+    histogram = ", ".join(f"{k}: {v}" for k, v in figures["ulp_histogram"].items() if v) or "n/a (two dtypes)"
     return [f"{prompt.prompt_id}: full logits over {len(figures['steps'])} steps, {figures['elements']:,} elements: "
             f"{figures['bit_identical_share']:.2%} bit-identical; max |delta| {figures['max_abs_delta']:.4g} at step "
             f"{figures['max_at_step']}, token id {figures['max_at_token_id']}; ULPs {histogram}"]

@@ -22,16 +22,16 @@ import os
 import re
 import sqlite3
 import tempfile
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable
 
 import numpy as np
+import xxhash
 
 from . import __version__
 from .config import CompilationMode, CUDAGraphMode, EffectiveConfig, RunConfig
 from .errors import ConfigError, GoldenError, OutputError, StoreError
-from .hashing import hash_bytes
 from .runner import Prepared, Probes, Run, execute, prepare, record
 from .store import PromptResult, Store
 
@@ -42,6 +42,8 @@ PROBE_TOPK = 64  # the oracle's own top ids probed each step
 PROBE_SAMPLE = 64  # plus this many ids sampled from the whole vocabulary (fixed per golden)
 PROBE_SEED = 20261129
 NAME_PATTERN = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,99}")
+MAX_GOLDEN_BYTES = 1 << 30  # goldens hold sketches, not logits: a few MB; a larger file is refused unread
+MAX_CELL_BYTES = 1 << 28  # no single value of a golden is read past 256 MiB
 ENVELOPE_ROLES = ("envelope:pinned", "envelope:reference")
 REQUIRED_ROLES = ("pinned", "oracle", *ENVELOPE_ROLES, "function")
 Hook = Callable[[Prepared], None]  # called on every model a golden operation loads (tests, calibration)
@@ -90,19 +92,25 @@ def sample_ids(vocab: int, count: int, seed: int = PROBE_SEED) -> np.ndarray:
 # ---------------------------------------------------------------- content digest
 
 def content_digest(conn: sqlite3.Connection) -> str:
-    """Digest of every row of every table in a canonical order, the stored digest itself excluded."""
-    chunks: list[bytes] = []
+    """Digest of every row of every table in a canonical order, the stored digest itself excluded.
+    Streamed row by row into the hash: memory stays at one row, whatever the file holds."""
+    hasher = xxhash.xxh3_128()
+
+    def add(chunk: bytes) -> None:
+        hasher.update(len(chunk).to_bytes(8, "little"))
+        hasher.update(chunk)
+
     tables = [row[0] for row in conn.execute("SELECT name FROM sqlite_master WHERE type = 'table' "
                                              "AND name NOT LIKE 'sqlite_%' ORDER BY name")]
     for table in tables:  # names come from an untrusted file: always quoted as identifiers
         columns = [row[1] for row in conn.execute(f"PRAGMA table_info({_quoted(table)})")]
-        chunks.append(f"{table}:{','.join(columns)}".encode())
+        add(f"{table}:{','.join(columns)}".encode())
         order = ", ".join(_quoted(column) for column in columns)
         for row in conn.execute(f"SELECT * FROM {_quoted(table)} ORDER BY {order}"):
             if table == "golden" and row[0] == "content_digest":
                 continue
-            chunks.append(b"".join(_cell_bytes(value) for value in row))
-    return hash_bytes(*chunks)
+            add(b"".join(_cell_bytes(value) for value in row))
+    return hasher.hexdigest()
 
 
 def _quoted(identifier: str) -> str:
@@ -122,15 +130,29 @@ class Golden:
     path: Path
     store: Store
     meta: dict[str, Any]
+    _results: dict[str, list[PromptResult]] = field(default_factory=dict, repr=False)
 
     def run_id(self, role: str) -> str:
         return self.meta["roles"][role]
 
     def results(self, role: str) -> list[PromptResult]:
-        return self.store.load_results(self.run_id(role))
+        """A role's results, read once and validated: every array a verdict uses, with consistent shapes."""
+        if role not in self._results:
+            try:
+                results = self.store.load_results(self.run_id(role))
+            except StoreError as error:
+                raise GoldenError(f"golden {self.path}: {error}; {recreate_hint(self.name)}") from None
+            problem = results_problem(role, results, self.results("pinned") if role != "pinned" else None)
+            if problem:
+                raise GoldenError(f"golden {self.path}: the {role} run {problem}; {recreate_hint(self.name)}")
+            self._results[role] = results
+        return self._results[role]
 
     def record(self, role: str):
-        return self.store.get_run(self.run_id(role))
+        try:
+            return self.store.get_run(self.run_id(role))
+        except StoreError as error:
+            raise GoldenError(f"golden {self.path}: {error}; {recreate_hint(self.name)}") from None
 
     @property
     def pinned(self):
@@ -152,6 +174,37 @@ class Golden:
                 "format": self.meta["format"], "bytes": self.path.stat().st_size, "evalrun": self.meta["evalrun_version"]}
 
 
+PROBED_ROLES = ("oracle", *ENVELOPE_ROLES, "function")
+
+
+def results_problem(role: str, results: list[PromptResult], pinned: list[PromptResult] | None) -> str:
+    """What is wrong with a role's results read from a golden (an empty string when nothing is)."""
+    if not results:
+        return "has no results"
+    needed = ("tokens", "digests", "topk_ids", "topk_values", "margins") + (
+        ("probe_ids", "probe_values") if role in PROBED_ROLES else ())
+    for result in results:
+        arrays = result.arrays
+        missing = [name for name in needed if name not in arrays]
+        if missing:
+            return f"lacks {', '.join(missing)} for prompt {result.prompt_id!r}"
+        steps = arrays["tokens"].shape[0] if arrays["tokens"].ndim == 1 else -1
+        shapes_ok = (steps > 0 and arrays["digests"].shape == (steps, 2) and arrays["margins"].shape == (steps,)
+                     and arrays["topk_ids"].ndim == 2 and arrays["topk_ids"].shape == arrays["topk_values"].shape
+                     and arrays["topk_ids"].shape[0] == steps and arrays["topk_ids"].shape[1] >= 2)
+        if role in PROBED_ROLES:
+            shapes_ok = shapes_ok and arrays["probe_ids"].ndim == 2 and arrays["probe_ids"].shape[0] == steps \
+                and arrays["probe_ids"].shape == arrays["probe_values"].shape and arrays["probe_ids"].shape[1] > 0
+        if not shapes_ok:
+            return f"has arrays of inconsistent shapes for prompt {result.prompt_id!r}"
+    if pinned is not None:
+        by_index = {r.prompt_index: r for r in pinned}
+        if sorted(by_index) != sorted(r.prompt_index for r in results) or any(
+                len(r.arrays["tokens"]) != len(by_index[r.prompt_index].arrays["tokens"]) for r in results):
+            return "does not cover the pinned run's prompts and steps"
+    return ""
+
+
 def recreate_hint(name: str) -> str:
     return f"restore it from git or re-create it with `evalrun golden create {name} --force`"
 
@@ -165,11 +218,15 @@ def open_golden(name: str, directory: str | Path = DEFAULT_DIR) -> Golden:
     if not path.is_file():
         raise GoldenError(f"golden {path} is not a regular file; remove it and re-create the golden")
     fix = recreate_hint(name)
+    if path.stat().st_size > MAX_GOLDEN_BYTES:
+        raise GoldenError(f"golden {path} is {path.stat().st_size:,} bytes, past the {MAX_GOLDEN_BYTES:,} a golden "
+                          f"may hold; {fix}")
     try:
-        store = Store(path, readonly=True)
+        store = Store(path, immutable=True)  # read-only, no locks, nothing written beside the file
         integrity = store.db.execute("PRAGMA integrity_check").fetchone()[0]
         if integrity != "ok":
             raise GoldenError(f"golden {path} is damaged ({integrity}); {fix}")
+        _check_cell_sizes(store.db.conn, path, fix)
         rows = dict(store.db.execute("SELECT key, value FROM golden").fetchall())
         stored = rows.pop("content_digest", None)
         if stored != content_digest(store.db.conn):
@@ -178,7 +235,31 @@ def open_golden(name: str, directory: str | Path = DEFAULT_DIR) -> Golden:
     except (sqlite3.Error, StoreError, json.JSONDecodeError, KeyError, TypeError, ValueError) as error:
         raise GoldenError(f"golden {path} is damaged or not a golden ({str(error).splitlines()[0]}); {fix}") from None
     _check_meta(name, path, meta)
-    return Golden(name, path, store, meta)
+    golden = Golden(name, path, store, meta)
+    _check_pinned_record(golden)
+    return golden
+
+
+def _check_pinned_record(golden: Golden) -> None:
+    """The pinned run's provenance, as later steps read it: objects and strings where they expect them."""
+    record = golden.pinned
+    model, prompt_set = record.json.get("model"), record.json.get("prompt_set")
+    fine = (isinstance(model, dict) and all(isinstance(model.get(k), str) for k in ("ref", "weights", "config", "tokenizer"))
+            and isinstance(prompt_set, dict) and isinstance(prompt_set.get("name"), str)
+            and isinstance(record.json.get("environment"), dict))
+    if not fine:
+        raise GoldenError(f"golden {golden.path}: the pinned run's model, prompt set or environment record is damaged; "
+                          f"{recreate_hint(golden.name)}")
+    for role in REQUIRED_ROLES:
+        golden.config(role)
+
+
+def _check_cell_sizes(conn: sqlite3.Connection, path: Path, fix: str) -> None:
+    """Refuse a grown value before any is read (SQLite knows each value's length from its header)."""
+    for table, column in (("arrays", "data"), ("runs", "environment_json"), ("runs", "config_json")):
+        largest = conn.execute(f"SELECT max(length({column})) FROM {table}").fetchone()[0] or 0
+        if largest > MAX_CELL_BYTES:
+            raise GoldenError(f"golden {path} holds a {largest:,}-byte value in {table}.{column}; {fix}")
 
 
 def _check_meta(name: str, path: Path, meta: dict[str, Any]) -> None:

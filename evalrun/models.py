@@ -264,18 +264,44 @@ def decoder_for(record: Any):
     return lambda ids: tokenizer.decode(ids)
 
 
-def _load_directory(ref: str, directory: Path, device: torch.device, dtype: torch.dtype, attn: str,
+def _load_directory(ref: str, directory: Path | str, device: torch.device, dtype: torch.dtype, attn: str,
                     source: dict[str, Any]) -> LoadedModel:
     from transformers import AutoModelForCausalLM
 
     try:
         model = _quietly(AutoModelForCausalLM.from_pretrained, directory, dtype="auto", attn_implementation=attn)
         tokenizer = load_tokenizer(directory)
-    except (OSError, ValueError, KeyError) as error:
-        raise ModelError(f"cannot load model from {directory}: {str(error).splitlines()[0]}") from None
+    except Exception as error:  # noqa: BLE001 - any failure to read a user's model files is bad input
+        first = str(error).strip().splitlines()[0][:200] if str(error).strip() else type(error).__name__
+        raise ModelError(f"cannot load model from {directory}: {first}; check the files (a complete config.json, "
+                         "safetensors and tokenizer)") from None
     # Identity is taken from the weights as stored, before the run's dtype and device touch them.
     weights_hash = weights_identity(model)
     return LoadedModel(ref, model.to(device=device, dtype=dtype), tokenizer, source, weights_hash)
+
+
+HUB_HOST = ("huggingface.co", 443)
+
+
+def _hub_reference(ref: str) -> str:
+    """A hub id usable here: in the local cache, or the hub reachable. One quick check instead of the
+    hub client's minutes of retries on a machine without a network."""
+    from huggingface_hub import try_to_load_from_cache
+
+    cached = try_to_load_from_cache(ref, "config.json")
+    if isinstance(cached, str):
+        return ref
+    if os.environ.get("HF_HUB_OFFLINE", "").lower() in ("1", "true", "yes"):
+        raise ModelError(f"model {ref!r} is not in the local Hugging Face cache and HF_HUB_OFFLINE is set; "
+                         "pass a local directory or a .gguf file")
+    import socket
+
+    try:
+        socket.create_connection(HUB_HOST, timeout=3).close()
+    except OSError:
+        raise ModelError(f"model {ref!r} is not in the local Hugging Face cache and {HUB_HOST[0]} cannot be "
+                         "reached from this machine; pass a local directory or a .gguf file") from None
+    return ref
 
 
 def load_model(ref: str, device: str, dtype: str, attn_implementation: str = "sdpa", seed: int = 0) -> LoadedModel:
@@ -300,7 +326,7 @@ def load_model(ref: str, device: str, dtype: str, attn_implementation: str = "sd
         elif Path(ref).is_dir():
             directory, source = Path(ref), {"kind": "directory", "path": str(Path(ref).resolve())}
         elif "/" in ref and not Path(ref).exists() and ref.count("/") == 1:
-            directory, source = ref, {"kind": "hub", "id": ref}
+            directory, source = _hub_reference(ref), {"kind": "hub", "id": ref}
         else:
             raise ModelError(f"unknown model {ref!r}; use smollm2-135m, random:tiny, random:smollm2, "
                              "random:llama3-8b, a Hugging Face directory, or a .gguf file")

@@ -20,7 +20,7 @@ from .engine.generate import BatchOutput, BatchSpec
 from .engine.modes import ExecutionMode, build_execution_mode
 from .engine.timing import latency_summary, peak_memory_bytes, reset_peak_memory
 from .engine.transformer import Transformer
-from .errors import FallbackError
+from .errors import ConfigError, FallbackError
 from .fingerprint import apply_numerics_flags, baseline_backend_flags, environment, environment_hash
 from .hashing import hash_bytes, hash_value
 from .models import LoadedModel, load_model, model_identity
@@ -124,6 +124,9 @@ def prepare(config: RunConfig | EffectiveConfig, reuse: Prepared | None = None) 
         prompt_set = load_prompt_set(effective.prompts, loaded.tokenizer, context_limit=loaded.context_limit,
                                      new_tokens=effective.max_new_tokens)
     load_seconds = time.perf_counter() - started
+    vocab = loaded.model.config.vocab_size
+    if effective.top_k > vocab:
+        raise ConfigError(f"top_k={effective.top_k} is larger than the model's vocabulary ({vocab}); use a smaller top_k")
     return Prepared(effective, applied, loaded, prompt_set, build_header(effective, applied, loaded, prompt_set),
                     load_seconds)
 

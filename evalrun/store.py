@@ -4,10 +4,14 @@ Tables
   meta     (key, value)                      schema_version
   runs     one row per run: status running -> complete | failed, JSON provenance columns
   results  one row per (run, prompt): ids, lengths, decoded text, digests over all steps
-  arrays   one row per (run, prompt, name): raw little-endian bytes + dtype + shape (never pickle)
+  arrays   one row per (run, prompt, name): raw little-endian bytes + dtype + shape (never pickle),
+           and the xxh3-128 digest of the stored bytes (schema 2), so `store check` finds a flipped bit
 
 Writes happen in explicit `BEGIN IMMEDIATE` transactions with a busy timeout, in WAL mode, so
-several processes can write one store at once and a killed process leaves it consistent.
+several processes can write one store at once and a killed process leaves it consistent. Read-only
+commands open the file read-only (no migration, no journal switch); goldens are opened immutable,
+so nothing is ever written beside them. Every array read is untrusted input: dtype, shape, size and
+compressed size are validated before any byte is decoded.
 """
 
 from __future__ import annotations
@@ -18,6 +22,7 @@ import os
 import socket
 import sqlite3
 import uuid
+import zlib
 from dataclasses import dataclass, field
 from datetime import datetime, timezone
 from pathlib import Path
@@ -27,15 +32,16 @@ import numpy as np
 import sqlite_utils
 
 from .errors import StoreError
-from .hashing import array_from_bytes, array_to_bytes
+from .hashing import array_from_bytes, array_to_bytes, hash_bytes
 
-SCHEMA_VERSION = 1
+SCHEMA_VERSION = 2
 DEFAULT_STORE = Path("store") / "evalrun.db"
 BUSY_TIMEOUT_MS = 60_000
 RUN_JSON_COLUMNS = ("config", "environment", "model", "prompt_set", "timings", "evidence", "batches", "applied_flags")
 RESULT_COLUMNS = ("run_id", "prompt_index", "prompt_id", "record_json", "batch_index", "batch_row", "input_tokens",
                   "new_tokens", "eos_step", "output_text", "tokens_digest", "logits_digest")
-ARRAY_COLUMNS = ("run_id", "prompt_index", "name", "dtype", "shape", "encoding", "data")
+ARRAY_COLUMNS = ("run_id", "prompt_index", "name", "dtype", "shape", "encoding", "data", "digest")
+MAX_ARRAY_BYTES = 1 << 31  # 2 GiB decoded: far past any run's array; a larger claim is a damaged file
 
 
 def default_store_path() -> Path:
@@ -65,7 +71,16 @@ def _migration_1(db: sqlite_utils.Database) -> None:
     db["runs"].create_index(["status"])
 
 
-MIGRATIONS = {1: _migration_1}  # version -> function that brings the schema from version-1 to version
+def _migration_2(db: sqlite_utils.Database) -> None:
+    """Each array row carries the digest of its stored bytes."""
+    db.execute("ALTER TABLE arrays ADD COLUMN digest TEXT")
+    rows = db.execute("SELECT rowid, data FROM arrays").fetchall()
+    db.conn.executemany("UPDATE arrays SET digest = ? WHERE rowid = ?",
+                        [(hash_bytes(data if isinstance(data, bytes) else b""), rowid) for rowid, data in rows])
+
+
+MIGRATIONS = {1: _migration_1, 2: _migration_2}  # version -> function that brings the schema from version-1 to version
+REQUIRED_ARRAYS = ("input_ids", "tokens", "digests", "topk_ids", "topk_values", "margins")
 
 
 @dataclass
@@ -116,14 +131,19 @@ class RunRecord:
 class Store:
     """A SQLite store of runs. `Store(path)` creates the file and schema if needed."""
 
-    def __init__(self, path: str | Path, create: bool = True, readonly: bool = False):
-        """Open (and create, migrate) a store; `readonly` opens an existing file without writing to it."""
+    def __init__(self, path: str | Path, create: bool = True, readonly: bool = False, immutable: bool = False):
+        """Open (and create, migrate) a store. `readonly` opens an existing file without writing to it;
+        `immutable` also promises SQLite that nobody else writes it (no locks, no -wal/-shm files)."""
         self.path = Path(path)
+        readonly = readonly or immutable
         if (readonly or not create) and not self.path.exists():
             raise StoreError(f"store {self.path} does not exist; run `evalrun run` first or pass --store PATH")
+        if self.path.exists() and not self.path.is_file():
+            raise StoreError(f"store {self.path} is not a regular file; pass --store with a SQLite file")
         try:
             if readonly:
-                conn = sqlite3.connect(f"{self.path.resolve().as_uri()}?mode=ro", uri=True, isolation_level=None)
+                flags = "mode=ro" + ("&immutable=1" if immutable else "")
+                conn = sqlite3.connect(f"{self.path.resolve().as_uri()}?{flags}", uri=True, isolation_level=None)
             else:
                 self.path.parent.mkdir(parents=True, exist_ok=True)
                 conn = sqlite3.connect(self.path, timeout=BUSY_TIMEOUT_MS / 1000, isolation_level=None)
@@ -133,11 +153,18 @@ class Store:
         except (OSError, sqlite3.Error) as error:
             raise StoreError(f"cannot open store {self.path}: {error}; pass a writable --store PATH") from None
         self.db = sqlite_utils.Database(conn)
-        if readonly:
-            if self.schema_version() != SCHEMA_VERSION:
-                raise StoreError(f"{self.path} has schema {self.schema_version()}, this evalrun reads {SCHEMA_VERSION}")
-        else:
-            self.migrate()
+        self.readonly = readonly
+        try:
+            if readonly:
+                if self.schema_version() != SCHEMA_VERSION:
+                    raise StoreError(f"{self.path} has schema {self.schema_version()}, this evalrun reads "
+                                     f"{SCHEMA_VERSION}; open it once with a writing command (evalrun run) to migrate")
+            else:
+                self.migrate()
+        except sqlite3.DatabaseError as error:
+            conn.close()
+            raise StoreError(f"{self.path} is not a usable evalrun store ({str(error).splitlines()[0]}); "
+                             "pass --store with another file") from None
 
     def compact(self) -> None:
         """Fold the WAL into the file, switch to a rollback journal and VACUUM: one file to commit."""
@@ -170,7 +197,10 @@ class Store:
         if "meta" not in self.db.table_names():
             return 0
         row = self.db.execute("SELECT value FROM meta WHERE key = ?", ["schema_version"]).fetchone()
-        return int(row[0]) if row else 0
+        try:
+            return int(row[0]) if row else 0
+        except (TypeError, ValueError):
+            raise StoreError(f"{self.path}: schema_version {row[0]!r} is not a number; the file is damaged") from None
 
     def migrate(self) -> None:
         """Apply pending migrations in order, each in its own transaction."""
@@ -229,10 +259,16 @@ class Store:
     # ------------------------------------------------------------ reading
 
     def _record(self, row: dict[str, Any]) -> RunRecord:
-        blobs = {name: json.loads(row[f"{name}_json"]) if row[f"{name}_json"] else None for name in RUN_JSON_COLUMNS}
-        return RunRecord(row["id"], row["status"], row["created_at"], row["finished_at"], row["label"],
-                         row["config_hash"], row["environment_hash"], row["model_hash"], row["prompts_hash"],
-                         row["tokens_digest"], row["logits_digest"], row["error"], blobs)
+        try:
+            blobs = {name: json.loads(row[f"{name}_json"]) if row[f"{name}_json"] else None for name in RUN_JSON_COLUMNS}
+            if not isinstance(blobs.get("config") or {}, dict):
+                raise ValueError("config is not an object")
+            return RunRecord(row["id"], row["status"], row["created_at"], row["finished_at"], row["label"],
+                             row["config_hash"], row["environment_hash"], row["model_hash"], row["prompts_hash"],
+                             row["tokens_digest"], row["logits_digest"], row["error"], blobs)
+        except (TypeError, ValueError, KeyError) as error:
+            raise StoreError(f"{self.path}: run {str(row.get('id'))[:12]} is damaged ({error}); "
+                             "`evalrun store check` lists what is wrong") from None
 
     def list_runs(self, limit: int | None = None) -> list[RunRecord]:
         rows = self.db["runs"].rows_where(order_by="created_at desc", limit=limit)
@@ -251,30 +287,65 @@ class Store:
         return self._record(rows[0])
 
     def load_results(self, run_id: str, names: tuple[str, ...] | None = None) -> list[PromptResult]:
-        """All prompt results of a run, with their arrays (all, or only `names`)."""
+        """All prompt results of a run, with their arrays (all, or only `names`), each one validated."""
         results = {}
-        for row in self.db["results"].rows_where("run_id = ?", [run_id], order_by="prompt_index"):
-            results[row["prompt_index"]] = PromptResult(
-                row["prompt_index"], row["prompt_id"], json.loads(row["record_json"]), row["batch_index"],
-                row["batch_row"], row["input_tokens"], row["new_tokens"], row["eos_step"], row["output_text"],
-                row["tokens_digest"], row["logits_digest"])
-        for row in self.db["arrays"].rows_where("run_id = ?", [run_id]):
-            if names is None or row["name"] in names:
-                results[row["prompt_index"]].arrays[row["name"]] = decode_array_row(row)
+        try:
+            for row in self.db["results"].rows_where("run_id = ?", [run_id], order_by="prompt_index"):
+                record = json.loads(row["record_json"])
+                if not isinstance(record, dict) or not isinstance(row["prompt_index"], int):
+                    raise ValueError("a result row is not what evalrun writes")
+                results[row["prompt_index"]] = PromptResult(
+                    row["prompt_index"], str(row["prompt_id"]), record, row["batch_index"], row["batch_row"],
+                    row["input_tokens"], row["new_tokens"], row["eos_step"], str(row["output_text"]),
+                    str(row["tokens_digest"]), str(row["logits_digest"]))
+            for row in self.db["arrays"].rows_where("run_id = ?", [run_id]):
+                if names is None or row["name"] in names:
+                    if row["prompt_index"] not in results:
+                        raise ValueError(f"array {row['name']!r} belongs to no result")
+                    results[row["prompt_index"]].arrays[str(row["name"])] = decode_array_row(row)
+        except (TypeError, ValueError, KeyError, sqlite3.DatabaseError) as error:
+            raise StoreError(f"{self.path}: run {run_id[:12]} is damaged ({str(error).splitlines()[0]}); "
+                             "`evalrun store check` lists what is wrong") from None
         return [results[index] for index in sorted(results)]
 
     # ------------------------------------------------------------ checking
 
     def check(self) -> dict[str, Any]:
-        """integrity_check, schema, orphans and incomplete runs. `ok` is False on any real problem."""
+        """integrity_check, schema, orphans, incomplete runs, missing arrays, array bytes against their
+        digests, results against their token and logits digests. `ok` is False on any real problem;
+        a damaged file is reported, never a crash."""
         problems: list[str] = []
-        integrity = [row[0] for row in self.db.execute("PRAGMA integrity_check").fetchall()]
+        try:
+            integrity = [row[0] for row in self.db.execute("PRAGMA integrity_check").fetchall()]
+        except sqlite3.DatabaseError as error:
+            integrity = [str(error)]
         if integrity != ["ok"]:
-            problems += [f"integrity: {line}" for line in integrity]
-        if self.schema_version() != SCHEMA_VERSION:
-            problems.append(f"schema version {self.schema_version()} != {SCHEMA_VERSION}")
+            problems += [f"integrity: {line}" for line in integrity[:20]]
         missing = {"meta", "runs", "results", "arrays"} - set(self.db.table_names())
         problems += [f"missing table {name}" for name in sorted(missing)]
+        version = self._checked(problems, self.schema_version, 0)
+        if version != SCHEMA_VERSION:
+            problems.append(f"schema version {version} != {SCHEMA_VERSION}")
+        statuses: dict[str, int] = {}
+        if not missing:
+            for check in (self._check_orphans, self._check_complete_runs, self._check_array_bytes):
+                self._checked(problems, lambda: check(problems), None)
+            statuses = self._checked(problems, lambda: dict(self.db.execute(
+                "SELECT status, count(*) FROM runs GROUP BY status").fetchall()), {})
+        interrupted = self._checked(problems, self.interrupted_runs, []) if "runs" not in missing else []
+        return {"path": str(self.path), "ok": not problems, "problems": problems, "runs": statuses,
+                "interrupted": interrupted, "schema_version": version}
+
+    @staticmethod
+    def _checked(problems: list[str], function, fallback):
+        """Run one check; a file too damaged for it becomes a problem line, not a crash."""
+        try:
+            return function()
+        except (sqlite3.DatabaseError, StoreError, ValueError, TypeError) as error:
+            problems.append(f"cannot check: {str(error).splitlines()[0]}")
+            return fallback
+
+    def _check_orphans(self, problems: list[str]) -> None:
         for table in ("results", "arrays"):
             count = self.db.execute(
                 f"SELECT count(*) FROM {table} WHERE run_id NOT IN (SELECT id FROM runs)").fetchone()[0]
@@ -284,14 +355,45 @@ class Store:
                                 "r.run_id = a.run_id AND r.prompt_index = a.prompt_index)").fetchone()[0]
         if count:
             problems.append(f"{count} arrays without a result row")
+
+    def _check_complete_runs(self, problems: list[str]) -> None:
         for run_id, expected, found in self.db.execute(
                 "SELECT r.id, json_extract(r.prompt_set_json, '$.count'), count(x.prompt_index) FROM runs r "
                 "LEFT JOIN results x ON x.run_id = r.id WHERE r.status = 'complete' GROUP BY r.id").fetchall():
             if expected != found:
-                problems.append(f"run {run_id[:12]} is complete with {found} of {expected} results")
-        statuses = dict(self.db.execute("SELECT status, count(*) FROM runs GROUP BY status").fetchall())
-        return {"path": str(self.path), "ok": not problems, "problems": problems, "runs": statuses,
-                "interrupted": self.interrupted_runs(), "schema_version": self.schema_version()}
+                problems.append(f"run {str(run_id)[:12]} is complete with {found} of {expected} results")
+        names = ", ".join("?" * len(REQUIRED_ARRAYS))
+        for run_id, index, count in self.db.execute(
+                f"SELECT x.run_id, x.prompt_index, (SELECT count(DISTINCT a.name) FROM arrays a WHERE a.run_id = "
+                f"x.run_id AND a.prompt_index = x.prompt_index AND a.name IN ({names})) FROM results x JOIN runs r "
+                "ON r.id = x.run_id WHERE r.status = 'complete'", list(REQUIRED_ARRAYS)).fetchall():
+            if count != len(REQUIRED_ARRAYS):
+                problems.append(f"run {str(run_id)[:12]} prompt {index}: {len(REQUIRED_ARRAYS) - count} of its "
+                                f"arrays ({', '.join(REQUIRED_ARRAYS)}) are missing")
+
+    def _check_array_bytes(self, problems: list[str]) -> None:
+        """Every array's bytes against its digest, then tokens and digests against the result's digests."""
+        damaged = 0
+        for run_id, index, name, data, digest in self.db.execute(
+                "SELECT run_id, prompt_index, name, data, digest FROM arrays"):
+            if not isinstance(data, bytes) or hash_bytes(data) != digest:
+                damaged += 1
+                if damaged <= 10:
+                    problems.append(f"run {str(run_id)[:12]} prompt {index} array {name}: bytes do not match their digest")
+        if damaged > 10:
+            problems.append(f"... {damaged - 10} more damaged arrays")
+        for run_id, index, name, data, dtype, shape, encoding, expected in self.db.execute(
+                "SELECT a.run_id, a.prompt_index, a.name, a.data, a.dtype, a.shape, a.encoding, CASE a.name WHEN "
+                "'tokens' THEN r.tokens_digest ELSE r.logits_digest END FROM arrays a JOIN results r ON r.run_id = "
+                "a.run_id AND r.prompt_index = a.prompt_index WHERE a.name IN ('tokens', 'digests')"):
+            row = {"name": name, "data": data, "dtype": dtype, "shape": shape, "encoding": encoding}
+            try:
+                actual = hash_bytes(decode_array_row(row).astype("<i8").tobytes())
+            except StoreError as error:
+                problems.append(f"run {str(run_id)[:12]} prompt {index}: {error}")
+                continue
+            if actual != expected:
+                problems.append(f"run {str(run_id)[:12]} prompt {index}: {name} do not match the result's digest")
 
     def interrupted_runs(self) -> list[str]:
         """Runs still `running` whose process on this host is gone (killed): never complete, never counted."""
@@ -317,24 +419,43 @@ def _insert(table: str, columns: tuple[str, ...]) -> str:
 
 
 def encode_array_row(run_id: str, prompt_index: int, name: str, array: np.ndarray) -> list[Any]:
-    import zlib
-
     raw = array_to_bytes(array)
     compress = name == "logits"  # full logits are large; everything else is small
     data = zlib.compress(raw, 6) if compress else raw
     return [run_id, prompt_index, name, array.dtype.name, json.dumps(list(array.shape)),
-            "zlib" if compress else "raw", data]
+            "zlib" if compress else "raw", data, hash_bytes(data)]
 
 
 ARRAY_DTYPES = ("bool", "uint8", "int16", "int32", "int64", "float16", "float32", "float64")
+MAX_DIMENSIONS = 4
 
 
 def decode_array_row(row: dict[str, Any]) -> np.ndarray:
-    """Raw bytes + dtype + shape -> array; only plain numeric dtypes (stores and goldens are untrusted input)."""
-    import zlib
-
-    if row["dtype"] not in ARRAY_DTYPES or row["encoding"] not in ("raw", "zlib"):
-        raise StoreError(f"array {row['name']!r} has dtype {row['dtype']!r} / encoding {row['encoding']!r}; "
+    """Raw bytes + dtype + shape -> array. Stores and goldens are untrusted input: only plain numeric
+    dtypes, a shape of at most 4 non-negative dimensions whose size matches the bytes exactly, and a
+    decompressed size capped at what dtype x shape declares (a compression bomb stops there)."""
+    name = row.get("name")
+    if row.get("dtype") not in ARRAY_DTYPES or row.get("encoding") not in ("raw", "zlib"):
+        raise StoreError(f"array {name!r} has dtype {row.get('dtype')!r} / encoding {row.get('encoding')!r}; "
                          f"only {', '.join(ARRAY_DTYPES)} raw or zlib are read")
-    data = zlib.decompress(row["data"]) if row["encoding"] == "zlib" else row["data"]
-    return array_from_bytes(data, row["dtype"], json.loads(row["shape"]))
+    try:
+        shape = json.loads(row["shape"]) if isinstance(row.get("shape"), str) else None
+    except json.JSONDecodeError:
+        shape = None
+    if (not isinstance(shape, list) or len(shape) > MAX_DIMENSIONS
+            or not all(isinstance(d, int) and not isinstance(d, bool) and 0 <= d < 1 << 40 for d in shape)):
+        raise StoreError(f"array {name!r} has shape {row.get('shape')!r}; expected a list of up to {MAX_DIMENSIONS} sizes")
+    expected = int(np.prod(shape, dtype=object)) * np.dtype(row["dtype"]).itemsize
+    data = row.get("data")
+    if not isinstance(data, bytes) or expected > MAX_ARRAY_BYTES:
+        raise StoreError(f"array {name!r} has no byte data or claims {expected:,} bytes; the file is damaged")
+    if row["encoding"] == "zlib":
+        try:
+            inflater = zlib.decompressobj()
+            data = inflater.decompress(data, expected + 1)
+        except zlib.error as error:
+            raise StoreError(f"array {name!r}: compressed data is corrupt ({error})") from None
+    if len(data) != expected:
+        raise StoreError(f"array {name!r}: {len(data):,} bytes where dtype {row['dtype']} x shape {shape} needs "
+                         f"{expected:,}; the file is damaged")
+    return array_from_bytes(data, row["dtype"], shape)

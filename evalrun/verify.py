@@ -30,7 +30,7 @@ import numpy as np
 
 from .compare import dict_diff, digest_mismatch_steps, first_divergence, worst_verdict
 from .config import EffectiveConfig, RunConfig, build_config
-from .errors import GoldenError
+from .errors import ConfigError, GoldenError
 from .golden import ENVELOPE_ROLES, Golden, Hook, function_config, reference_config
 from .hashing import hash_value
 from .rules import EXECUTION_RULE, FUNCTION_RULE, Evidence, Judgement, judge, judge_set, typical
@@ -116,6 +116,11 @@ def exit_code_for(verdict: str, strict: bool) -> int:
 def candidate_config(golden: Golden, config_source: str | None, flags: dict[str, Any],
                      sets: tuple[str, ...]) -> RunConfig:
     """The golden's requested config with the user's explicit options on top."""
+    try:
+        build_config(base=golden.meta["requested_config"])
+    except ConfigError as error:
+        raise GoldenError(f"golden {golden.path}: its requested config is damaged ({error}); "
+                          f"re-create it with `evalrun golden create {golden.name} --force`") from None
     return build_config(config_source, flags, sets, base=golden.meta["requested_config"])
 
 

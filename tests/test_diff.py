@@ -122,3 +122,12 @@ def test_ulp_distance_across_zero_and_dtypes():
     a = np.array([0.0, -0.0, 1.0], dtype=np.float32).view(np.int32)
     b = np.array([-0.0, 1e-45, -1.0], dtype=np.float32).view(np.int32)
     assert ulp_distance(a, b).tolist() == [0, 1, 2 * 0x3F800000]
+
+
+def test_diff_between_two_dtypes_with_full_logits(cli, tiny_args):
+    a = _run(cli, tiny_args, "--keep-logits", "all")
+    b = _run(cli, tiny_args, "--keep-logits", "all", "--dtype", "bfloat16")
+    code, out, err = cli("diff", a, b, "--store", tiny_args[-1], "--json")
+    assert code == 0, err
+    logits = json.loads(out)["prompts"][0]["logits"]
+    assert logits["ulp_histogram"] == {} and logits["max_abs_delta"] > 0

@@ -10,7 +10,7 @@ import pytest
 import sqlite_utils
 
 from evalrun.errors import StoreError
-from evalrun.hashing import array_from_bytes, array_to_bytes
+from evalrun.hashing import array_from_bytes, array_to_bytes, hash_bytes
 from evalrun.store import SCHEMA_VERSION, PromptResult, Store
 
 
@@ -20,9 +20,14 @@ def _header(name="x"):
 
 
 def _result(index=0):
-    arrays = {"tokens": np.arange(5, dtype=np.int64), "digests": np.arange(10, dtype=np.int64).reshape(5, 2),
-              "topk_values": np.linspace(0, 1, 20, dtype=np.float32).reshape(5, 4)}
-    return PromptResult(index, f"p{index}", {"id": f"p{index}"}, 0, 0, 3, 5, -1, "text", "t", "l", arrays)
+    arrays = {"input_ids": np.arange(3, dtype=np.int64), "tokens": np.arange(5, dtype=np.int64),
+              "digests": np.arange(10, dtype=np.int64).reshape(5, 2),
+              "topk_ids": np.arange(20, dtype=np.int64).reshape(5, 4),
+              "topk_values": np.linspace(0, 1, 20, dtype=np.float32).reshape(5, 4),
+              "margins": np.linspace(0, 1, 5, dtype=np.float32)}
+    return PromptResult(index, f"p{index}", {"id": f"p{index}"}, 0, 0, 3, 5, -1, "text",
+                        hash_bytes(arrays["tokens"].astype("<i8").tobytes()),
+                        hash_bytes(arrays["digests"].astype("<i8").tobytes()), arrays)
 
 
 @pytest.mark.parametrize("dtype", ["int64", "int32", "float32", "int16", "float64"])
@@ -54,7 +59,7 @@ def test_store_opens_with_sqlite_utils_own_api(store_path):
     db = sqlite_utils.Database(store_path)
     assert {"meta", "runs", "results", "arrays"} <= set(db.table_names())
     assert db["runs"].get(run_id)["status"] == "complete"
-    assert db["arrays"].count == 3
+    assert db["arrays"].count == 6
     row = next(db["arrays"].rows_where("name = ?", ["digests"]))
     assert (row["dtype"], row["shape"]) == ("int64", "[5, 2]")
     assert db.execute("PRAGMA journal_mode").fetchone()[0] == "wal"
@@ -145,3 +150,102 @@ def test_store_path_from_environment(cli, monkeypatch, tmp_path):
     code, _, err = cli("run", "--model", "random:tiny", "--prompts", "smoke", "--max-new-tokens", "2", "--quiet")
     assert code == 0, err
     assert [r.status for r in Store(target).list_runs()] == ["complete"]
+
+
+def _complete_store(store_path):
+    store = Store(store_path)
+    run_id = store.begin_run(_header())
+    store.finish_run(run_id, [_result()], {}, "td", "ld")
+    store.close()
+    return run_id
+
+
+def _sql(store_path, *statements):
+    conn = sqlite3.connect(store_path)
+    for statement in statements:
+        conn.execute(statement)
+    conn.commit()
+    conn.close()
+
+
+@pytest.mark.parametrize("damage,needle", [
+    ("UPDATE arrays SET data = CAST(zeroblob(length(data)) AS BLOB) WHERE name = 'topk_values'", "do not match their digest"),
+    ("DELETE FROM arrays WHERE name = 'tokens'", "are missing"),
+    ("UPDATE results SET tokens_digest = 'x'", "tokens do not match"),
+    ("DROP TABLE arrays", "missing table arrays"),
+    ("UPDATE arrays SET shape = '[99]' WHERE name = 'tokens'", "needs"),
+    ("UPDATE meta SET value = 'x' WHERE key = 'schema_version'", "not a number"),
+])
+def test_check_finds_damage_and_never_crashes(store_path, damage, needle):
+    _complete_store(store_path)
+    _sql(store_path, damage)
+    outcome = Store(store_path, readonly=True).check() if "schema" not in damage else None
+    if outcome is None:
+        with pytest.raises(StoreError, match=needle):
+            Store(store_path, readonly=True)
+        return
+    assert not outcome["ok"] and needle in " ".join(outcome["problems"]), outcome["problems"]
+
+
+def test_a_flipped_bit_inside_array_data_is_found(store_path):
+    _complete_store(store_path)
+    conn = sqlite3.connect(store_path)
+    data = bytearray(conn.execute("SELECT data FROM arrays WHERE name = 'margins'").fetchone()[0])
+    data[3] ^= 0x10
+    conn.execute("UPDATE arrays SET data = ? WHERE name = 'margins'", [bytes(data)])
+    conn.commit()
+    conn.close()
+    problems = Store(store_path).check()["problems"]
+    assert any("margins: bytes do not match their digest" in p for p in problems)
+
+
+def test_reading_commands_never_write(cli, tiny_args):
+    cli("run", *tiny_args, "--quiet")
+    path = tiny_args[-1]
+    before = {p: os.stat(p).st_mtime_ns for p in [path]}
+    for args in (("store", "ls"), ("store", "check"), ("store", "show", "0")):
+        cli(*args, "--store", path)
+    assert {p: os.stat(p).st_mtime_ns for p in [path]} == before
+
+
+def test_a_schema_1_store_is_migrated_with_array_digests(store_path):
+    from evalrun.store import MIGRATIONS
+
+    store_path.parent.mkdir(parents=True)  # build a version-1 file by hand: migration 1 only
+    conn = sqlite3.connect(store_path, isolation_level=None)
+    db = sqlite_utils.Database(conn)
+    db["meta"].create({"key": str, "value": str}, pk="key")
+    MIGRATIONS[1](db)
+    db.execute("INSERT INTO meta VALUES ('schema_version', '1')")
+    db.execute("INSERT INTO runs (id, status) VALUES ('ab', 'failed')")
+    db.execute("INSERT INTO results (run_id, prompt_index, prompt_id) VALUES ('ab', 0, 'x')")
+    db.execute("INSERT INTO arrays (run_id, prompt_index, name, dtype, shape, encoding, data) VALUES "
+               "('ab', 0, 'tokens', 'int64', '[1]', 'raw', ?)", [np.arange(1, dtype="<i8").tobytes()])
+    conn.close()
+    migrated = Store(store_path)
+    assert migrated.schema_version() == SCHEMA_VERSION
+    row = migrated.db.execute("SELECT data, digest FROM arrays").fetchone()
+    assert row[1] == hash_bytes(row[0])
+
+
+@pytest.mark.parametrize("row,needle", [
+    ({"dtype": "object"}, "only bool"), ({"shape": "[2, -1]"}, "expected a list"), ({"shape": "oops"}, "expected a list"),
+    ({"data": None}, "no byte data"), ({"data": "text"}, "no byte data"), ({"shape": "[3]"}, "needs"),
+    ({"shape": "[1099511627775, 1099511627775]"}, "claims"), ({"encoding": "zlib", "data": b"not zlib"}, "corrupt"),
+])
+def test_array_rows_are_validated_before_decoding(row, needle):
+    from evalrun.store import decode_array_row
+
+    base = {"name": "x", "dtype": "int64", "shape": "[2]", "encoding": "raw", "data": np.arange(2, dtype="<i8").tobytes()}
+    with pytest.raises(StoreError, match=needle):
+        decode_array_row({**base, **row})
+
+
+def test_a_compression_bomb_stops_at_the_declared_size():
+    import zlib
+
+    from evalrun.store import decode_array_row
+
+    bomb = zlib.compress(bytes(200_000_000), 9)  # 200 MB of zeros in ~200 KB
+    with pytest.raises(StoreError, match="needs 16"):
+        decode_array_row({"name": "x", "dtype": "int64", "shape": "[2]", "encoding": "zlib", "data": bomb})

@@ -161,3 +161,28 @@ def test_markdown_output_is_a_pr_comment(cli, o0):
 def test_json_is_strict(cli, o0):
     code, out, _ = cli("golden", "verify", "g", "--dir", str(o0), "--quiet", "--json", "--batch-size", "3")
     json.loads(out, parse_constant=lambda name: pytest.fail(f"non-standard JSON constant {name}"))
+
+
+def _cpu_has(flag: str) -> bool:
+    try:
+        return f" {flag} " in open("/proc/cpuinfo").read().replace("\n", " ")
+    except OSError:
+        return False
+
+
+@pytest.mark.parametrize("isa", ["default", "avx2", "avx512"])
+def test_a_golden_verifies_under_every_cpu_instruction_set(golden_factory, isa):
+    """Another CPU instruction set is legitimate variation: identical or drift, never changed (exit 0)."""
+    import subprocess
+    import sys
+
+    if isa != "default" and not _cpu_has({"avx2": "avx2", "avx512": "avx512f"}[isa]):
+        pytest.skip(f"this CPU has no {isa}")
+    directory = golden_factory()
+    process = subprocess.run([sys.executable, "-m", "evalrun", "golden", "verify", "g", "--dir", str(directory),
+                              "--quiet", "--json"], env=dict(__import__("os").environ, ATEN_CPU_CAPABILITY=isa),
+                             capture_output=True, text=True, timeout=300)
+    assert process.returncode == 0, process.stderr
+    verdict = json.loads(process.stdout)
+    assert verdict["verdict"] in ("identical", "drift")
+    assert verdict["distance"] < 1
