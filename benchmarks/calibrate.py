@@ -75,6 +75,8 @@ class Outcome:
     seconds: float
     cause: str = ""
     fault: dict | None = None
+    # the raw, multiplier-free figures behind each check, worst over prompts: re-judge offline with other thresholds
+    raw: dict = field(default_factory=dict)
 
 
 def drift_cases(on_gpu: bool, dtype: str) -> list[Case]:
@@ -166,12 +168,20 @@ def run_case(golden_dir: Path, golden_name: str, case: Case, oracle_logits: dict
     functions = [p.function for p in verdict.prompts if p.function]
     executions = [p.execution for p in verdict.prompts if p.execution]
     vllm, same = field_rules(golden, runs, oracle_logits, verdict.candidate_config["dtype"])
+    raw = {f"{name}_{key}": max([getattr(r, key) for r in reports], default=0.0)
+           for name, reports in (("function", functions), ("execution", executions))
+           for key in ("ratio", "step_ratio", "flip_ratio")}
+    raw["prompts"] = [{"prompt": p.prompt_id, **{f"{name}_{key}": getattr(report, key)
+                                                  for name, report in (("function", p.function), ("execution", p.execution))
+                                                  if report for key in ("candidate_error", "envelope_error", "ratio",
+                                                                        "step_ratio", "flip_ratio")}}
+                      for p in verdict.prompts]
     return Outcome(golden_name, case.name, case.side, verdict.verdict,
                    max([f.distance for f in functions], default=0.0), max([e.distance for e in executions], default=0.0),
                    max([f.ratio for f in functions], default=0.0), max([e.ratio for e in executions], default=0.0),
                    sum(1 for p in verdict.prompts if p.flips), vllm, same, seconds,
-                   next((c for c in verdict.causes if "check failed" in c or "model identity" in c), ""),
-                   asdict(case.fault) if case.fault else None)
+                   next((c for c in verdict.causes if "check failed" in c or "model identity" in c
+                         or "no longer reproduces" in c), ""), asdict(case.fault) if case.fault else None, raw)
 
 
 def run_case_in_child(golden_dir: Path, golden_name: str, case: Case, args) -> Outcome:
@@ -181,6 +191,26 @@ def run_case_in_child(golden_dir: Path, golden_name: str, case: Case, args) -> O
     if process.returncode != 0:
         raise RuntimeError(f"case {case.name} failed in its child process: {process.stderr.strip()[-2000:]}")
     return Outcome(**json.loads(process.stdout.strip().splitlines()[-1]))
+
+
+def distinct(cases: list[Case], golden) -> list[Case]:
+    """Drop drift cases whose candidate config is the golden's own or one already listed (-O2 is
+    piecewise/full-and-piecewise): the same config is the same case."""
+    from evalrun.config import resolve
+
+    seen = {resolve(candidate_config(golden, None, {}, ()), True).compute_hash()}
+    kept = []
+    for case in cases:
+        if case.side != "drift" or case.env:
+            kept.append(case)
+            continue
+        flags = dict(case.flags)
+        sets = tuple(flags.pop("sets", ()))
+        key = resolve(candidate_config(golden, None, flags, sets), True).compute_hash()
+        if key not in seen:
+            seen.add(key)
+            kept.append(case)
+    return kept
 
 
 # ---------------------------------------------------------------- goldens and the oracle's full logits
@@ -276,15 +306,17 @@ def main() -> None:
     on_gpu = args.device.startswith("cuda")
     sides = set(args.only.split(","))
     cases = [c for c in drift_cases(on_gpu, args.dtype) + change_cases() + exec_cases(on_gpu) if c.side in sides]
-    if args.cases:
-        wanted = set(args.cases.split(","))
-        cases = [c for c in cases if c.name in wanted]
+    if args.cases:  # in the order given: the most needed first, should a time limit cut the corpus short
+        order: dict[str, int] = {}
+        for name in args.cases.split(","):
+            order.setdefault(name, len(order))
+        cases = sorted((c for c in cases if c.name in order), key=lambda c: order[c.name])
     workdir = args.workdir or Path(tempfile.mkdtemp(prefix="evalrun-calibrate-"))
     workdir.mkdir(parents=True, exist_ok=True)
     outcomes: list[Outcome] = []
     for level in args.golden.split(","):
         name, oracle_logits = make_golden(args, level, workdir)
-        for case in cases:
+        for case in distinct(cases, open_golden(name, workdir)):
             print(f"case {name} / {case.side} / {case.name}", file=sys.stderr, flush=True)
             try:
                 outcome = (run_case_in_child(workdir, name, case, args) if case.env

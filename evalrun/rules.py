@@ -89,6 +89,8 @@ class Judgement:
     worst_step: int
     step_distance: float
     floor: float = 0.0  # the absolute floor added to every budget
+    step_ratio: float = 0.0  # worst step's error / that step's floored envelope error (before any multiplier)
+    flip_ratio: float = 0.0  # worst flip's oracle gap / that step's floored envelope error (0 without flips)
     flips: list[Flip] = field(default_factory=list)
     reason: str = ""  # one line naming the rule that failed; empty when it passed
 
@@ -157,8 +159,11 @@ def judge(evidence: Evidence, dtype: str, rule: Rule, typical_envelope_error: fl
                  "step": float(step_ratio[worst]) if worst >= 0 else 0.0, "flip": max(flip_distance, 0.0)}
     reason = _reason(distances, candidate_error, allowed, worst, candidate_steps, step_allowed, flips)
     ratio = candidate_error / envelope_error if envelope_error > 0 else (0.0 if candidate_error == 0 else float("inf"))
+    tiny = np.finfo(np.float64).tiny
+    step_ratio = float(np.max(candidate_steps / np.maximum(floored_steps, tiny))) if candidate_steps.size else 0.0
+    flip_ratio = max((f.oracle_gap / max(floored_steps[f.step], tiny) for f in flips), default=0.0)
     return Judgement(candidate_error, envelope_error, ratio, max(distances.values()), worst, distances["step"],
-                     floor, flips, reason)
+                     floor, step_ratio, max(flip_ratio, 0.0), flips, reason)
 
 
 def _reason(distances: dict[str, float], error: float, allowed: float, worst: int, steps: np.ndarray,

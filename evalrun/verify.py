@@ -57,15 +57,17 @@ class CheckReport:
 
     candidate_error: float
     envelope_error: float
-    ratio: float
-    distance: float
+    ratio: float  # candidate_error / envelope_error
+    distance: float  # observed / allowed over the rules; <= 1 passes
     worst_step: int
+    step_ratio: float = 0.0  # worst step against its envelope error, before the multiplier
+    flip_ratio: float = 0.0  # worst flip's oracle gap against the envelope error there
     reason: str = ""
 
     @classmethod
     def of(cls, judgement: Judgement) -> "CheckReport":
         return cls(judgement.candidate_error, judgement.envelope_error, judgement.ratio, judgement.distance,
-                   judgement.worst_step, judgement.reason)
+                   judgement.worst_step, judgement.step_ratio, judgement.flip_ratio, judgement.reason)
 
 
 @dataclass

@@ -82,3 +82,19 @@ def test_every_mode_combination_repeats_bit_for_bit_on_cuda(cli, tiny_args, comp
                       "ttft_ms": round(timings["ttft_ms"]["p50"], 2), "step_p50_ms": round(timings["step_latency"]["p50_ms"], 3),
                       "launches_per_step": evidence["kernel_launches_per_decode_step"],
                       "captures": evidence["cudagraph_captures_warmup"], "replays": evidence["cudagraph_replays"]}))
+
+
+def test_a_cuda_golden_at_o2_verifies_every_level_and_catches_a_planted_change(golden_factory, verify):
+    """Probed and forced runs inside CUDA graphs; the float32 function check on the GPU."""
+    from evalrun.engine.faults import Fault, fault_hook
+    from evalrun.golden import open_golden
+    from evalrun.verify import candidate_config, verify_golden
+
+    directory = golden_factory("--device", "cuda", "--dtype", "bfloat16", "-O2")
+    for level in ("-O0", "-O1", "-O2", "-O3"):
+        code, verdict, err = verify(directory, level)
+        assert code == 0 and verdict["verdict"] in ("identical", "drift"), (level, err, verdict and verdict["causes"])
+    golden = open_golden("g", directory)
+    changed = verify_golden(golden, candidate_config(golden, None, {}, ()), hook=fault_hook(Fault("scale", 0.01)),
+                            function_check="statistical")
+    assert changed.verdict == "changed" and any("function check failed" in c for c in changed.causes)

@@ -5,7 +5,7 @@ import json
 import pytest
 
 from evalrun.config import RunConfig, build_config
-from evalrun.engine.modes import _bucket
+from evalrun.engine.modes import bucket_size
 
 MODES = ["stock", "trace-once", "piecewise"]
 
@@ -88,7 +88,7 @@ def test_cuda_graph_modes_need_a_gpu_and_piecewise_graphs_need_piecewise(cli, ti
 @pytest.mark.parametrize("value,buckets,expected", [(5, [4, 8, 16], 8), (16, [4, 8, 16], 16), (17, [4, 8, 16], 32),
                                                     (1, [1, 2], 1)])
 def test_buckets(value, buckets, expected):
-    assert _bucket(value, buckets) == expected
+    assert bucket_size(value, buckets) == expected
 
 
 def test_o2_fingerprint_lists_every_numerics_knob(cli):

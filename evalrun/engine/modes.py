@@ -37,7 +37,7 @@ DEFAULT_PREFILL_BUCKETS = (16, 32, 64, 128, 256, 512, 1024, 2048)
 DEFAULT_BATCH_BUCKETS = (1, 2, 4, 8, 16, 32)
 
 
-def _bucket(value: int, buckets: list[int]) -> int:
+def bucket_size(value: int, buckets: list[int]) -> int:
     """Smallest bucket >= value; past the largest, the next multiple of the largest."""
     for bucket in sorted(buckets):
         if bucket >= value:
@@ -140,13 +140,13 @@ class ExecutionMode:
         self.plan_steps = max_steps
 
     def padded_length_for(self, length: int) -> int:
-        return _bucket(length, self.prefill_buckets) if self.static else length
+        return bucket_size(length, self.prefill_buckets) if self.static else length
 
     def padded_length(self, prompts: list[list[int]]) -> int:
         return self.padded_length_for(max(len(ids) for ids in prompts))
 
     def padded_batch(self, rows: int) -> int:
-        return _bucket(rows, self.batch_buckets) if self.static else rows
+        return bucket_size(rows, self.batch_buckets) if self.static else rows
 
     def workspace(self, batch: int, padded_length: int, spec: BatchSpec) -> Workspace:
         """A fresh workspace (eager), or the run's one workspace for this batch bucket and layout (static)."""
