@@ -217,6 +217,8 @@ def distinct(cases: list[Case], golden) -> list[Case]:
 
 def make_golden(args, level: str, directory: Path) -> tuple[str, dict]:
     name = f"calib-{level.lower()}"
+    if args.reuse and (directory / f"{name}.db").exists() and (directory / f"{name}.oracle.npz").exists():
+        return name, load_oracle_logits(directory, name)
     flags = {"model": args.model, "prompts": args.prompts, "max_new_tokens": args.max_new_tokens,
              "device": args.device, "dtype": args.dtype, "opt_level": level}
     sets = ["keep_logits=all"] + (["deterministic=true"] if level == "O0" else [])
@@ -293,6 +295,7 @@ def main() -> None:
     parser.add_argument("--cases", default=None, help="Comma-separated case names to run (default: all).")
     parser.add_argument("--out", type=Path, default=None, help="Write every outcome and the summary as JSON.")
     parser.add_argument("--workdir", type=Path, default=None, help="Where goldens go (default: a temp folder).")
+    parser.add_argument("--reuse", action="store_true", help="Reuse a golden (and its oracle logits) already in --workdir.")
     parser.add_argument("--child", default=None, help=argparse.SUPPRESS)
     parser.add_argument("--golden-dir", type=Path, default=None, help=argparse.SUPPRESS)
     parser.add_argument("--golden-name", default=None, help=argparse.SUPPRESS)

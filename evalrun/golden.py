@@ -181,7 +181,7 @@ def results_problem(role: str, results: list[PromptResult], pinned: list[PromptR
     """What is wrong with a role's results read from a golden (an empty string when nothing is)."""
     if not results:
         return "has no results"
-    needed = ("tokens", "digests", "topk_ids", "topk_values", "margins") + (
+    needed = ("input_ids", "tokens", "digests", "topk_ids", "topk_values", "margins") + (
         ("probe_ids", "probe_values") if role in PROBED_ROLES else ())
     for result in results:
         arrays = result.arrays

@@ -369,6 +369,16 @@ def tokenizer_identity(tokenizer: Any) -> str:
     })
 
 
+def tokenizer_summary(tokenizer: Any) -> dict[str, Any]:
+    """The tokenizer's parts, each small or hashed, so a verdict can name which one differs."""
+    added = {str(index): getattr(token, "content", str(token)) for index, token in sorted(tokenizer.added_tokens_decoder.items())}
+    return {"vocab_size": len(tokenizer.get_vocab()),
+            "vocab": hash_value(sorted(tokenizer.get_vocab().items(), key=lambda item: item[1])),
+            "added_tokens": hash_value(added), "chat_template": hash_value(tokenizer.chat_template),
+            "bos_token_id": tokenizer.bos_token_id, "eos_token_id": tokenizer.eos_token_id,
+            "pad_token_id": tokenizer.pad_token_id, "unk_token_id": getattr(tokenizer, "unk_token_id", None)}
+
+
 def model_identity(loaded: LoadedModel) -> dict[str, Any]:
     """The three identity hashes plus a combined one; `weights` depends on the loaded dtype."""
     parts = {
@@ -378,4 +388,4 @@ def model_identity(loaded: LoadedModel) -> dict[str, Any]:
     }
     parameters = sum(p.numel() for p in loaded.model.parameters())
     return {**parts, "hash": hash_value(parts), "ref": loaded.ref, "parameters": parameters,
-            "source": loaded.source}
+            "source": loaded.source, "tokenizer_fields": tokenizer_summary(loaded.tokenizer)}

@@ -185,9 +185,14 @@ def _cut(result: PromptResult, steps: int) -> PromptResult:
 
 
 def _gate(golden: Golden, candidate: Prepared, golden_results: list[PromptResult]) -> tuple[str, str, list[str]] | None:
-    """(verdict, cause, model parts) when the candidate cannot be verified as a run of the golden's model."""
+    """(verdict, cause, model parts) when the candidate cannot be verified as a run of the golden's model.
+
+    Weights or model config differ -> changed. A tokenizer that differs but encodes every prompt to the
+    same ids is not a gate (outputs are compared by token id; `tokenizer_note` names what differs): the
+    same GGUF file converted by two transformers versions gave two end-of-sequence ids. Prompts that
+    encode differently -> incomparable."""
     pinned = golden.pinned
-    model_diff = [part for part in ("weights", "config", "tokenizer")
+    model_diff = [part for part in ("weights", "config")
                   if candidate.header["model"][part] != pinned.json["model"].get(part)]
     if model_diff:
         return "changed", "; ".join(f"model identity: {part} differ" for part in model_diff), model_diff
@@ -195,6 +200,11 @@ def _gate(golden: Golden, candidate: Prepared, golden_results: list[PromptResult
     if hash_value(records) != hash_value([r.as_dict() for r in candidate.prompt_set.records]):
         return ("incomparable", f"prompt set differs from the golden's ({pinned.json['prompt_set']['name']}): "
                 "verify with the golden's prompts or create a new golden", [])
+    for result, ids in zip(golden_results, candidate.prompt_set.token_ids):
+        if not np.array_equal(result.arrays.get("input_ids", np.array([])), np.asarray(ids, dtype=np.int64)):
+            return ("incomparable", f"prompt {result.prompt_id!r} encodes to other token ids than in the golden: "
+                    f"the tokenizer differs ({tokenizer_note(golden, candidate) or 'its hash'}); verify where the "
+                    "golden's tokenizer is, or re-create the golden", ["tokenizer"])
     for result in golden_results:
         wanted = steps_for(candidate.prompt_set, result.prompt_index, candidate.config)
         if wanted > len(result.arrays["tokens"]):
@@ -202,6 +212,17 @@ def _gate(golden: Golden, candidate: Prepared, golden_results: list[PromptResult
                     f"tokens, the candidate asks {wanted}; verify with --max-new-tokens {len(result.arrays['tokens'])} "
                     "or fewer, or re-create the golden", [])
     return None
+
+
+def tokenizer_note(golden: Golden, candidate: Prepared) -> str:
+    """Which tokenizer fields differ between golden and candidate ('' when the tokenizers are the same)."""
+    if candidate.header["model"]["tokenizer"] == golden.pinned.json["model"].get("tokenizer"):
+        return ""
+    ours = candidate.header["model"].get("tokenizer_fields") or {}
+    theirs = golden.pinned.json["model"].get("tokenizer_fields") or {}
+    fields = [f"{key} {theirs.get(key)} -> {ours.get(key)}" for key in sorted(set(ours) | set(theirs))
+              if ours.get(key) != theirs.get(key)]
+    return ", ".join(fields) if fields else "its hash"
 
 
 def verify_golden(golden: Golden, config: RunConfig, strict: bool = False,
@@ -227,6 +248,10 @@ def verify_golden(golden: Golden, config: RunConfig, strict: bool = False,
     causes += [f"environment: {k} {a} -> {b}" for k, a, b in env_diff]
     golden_results = golden.results("pinned")
     gated = _gate(golden, candidate, golden_results)
+    note = tokenizer_note(golden, candidate)
+    if note and gated is None:
+        causes.append(f"tokenizer differs ({note}); every prompt encodes to the golden's token ids, so outputs are "
+                      "compared by token id")
     steps = {r.prompt_index: steps_for(candidate.prompt_set, r.prompt_index, candidate.config) for r in golden_results}
     context = Context(golden, candidate, [_cut(r, steps[r.prompt_index]) for r in golden_results], [], steps, strict,
                       progress, hook, observe, causes, config_diff, env_diff, {}, started)

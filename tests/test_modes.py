@@ -165,3 +165,15 @@ def test_inductor_graph_modes_warm_each_shape_twice(monkeypatch):
     mode.inductor_graphs = True  # what --cudagraph-mode piecewise / full-and-piecewise set (GPU only)
     runner.execute(prepared)
     assert len(calls) == 2 * shapes + len(batches)
+
+
+@pytest.mark.parametrize("mode", ["piecewise", "trace-once"])
+def test_more_shapes_than_dynamos_default_recompile_limit(cli, tiny_args, write_prompts, mode):
+    """Ten prefill buckets, one per prompt: past Dynamo's default of 8 compiles per function, which
+    with fullgraph=True was a hard failure mid-run (seen on the H200 with SmolLM2's default prompts)."""
+    path = write_prompts([{"id": f"p{n}", "prompt": "x" * (8 * n + 1)} for n in range(10)])
+    args = [a if a != "smoke" else str(path) for a in tiny_args]
+    code, out, err = cli("run", *args, "--compilation-mode", mode, "--json", "--quiet",
+                         "--set", "prefill_buckets=8,16,24,32,40,48,56,64,72,80", "--max-new-tokens", "2")
+    assert code == 0, err
+    assert json.loads(out)["evidence"]["fallbacks"] == []

@@ -52,22 +52,30 @@ class Fault:
         return f"{self.kind}{size}{where}"
 
 
+def _like(original: torch.Tensor, values: torch.Tensor) -> torch.Tensor:
+    """`values` as the same kind of tensor as `original` (a parameter stays a parameter), so compiled
+    pieces see the same types in every layer and the fault adds no guard, hence no recompile."""
+    if isinstance(original, torch.nn.Parameter):
+        return torch.nn.Parameter(values, requires_grad=False)
+    return values
+
+
 def _scaled(weight: torch.Tensor, factor: float) -> torch.Tensor:
     """A copy of `weight` x factor, computed in float64 and rounded once to the weight's dtype."""
-    return (weight.double() * factor).to(weight.dtype)
+    return _like(weight, (weight.detach().double() * factor).to(weight.dtype))
 
 
 def _fake_int8(weight: torch.Tensor) -> torch.Tensor:
     """A copy quantized symmetrically per output row to int8 and back."""
-    wide = weight.double()
+    wide = weight.detach().double()
     scale = wide.abs().amax(dim=1, keepdim=True).clamp(min=1e-30) / 127
-    return ((wide / scale).round().clamp(-127, 127) * scale).to(weight.dtype)
+    return _like(weight, ((wide / scale).round().clamp(-127, 127) * scale).to(weight.dtype))
 
 
 def _sign_flipped(weight: torch.Tensor) -> torch.Tensor:
-    copy = weight.clone()
+    copy = weight.detach().clone()
     copy[0].neg_()
-    return copy
+    return _like(weight, copy)
 
 
 def _layer_fault(weights: LayerWeights, fault: Fault) -> LayerWeights:

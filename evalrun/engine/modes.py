@@ -290,9 +290,21 @@ def eager_mode(transformer: Transformer) -> ExecutionMode:
     return ExecutionMode(transformer)
 
 
+def allow_recompiles_for(prefill_buckets: tuple[int, ...], batch_buckets: tuple[int, ...]) -> None:
+    """Static modes compile each function once per shape: (prefill bucket + decode) x batch bucket, and
+    twice where a guard splits (a parameter beside a plain tensor). Dynamo's default limit of 8 per code
+    object is below that; with fullgraph=True, hitting it is a hard failure mid-run (found on the H200:
+    SmolLM2's 17 prompts span 5 prefill buckets). Raise the limit to cover every shape the config allows."""
+    needed = 2 * (len(prefill_buckets) + 1) * len(batch_buckets) + 8
+    config = torch._dynamo.config
+    config.recompile_limit = max(config.recompile_limit, needed)
+    config.accumulated_recompile_limit = max(config.accumulated_recompile_limit, 64 * needed)
+
+
 def build_execution_mode(transformer: Transformer, config: EffectiveConfig) -> ExecutionMode:
     """The execution mode an effective config asks for (`config.validate` has vouched that it can exist)."""
     if config.compilation_mode.is_compiled():
         torch._dynamo.reset()  # Dynamo's caches are not keyed on Inductor config: never reuse another config's
+        allow_recompiles_for(config.prefill_buckets, config.batch_buckets)
     return ExecutionMode(transformer, config.compilation_mode, config.cudagraph_mode, config.prefill_buckets,
                          config.batch_buckets, config.inductor_options())
