@@ -37,7 +37,7 @@ from .store import PromptResult, Store
 
 GOLDEN_FORMAT = 2
 DEFAULT_DIR = Path("golden")
-ORACLE_FP64_MAX_PARAMETERS = 2_000_000_000  # 16 GB of fp64 weights; above it the oracle runs in fp32
+ORACLE_MEMORY_SHARE = 0.6  # float64 weights may take this share of the device's memory (the H200: an 8B model)
 PROBE_TOPK = 64  # the oracle's own top ids probed each step
 PROBE_SAMPLE = 64  # plus this many ids sampled from the whole vocabulary (fixed per golden)
 PROBE_SEED = 20261129
@@ -70,9 +70,23 @@ def function_config(config: EffectiveConfig) -> EffectiveConfig:
     return reference_config(config).replace(dtype="float32")
 
 
-def oracle_config(config: EffectiveConfig, parameters: int) -> EffectiveConfig:
-    """The reference in float64 (float32 when float64 weights would not fit)."""
-    return reference_config(config).replace(dtype="float64" if parameters <= ORACLE_FP64_MAX_PARAMETERS else "float32")
+def device_memory_bytes(device: str) -> int:
+    """Total memory of the device a golden runs on: the GPU's, or the machine's RAM."""
+    import torch
+
+    if device.startswith("cuda"):
+        return int(torch.cuda.get_device_properties(torch.device(device)).total_memory)
+    return int(os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES"))
+
+
+def oracle_config(config: EffectiveConfig, parameters: int, memory_bytes: int | None = None) -> EffectiveConfig:
+    """The reference in float64 where its weights fit in ORACLE_MEMORY_SHARE of the device's memory.
+
+    Past that the oracle runs in float32, the function run's own dtype: the function check then has no
+    more precise reference (its envelope is the float32 run itself) and the golden says so."""
+    memory = device_memory_bytes(config.device) if memory_bytes is None else memory_bytes
+    fits = parameters * 8 <= ORACLE_MEMORY_SHARE * memory
+    return reference_config(config).replace(dtype="float64" if fits else "float32")
 
 
 def pinned_request(config: RunConfig, cuda_available: bool) -> RunConfig:

@@ -28,6 +28,7 @@ headroom, and well below the smallest ratio of any change case at the stated det
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -48,6 +49,20 @@ class Rule:
 # Calibrated on the corpus of benchmarks/calibrate.py (README "Calibration"); see the module docstring.
 EXECUTION_RULE = Rule(multiplier=3.0, step_multiplier=12.0, flip_multiplier=6.0, floor_ulps=1.0)
 FUNCTION_RULE = Rule(multiplier=3.0, step_multiplier=12.0, flip_multiplier=6.0, floor_ulps=1.0)
+
+
+# Where the oracle is no more precise than the runs it judges (float64 weights did not fit, so a float32
+# oracle judges float32 runs), known-good errors against it can be exactly zero and cannot scale a
+# budget; the budget is then this many epsilons of the run dtype at the logit scale. A lead, not
+# calibrated: no such golden has been verified in another environment yet.
+SAME_PRECISION_FLOOR_ULPS = 64.0
+
+
+def rule_for(rule: Rule, dtype: str, oracle_dtype: str) -> Rule:
+    """`rule` for runs of `dtype` judged against an oracle of `oracle_dtype`."""
+    if EPSILON[oracle_dtype] >= EPSILON[dtype]:
+        return dataclasses.replace(rule, floor_ulps=max(rule.floor_ulps, SAME_PRECISION_FLOOR_ULPS))
+    return rule
 
 
 def step_errors(values: np.ndarray, oracle: np.ndarray) -> np.ndarray:

@@ -22,6 +22,7 @@ to the decision (observed / allowed, <= 1 passes) is reported for every prompt a
 
 from __future__ import annotations
 
+import dataclasses
 import time
 from dataclasses import dataclass, field
 from typing import Any, Callable
@@ -33,7 +34,7 @@ from .config import EffectiveConfig, RunConfig, build_config
 from .errors import ConfigError, GoldenError
 from .golden import ENVELOPE_ROLES, Golden, Hook, function_config, reference_config
 from .hashing import hash_value
-from .rules import EXECUTION_RULE, FUNCTION_RULE, Evidence, Judgement, judge, judge_set, typical
+from .rules import EXECUTION_RULE, FUNCTION_RULE, Evidence, Judgement, judge, judge_set, rule_for, typical
 from .runner import Prepared, Probes, Run, execute, prepare, steps_for
 from .store import PromptResult
 
@@ -103,8 +104,6 @@ class Verdict:
     timings: dict[str, float]
 
     def as_dict(self) -> dict[str, Any]:
-        import dataclasses
-
         data = dataclasses.asdict(self)
         data["config_diff"] = [{"key": k, "golden": a, "candidate": b} for k, a, b in self.config_diff]
         data["environment_diff"] = [{"key": k, "golden": a, "candidate": b} for k, a, b in self.environment_diff]
@@ -177,8 +176,6 @@ class Context:
 
 def _cut(result: PromptResult, steps: int) -> PromptResult:
     """A result limited to its first `steps` steps (the prefix a shorter candidate verifies)."""
-    import dataclasses
-
     per_step = ("tokens", "digests", "topk_ids", "topk_values", "margins", "probe_ids", "probe_values")
     arrays = {name: (array[:steps] if name in per_step else array) for name, array in result.arrays.items()}
     return dataclasses.replace(result, arrays=arrays, new_tokens=min(result.new_tokens, steps))
@@ -341,15 +338,16 @@ def _function_check(context: Context, forced: dict[int, PromptResult], mode: str
                   for i in golden_function}
     reports, judgements = {}, []
     typical_error = typical([_error(golden_function[i], context.oracle_by_index(i)) for i in golden_function])
+    rule = rule_for(FUNCTION_RULE, "float32", context.golden.config("oracle").dtype)
     for index, golden_run in golden_function.items():
         oracle = context.oracle_by_index(index)
         evidence = Evidence(results[index].arrays["probe_values"], (golden_run.arrays["probe_values"],),
                             oracle.arrays["probe_values"], oracle.arrays["probe_ids"],
                             results[index].arrays["tokens"], golden_run.arrays["tokens"])
-        judgement = judge(evidence, "float32", FUNCTION_RULE, typical_error)
+        judgement = judge(evidence, "float32", rule, typical_error)
         judgements.append(judgement)
         reports[index] = CheckReport.of(judgement)
-    set_distance = judge_set(judgements, FUNCTION_RULE)
+    set_distance = judge_set(judgements, rule)
     if same_environment and mode == "auto":
         if all(reproduced.values()):
             return results, "reproduced the golden's float32 reference bit for bit (same environment)", reports, 0.0
@@ -359,7 +357,9 @@ def _function_check(context: Context, forced: dict[int, PromptResult], mode: str
             report.reason = "" if reproduced[index] else "float32 reference not reproduced bit for bit"
         return results, "NOT reproduced bit for bit in the golden's own environment", reports, float("inf")
     worst = max(list(reports.values()), key=lambda r: r.distance)
-    line = (f"float32 eager in this environment vs the golden's, against the float64 oracle: worst prompt at "
+    oracle = ("the float64 oracle" if rule is FUNCTION_RULE else f"the float32 oracle (float64 did not fit: "
+              f"budget {rule.floor_ulps:g} float32 ulps at the logit scale)")
+    line = (f"float32 eager in this environment vs the golden's, against {oracle}: worst prompt at "
             f"{worst.distance:.2f} of the budget, the set at {set_distance:.2f}")
     return results, line, reports, set_distance
 
@@ -404,6 +404,7 @@ def _execution_check(context: Context, forced: dict[int, PromptResult], members:
         per_prompt_envelope[index] = max(_error(member[index], oracle) for member in members)
     typical_error = typical(list(per_prompt_envelope.values()))
     dtype = context.candidate.config.dtype
+    rule = rule_for(EXECUTION_RULE, dtype, context.golden.config("oracle").dtype)
     for golden_run, prompt in zip(context.golden_results, prompts):
         index = golden_run.prompt_index
         if prompt.verdict == "identical":
@@ -413,8 +414,8 @@ def _execution_check(context: Context, forced: dict[int, PromptResult], members:
                             tuple(member[index].arrays["probe_values"] for member in members),
                             oracle.arrays["probe_values"], oracle.arrays["probe_ids"], forced[index].arrays["tokens"],
                             golden_run.arrays["tokens"])
-        judgements[index] = judge(evidence, dtype, EXECUTION_RULE, typical_error)
-    return judgements, judge_set(list(judgements.values()), EXECUTION_RULE)
+        judgements[index] = judge(evidence, dtype, rule, typical_error)
+    return judgements, judge_set(list(judgements.values()), rule)
 
 
 def _decide(context: Context, prompts: list[PromptVerdict], function_results, function_line: str,

@@ -101,3 +101,11 @@ def test_torch_same_follows_its_published_rule():
     assert torch_same(ref, ref + 1e-6, oracle, "float32")  # allclose at tol 1e-4
     assert torch_same(ref, oracle + 1.9e-3, oracle, "float32")  # rmse 1.9e-3 <= 2 x 1e-3 + 1e-5
     assert not torch_same(ref, oracle + 2.2e-3, oracle, "float32")
+
+
+def test_an_oracle_no_more_precise_than_the_run_raises_the_floor():
+    from evalrun.rules import SAME_PRECISION_FLOOR_ULPS, rule_for
+
+    assert rule_for(RULE, "bfloat16", "float64") is RULE and rule_for(RULE, "float32", "float64") is RULE
+    assert rule_for(RULE, "float32", "float32").floor_ulps == SAME_PRECISION_FLOOR_ULPS
+    assert rule_for(RULE, "bfloat16", "float32") is RULE

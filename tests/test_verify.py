@@ -231,3 +231,16 @@ def test_a_tokenizer_that_encodes_the_prompts_otherwise_is_incomparable(verify, 
     code, verdict, err = verify(directory)
     assert (code, verdict["verdict"]) == (2, "incomparable") and "encodes to other token ids" in verdict["causes"][0]
     assert len(err.strip().splitlines()) == 1
+
+
+def test_a_float32_oracle_still_gives_a_function_check(golden_factory, monkeypatch):
+    """Where float64 weights do not fit, the oracle is float32 like the function run: the budget is then
+    a floor of float32 ulps, so an unchanged model passes and a planted change still fails."""
+    from evalrun import golden as golden_module
+
+    monkeypatch.setattr(golden_module, "ORACLE_MEMORY_SHARE", 1e-12)
+    directory = golden_factory("--set", "seed=1")
+    assert open_golden("g", directory).config("oracle").dtype == "float32"
+    assert _verdict(directory, mode="statistical", batch_size=3).verdict == "drift"
+    changed = _verdict(directory, fault_hook(Fault("scale", 1e-2)), mode="statistical")
+    assert changed.verdict == "changed" and "float32 oracle" in changed.function_check
