@@ -101,11 +101,14 @@ def drift_cases(on_gpu: bool, dtype: str) -> list[Case]:
     return cases
 
 
-def change_cases() -> list[Case]:
+def change_cases(flags: dict | None = None) -> list[Case]:
+    """Planted model changes, verified with `flags` on top of the golden's config (none: its own config).
+    A change below the run dtype's resolution leaves a bfloat16 run bit-identical, and identical it is;
+    a candidate whose bits differ anyway (another -O level) is what makes the function check run."""
     faults = [Fault("scale", m) for m in (1e-5, 3e-5, 1e-4, 1e-3, 1e-2, 1e-1)]
     faults += [Fault("rope_theta", m) for m in (1e-3, -1e-3, 1e-2, -1e-2)]
     faults += [Fault("int8"), Fault("norm_eps", 10.0), Fault("mask_position"), Fault("sign_flip"), Fault("swap_layers")]
-    return [Case(fault.describe(), "change", fault=fault) for fault in faults]
+    return [Case(fault.describe(), "change", dict(flags or {}), fault=fault) for fault in faults]
 
 
 def exec_cases(on_gpu: bool) -> list[Case]:
@@ -293,6 +296,8 @@ def main() -> None:
     parser.add_argument("--golden", default="O0", help="Comma-separated -O levels to pin goldens at.")
     parser.add_argument("--only", default="drift,change,exec", help="Which sides of the corpus to run.")
     parser.add_argument("--cases", default=None, help="Comma-separated case names to run (default: all).")
+    parser.add_argument("--change-opt", default=None, help="Verify the planted changes at this -O level "
+                        "(default: the golden's own config).")
     parser.add_argument("--out", type=Path, default=None, help="Write every outcome and the summary as JSON.")
     parser.add_argument("--workdir", type=Path, default=None, help="Where goldens go (default: a temp folder).")
     parser.add_argument("--reuse", action="store_true", help="Reuse a golden (and its oracle logits) already in --workdir.")
@@ -308,7 +313,9 @@ def main() -> None:
     args.dtype = args.dtype or ("bfloat16" if args.device.startswith("cuda") else "float32")
     on_gpu = args.device.startswith("cuda")
     sides = set(args.only.split(","))
-    cases = [c for c in drift_cases(on_gpu, args.dtype) + change_cases() + exec_cases(on_gpu) if c.side in sides]
+    change_flags = {"opt_level": args.change_opt} if args.change_opt else {}
+    cases = [c for c in drift_cases(on_gpu, args.dtype) + change_cases(change_flags) + exec_cases(on_gpu)
+             if c.side in sides]
     if args.cases:  # in the order given: the most needed first, should a time limit cut the corpus short
         order: dict[str, int] = {}
         for name in args.cases.split(","):
