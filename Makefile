@@ -4,7 +4,7 @@ VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 
-.PHONY: setup demo test bench clean
+.PHONY: setup demo test fuzz bench clean
 
 setup: $(STAMP)
 
@@ -23,6 +23,11 @@ demo: setup
 
 test: setup
 	$(BIN)/python -m pytest -n 2 -q
+
+# Property-based fuzzing of the CLI contract with many more examples than `make test` runs (fresh random inputs).
+FUZZ_EXAMPLES ?= 500
+fuzz: setup
+	EVALRUN_FUZZ_EXAMPLES=$(FUZZ_EXAMPLES) $(BIN)/python -m pytest tests/test_fuzz.py -q -p no:warnings -p no:logging
 
 bench: setup
 	$(BIN)/python benchmarks/capture_overhead.py --model random:smollm2

@@ -122,9 +122,9 @@ def store_option(command: Callable) -> Callable:
 quiet_option = click.option("--quiet", "-q", is_flag=True, help="No progress bar.")
 
 
-def open_store(store_path: Path | None, readonly: bool = False) -> Store:
+def open_store(store_path: Path | None, readonly: bool = False, require_schema: bool = True) -> Store:
     """The store for a command: read-only for commands that only read (no migration, no journal switch)."""
-    return Store(store_path or default_store_path(), readonly=readonly)
+    return Store(store_path or default_store_path(), readonly=readonly, require_schema=require_schema)
 
 
 def writable_output(path: Path | None, what: str) -> None:
@@ -242,7 +242,7 @@ def store_check(store_path, output_format, as_json) -> None:
     Example:
       evalrun store check --store store/evalrun.db
     """
-    outcome = open_store(store_path, readonly=True).check()
+    outcome = open_store(store_path, readonly=True, require_schema=False).check()
     json_out = chosen_format(output_format, as_json) == "json"
     click.echo(report.to_json(outcome) if json_out else report.store_check_text(outcome))
     if not outcome["ok"]:
@@ -422,9 +422,16 @@ ENVIRONMENT_ERRNOS = (errno.ENOSPC, errno.EROFS, errno.EACCES, errno.EPERM, errn
                       errno.ENOTDIR)
 
 
+def one_line(text: str, limit: int = 500) -> str:
+    """Any message as one printable line: line breaks and control characters (which a damaged file can
+    put into a prompt id or a name) are shown as escapes, so stderr stays one line."""
+    flat = "".join(ch if ch.isprintable() else repr(ch)[1:-1] for ch in str(text))
+    return flat if len(flat) <= limit else flat[: limit - 1] + "…"
+
+
 def _first_line(error: BaseException) -> str:
     text = str(error).strip().splitlines()
-    return text[0][:300] if text else type(error).__name__
+    return one_line(text[0], 300) if text else type(error).__name__
 
 
 def _crash(error: BaseException) -> int:
@@ -432,43 +439,62 @@ def _crash(error: BaseException) -> int:
     handle, path = tempfile.mkstemp(prefix="evalrun-crash-", suffix=".txt")
     with os.fdopen(handle, "w") as file:
         file.write("".join(traceback.format_exception(error)))
-    click.echo(f"evalrun: internal error: {type(error).__name__}: {_first_line(error)} (traceback in {path}; "
-               "please report it)", err=True)
+    _say(f"evalrun: internal error: {type(error).__name__}: {_first_line(error)} (traceback in {path}; "
+         "please report it)")
     return EXIT_INTERNAL
+
+
+def _say(text: str) -> None:
+    click.echo(one_line(text), err=True)
 
 
 def exit_code_of(error: BaseException) -> int:
     """Map an exception to its exit code, printing its one line (never a traceback) on stderr."""
     if isinstance(error, Exit):
         if error.message:
-            click.echo(error.message, err=True)
+            _say(error.message)
         return error.code
     if isinstance(error, EvalrunError):
-        click.echo(f"evalrun: error: {_first_line(error)}", err=True)
+        _say(f"evalrun: error: {_first_line(error)}")
         return EXIT_UNUSABLE
     if isinstance(error, click.exceptions.Abort | KeyboardInterrupt):
-        click.echo("evalrun: interrupted", err=True)
+        _say("evalrun: interrupted")
         return EXIT_UNUSABLE
     if isinstance(error, click.exceptions.ClickException):
-        click.echo(f"evalrun: error: {error.format_message()}; see evalrun --help", err=True)
+        _say(f"evalrun: error: {error.format_message()}; see evalrun --help")
         return EXIT_UNUSABLE
     if isinstance(error, OSError) and error.errno in ENVIRONMENT_ERRNOS:
         where = f" ({error.filename})" if error.filename else ""
-        click.echo(f"evalrun: error: {error.strerror}{where}; free space or choose a writable path", err=True)
+        _say(f"evalrun: error: {error.strerror}{where}; free space or choose a writable path")
         return EXIT_UNUSABLE
     if isinstance(error, sqlite3.OperationalError) and any(
             text in str(error) for text in ("disk is full", "readonly", "unable to open", "locked")):
-        click.echo(f"evalrun: error: the store cannot be written ({_first_line(error)}); free space or pass a "
-                   "writable --store", err=True)
+        _say(f"evalrun: error: the store cannot be written ({_first_line(error)}); free space or pass a "
+             "writable --store")
+        return EXIT_UNUSABLE
+    if isinstance(error, sqlite3.DatabaseError):  # evalrun's SQL is fixed and parameterized: the file is at fault
+        _say(f"evalrun: error: a store or golden file is damaged or not evalrun's ({_first_line(error)}); "
+             "check it with `evalrun store check` or restore it")
+        return EXIT_UNUSABLE
+    if isinstance(error, UnicodeError):  # evalrun writes UTF-8 only: text that is not came from a damaged file
+        _say(f"evalrun: error: a file holds text that is not valid UTF-8 ({_first_line(error)}); restore or "
+             "re-create it")
         return EXIT_UNUSABLE
     if isinstance(error, MemoryError):
-        click.echo("evalrun: error: out of memory; use a smaller model, batch or --max-new-tokens", err=True)
+        _say("evalrun: error: out of memory; use a smaller model, batch or --max-new-tokens")
+        return EXIT_UNUSABLE
+    if isinstance(error, RecursionError):
+        _say("evalrun: error: an input is nested too deeply to read (a damaged or hostile file); check the "
+             "files this command reads")
         return EXIT_UNUSABLE
     return _crash(error)
 
 
 def main(argv: list[str] | None = None) -> None:
     """Entry point: click in non-standalone mode, so every outcome passes through `exit_code_of`."""
+    for stream in (sys.stdout, sys.stderr):  # text from a damaged file must never fail to print
+        if hasattr(stream, "reconfigure"):
+            stream.reconfigure(errors="backslashreplace")
     try:
         cli.main(args=argv, prog_name="evalrun", standalone_mode=False)
     except (Exception, KeyboardInterrupt) as error:  # noqa: BLE001 - the one place errors become exit codes

@@ -284,8 +284,8 @@ def _coerce(key: str, value: Any) -> Any:
             raise ConfigError(f"{key}={value!r} is not a number")
         try:
             number = float(value)
-        except (TypeError, ValueError):
-            raise ConfigError(f"{key}={value!r} is not a number") from None
+        except (TypeError, ValueError, OverflowError):
+            raise ConfigError(f"{key}={str(value)[:40]!r} is not a number in range") from None
         if number != number or number in (float("inf"), float("-inf")):
             raise ConfigError(f"{key}={value!r} is not a finite number")
         return number
@@ -340,6 +340,8 @@ def load_config_source(name_or_path: str) -> dict[str, Any]:
         data = tomllib.loads(path.read_text(encoding="utf-8"))
     except (tomllib.TOMLDecodeError, UnicodeDecodeError) as error:
         raise ConfigError(f"{path}: not valid TOML ({str(error).splitlines()[0]}); fix the file") from None
+    except RecursionError:
+        raise ConfigError(f"{path}: TOML nested too deeply; a config file holds flat keys") from None
     except OSError as error:
         raise ConfigError(f"{path}: cannot be read ({error.strerror}); check the path") from None
     data.pop("description", None)

@@ -15,7 +15,7 @@ import numpy as np
 
 from .compare import bits_to_float, dict_diff, digest_mismatch_steps, first_divergence, sketch_series, ulp_distance
 from .errors import StoreError
-from .store import PromptResult, RunRecord, Store
+from .store import PromptResult, RunRecord, Store, result_problem
 
 CONTEXT_TOKENS = 6  # decoded tokens shown each side of the first divergence
 TOP_SHOWN = 5
@@ -41,7 +41,29 @@ def load_run(ref: str, store: Store | None, golden_dir: str | Path = "golden") -
     record = store.get_run(ref)
     if record.status != "complete":
         raise StoreError(f"run {record.id[:12]} is {record.status}, not complete; diff complete runs only")
-    return RunRef(record.id[:12], record, store.load_results(record.id))
+    results = store.load_results(record.id)
+    problem = run_problem(record, results)
+    if problem:
+        raise StoreError(f"run {record.id[:12]} in {store.path} is damaged: {problem}; `evalrun store check` says more")
+    return RunRef(record.id[:12], record, results)
+
+
+def run_problem(record: RunRecord, results: list[PromptResult]) -> str:
+    """What keeps a stored run from being compared ('' when nothing): its provenance and its arrays."""
+    from .config import DTYPES
+
+    model, prompt_set = record.json.get("model"), record.json.get("prompt_set")
+    if record.config.get("dtype") not in DTYPES:
+        return "its config names no known dtype"
+    if not isinstance(model, dict) or not isinstance(prompt_set, dict) or not isinstance(prompt_set.get("hash"), str):
+        return "its model or prompt-set record is missing"
+    if not results:
+        return "it has no results"
+    for result in results:
+        problem = result_problem(result)
+        if problem:
+            return problem
+    return ""
 
 
 def diff_refs(ref_a: str, ref_b: str, store_path: Path, golden_dir: str | Path = "golden",
@@ -114,10 +136,12 @@ def step_series_many(pairs: list[tuple[PromptResult, PromptResult]], dtype: str)
     """Per-step figures of many prompt pairs: pairs with the same shared step count go through
     `sketch_series` as one stacked array [P, N, K], which is what keeps a 1,000-prompt diff fast."""
     series: list[StepSeries | None] = [None] * len(pairs)
-    groups: dict[int, list[int]] = {}
-    for index, (a, b) in enumerate(pairs):
-        groups.setdefault(min(len(a.arrays["tokens"]), len(b.arrays["tokens"])), []).append(index)
-    for steps, members in groups.items():
+    groups: dict[tuple[int, int, int], list[int]] = {}
+    for index, (a, b) in enumerate(pairs):  # one stack per (shared steps, top-k widths): arrays of one shape
+        key = (min(len(a.arrays["tokens"]), len(b.arrays["tokens"])), a.arrays["topk_ids"].shape[1],
+               b.arrays["topk_ids"].shape[1])
+        groups.setdefault(key, []).append(index)
+    for (steps, _, _), members in groups.items():
         stack = lambda side, name: np.stack([pairs[i][side].arrays[name][:steps] for i in members])  # noqa: E731
         figures = sketch_series(stack(0, "topk_ids"), stack(0, "topk_values"), stack(1, "topk_ids"),
                                 stack(1, "topk_values"), dtype)

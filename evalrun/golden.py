@@ -33,7 +33,7 @@ from . import __version__
 from .config import CompilationMode, CUDAGraphMode, EffectiveConfig, RunConfig
 from .errors import ConfigError, GoldenError, OutputError, StoreError
 from .runner import Prepared, Probes, Run, execute, prepare, record
-from .store import PromptResult, Store
+from .store import RUN_JSON_COLUMNS, PromptResult, Store, result_problem
 
 GOLDEN_FORMAT = 2
 DEFAULT_DIR = Path("golden")
@@ -43,7 +43,12 @@ PROBE_SAMPLE = 64  # plus this many ids sampled from the whole vocabulary (fixed
 PROBE_SEED = 20261129
 NAME_PATTERN = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,99}")
 MAX_GOLDEN_BYTES = 1 << 30  # goldens hold sketches, not logits: a few MB; a larger file is refused unread
-MAX_CELL_BYTES = 1 << 28  # no single value of a golden is read past 256 MiB
+MAX_TEXT_BYTES = 1 << 22  # a JSON or text value of a golden: 4 MiB (they hold KBs); parsed JSON grows ~30x
+MAX_BLOB_BYTES = 1 << 26  # one stored array's bytes: 64 MiB
+MAX_DECODED_ARRAY_BYTES = 1 << 26  # one array decoded: 64 MiB (a probe array of 8,192 steps x 1,024 ids)
+MAX_DECODED_RUN_BYTES = 1 << 28  # all arrays of one run decoded: 256 MiB
+# The memory bound these give: a golden is read within about 1 GiB of resident memory (the fuzz suite's
+# bound, tests/test_fuzz.py), whatever a forged file claims.
 ENVELOPE_ROLES = ("envelope:pinned", "envelope:reference")
 REQUIRED_ROLES = ("pinned", "oracle", *ENVELOPE_ROLES, "function")
 Hook = Callable[[Prepared], None]  # called on every model a golden operation loads (tests, calibration)
@@ -185,7 +190,8 @@ class Golden:
                 "model": pinned.json["model"]["ref"], "prompts": pinned.json["prompt_set"]["name"],
                 "device": pinned.config["device"], "dtype": pinned.config["dtype"],
                 "opt_level": pinned.config["opt_level"], "oracle_dtype": self.config("oracle").dtype,
-                "format": self.meta["format"], "bytes": self.path.stat().st_size, "evalrun": self.meta["evalrun_version"]}
+                "format": self.meta["format"], "bytes": self.path.stat().st_size,
+                "evalrun": str(self.meta.get("evalrun_version"))}
 
 
 PROBED_ROLES = ("oracle", *ENVELOPE_ROLES, "function")
@@ -195,22 +201,10 @@ def results_problem(role: str, results: list[PromptResult], pinned: list[PromptR
     """What is wrong with a role's results read from a golden (an empty string when nothing is)."""
     if not results:
         return "has no results"
-    needed = ("input_ids", "tokens", "digests", "topk_ids", "topk_values", "margins") + (
-        ("probe_ids", "probe_values") if role in PROBED_ROLES else ())
     for result in results:
-        arrays = result.arrays
-        missing = [name for name in needed if name not in arrays]
-        if missing:
-            return f"lacks {', '.join(missing)} for prompt {result.prompt_id!r}"
-        steps = arrays["tokens"].shape[0] if arrays["tokens"].ndim == 1 else -1
-        shapes_ok = (steps > 0 and arrays["digests"].shape == (steps, 2) and arrays["margins"].shape == (steps,)
-                     and arrays["topk_ids"].ndim == 2 and arrays["topk_ids"].shape == arrays["topk_values"].shape
-                     and arrays["topk_ids"].shape[0] == steps and arrays["topk_ids"].shape[1] >= 2)
-        if role in PROBED_ROLES:
-            shapes_ok = shapes_ok and arrays["probe_ids"].ndim == 2 and arrays["probe_ids"].shape[0] == steps \
-                and arrays["probe_ids"].shape == arrays["probe_values"].shape and arrays["probe_ids"].shape[1] > 0
-        if not shapes_ok:
-            return f"has arrays of inconsistent shapes for prompt {result.prompt_id!r}"
+        problem = result_problem(result, probed=role in PROBED_ROLES)
+        if problem:
+            return problem
     if pinned is not None:
         by_index = {r.prompt_index: r for r in pinned}
         if sorted(by_index) != sorted(r.prompt_index for r in results) or any(
@@ -237,6 +231,7 @@ def open_golden(name: str, directory: str | Path = DEFAULT_DIR) -> Golden:
                           f"may hold; {fix}")
     try:
         store = Store(path, immutable=True)  # read-only, no locks, nothing written beside the file
+        store.max_array_bytes, store.max_run_bytes = MAX_DECODED_ARRAY_BYTES, MAX_DECODED_RUN_BYTES
         integrity = store.db.execute("PRAGMA integrity_check").fetchone()[0]
         if integrity != "ok":
             raise GoldenError(f"golden {path} is damaged ({integrity}); {fix}")
@@ -246,6 +241,8 @@ def open_golden(name: str, directory: str | Path = DEFAULT_DIR) -> Golden:
         if stored != content_digest(store.db.conn):
             raise GoldenError(f"golden {path} was edited or damaged (content digest mismatch); {fix}")
         meta = {key: json.loads(value) for key, value in rows.items()}
+    except RecursionError:
+        raise GoldenError(f"golden {path} holds JSON nested too deeply; {fix}") from None
     except (sqlite3.Error, StoreError, json.JSONDecodeError, KeyError, TypeError, ValueError) as error:
         raise GoldenError(f"golden {path} is damaged or not a golden ({str(error).splitlines()[0]}); {fix}") from None
     _check_meta(name, path, meta)
@@ -270,10 +267,17 @@ def _check_pinned_record(golden: Golden) -> None:
 
 def _check_cell_sizes(conn: sqlite3.Connection, path: Path, fix: str) -> None:
     """Refuse a grown value before any is read (SQLite knows each value's length from its header)."""
-    for table, column in (("arrays", "data"), ("runs", "environment_json"), ("runs", "config_json")):
+    cells = [("arrays", "data", MAX_BLOB_BYTES), ("results", "record_json", MAX_TEXT_BYTES),
+             ("results", "output_text", MAX_TEXT_BYTES), ("golden", "value", MAX_TEXT_BYTES)]
+    cells += [("runs", f"{name}_json", MAX_TEXT_BYTES) for name in RUN_JSON_COLUMNS]
+    tables = {row[0] for row in conn.execute("SELECT name FROM sqlite_master WHERE type = 'table'")}
+    for table, column, limit in cells:
+        if table not in tables:
+            continue
         largest = conn.execute(f"SELECT max(length({column})) FROM {table}").fetchone()[0] or 0
-        if largest > MAX_CELL_BYTES:
-            raise GoldenError(f"golden {path} holds a {largest:,}-byte value in {table}.{column}; {fix}")
+        if largest > limit:
+            raise GoldenError(f"golden {path} holds a {largest:,}-byte value in {table}.{column}, past the "
+                              f"{limit:,} a golden may; {fix}")
 
 
 def _check_meta(name: str, path: Path, meta: dict[str, Any]) -> None:

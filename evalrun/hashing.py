@@ -36,4 +36,4 @@ def array_to_bytes(array: np.ndarray) -> bytes:
 
 def array_from_bytes(data: bytes, dtype: str, shape: tuple[int, ...] | list[int]) -> np.ndarray:
     """Inverse of `array_to_bytes`; `dtype` is a numpy name such as 'int64' or 'float32'."""
-    return np.frombuffer(data, dtype=np.dtype(dtype).newbyteorder("<")).reshape(shape).astype(dtype)
+    return np.frombuffer(data, dtype=np.dtype(dtype).newbyteorder("<")).reshape(shape).astype(dtype, copy=False)

@@ -258,10 +258,17 @@ def decoder_for(record: Any):
     """A token decoder for a stored run's model when its tokenizer loads without weights; else None
     (a diff then shows token ids: decoding is a convenience, ids still identify tokens)."""
     try:
-        tokenizer = load_tokenizer_for(record.json["model"]["ref"])
+        tokenizer = load_tokenizer_for(str(record.json["model"]["ref"]))
     except Exception:  # noqa: BLE001 - any failure to load a tokenizer only costs the decoded text
         return None
-    return lambda ids: tokenizer.decode(ids)
+
+    def decode(ids: list[int]) -> str:
+        try:
+            return tokenizer.decode(ids)
+        except Exception:  # noqa: BLE001 - ids a tokenizer cannot decode (a damaged record) show as ids
+            return " ".join(str(i) for i in ids)
+
+    return decode
 
 
 def _load_directory(ref: str, directory: Path | str, device: torch.device, dtype: torch.dtype, attn: str,

@@ -69,6 +69,8 @@ def _parse_record(path: Path, number: int, line: str) -> PromptRecord:
         data = json.loads(line)
     except json.JSONDecodeError as error:
         raise PromptError(f"{where}: not valid JSON ({error.msg}); each line must be one JSON object") from None
+    except RecursionError:
+        raise PromptError(f"{where}: JSON nested too deeply; each line must be one flat JSON object") from None
     if not isinstance(data, dict):
         raise PromptError(f"{where}: expected a JSON object with 'id' and 'prompt' or 'messages'")
     unknown = set(data) - ALLOWED_KEYS
@@ -79,13 +81,27 @@ def _parse_record(path: Path, number: int, line: str) -> PromptRecord:
     has_prompt, has_messages = isinstance(data.get("prompt"), str), isinstance(data.get("messages"), list)
     if has_prompt == has_messages:
         raise PromptError(f"{where}: give exactly one of 'prompt' (a string) or 'messages' (a list)")
-    if has_messages and not all(isinstance(m, dict) and {"role", "content"} <= set(m) for m in data["messages"]):
-        raise PromptError(f"{where}: every message needs 'role' and 'content'")
+    if has_messages and not all(isinstance(m, dict) and isinstance(m.get("role"), str) and isinstance(m.get("content"), str)
+                                for m in data["messages"]):
+        raise PromptError(f"{where}: every message needs 'role' and 'content' strings")
+    if has_messages and not data["messages"]:
+        raise PromptError(f"{where}: 'messages' is empty; give at least one message")
+    texts = [data["prompt"]] if has_prompt else [m[k] for m in data["messages"] for k in ("role", "content")]
+    if not all(_encodable(text) for text in texts + [str(data["id"])]):
+        raise PromptError(f"{where}: text that is not valid Unicode (a lone surrogate escape); fix the record")
     limit = data.get("max_new_tokens")
     if limit is not None and (not isinstance(limit, int) or isinstance(limit, bool)
                               or not 1 <= limit <= MAX_NEW_TOKENS_LIMIT):
         raise PromptError(f"{where}: max_new_tokens must be an integer from 1 to {MAX_NEW_TOKENS_LIMIT}")
     return PromptRecord(str(data["id"]), data.get("prompt"), data.get("messages"), limit)
+
+
+def _encodable(text: str) -> bool:
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError:
+        return False
+    return True
 
 
 def read_records(path: Path) -> list[PromptRecord]:
@@ -122,7 +138,15 @@ def load_prompt_set(name_or_path: str, tokenizer: Any, context_limit: int | None
     tokens (its own max_new_tokens, else `new_tokens`) must fit the model's positions."""
     path = resolve_path(name_or_path)
     records = read_records(path)
-    token_ids = [encode(tokenizer, record) for record in records]
+    token_ids = []
+    for record in records:
+        try:
+            token_ids.append(encode(tokenizer, record))
+        except PromptError:
+            raise
+        except Exception as error:  # noqa: BLE001 - the tokenizer refused this record: bad input, not a crash
+            first = (str(error).strip().splitlines() or [type(error).__name__])[0][:200]
+            raise PromptError(f"{path}: the tokenizer cannot encode prompt {record.id!r} ({first}); fix the record") from None
     for record, ids in zip(records, token_ids):
         if not ids:
             raise PromptError(f"{path}: prompt {record.id!r} encodes to no tokens; give it some text")

@@ -23,8 +23,14 @@ def _finite(value: Any) -> Any:
 
 
 def to_json(value: Any) -> str:
-    """Strict JSON (no NaN/Infinity), sorted keys, UTF-8 text kept readable."""
-    return json.dumps(_finite(value), indent=2, sort_keys=True, default=str, ensure_ascii=False, allow_nan=False)
+    """Strict JSON (no NaN/Infinity), sorted keys, UTF-8 text kept readable; text that is not valid
+    Unicode (a lone surrogate read from a damaged file) is written as JSON escapes instead."""
+    text = json.dumps(_finite(value), indent=2, sort_keys=True, default=str, ensure_ascii=False, allow_nan=False)
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError:
+        text = json.dumps(_finite(value), indent=2, sort_keys=True, default=str, ensure_ascii=True, allow_nan=False)
+    return text
 
 
 _MARKDOWN_SPECIALS = re.compile(r"([\\`*_{}\[\]()#+\-.!|<>~])")
@@ -77,27 +83,30 @@ def human_bytes(count: float) -> str:
 
 
 def config_line(config: dict[str, Any]) -> str:
-    return (f"model={config['model']} device={config['device']} dtype={config['dtype']} -O{config['opt_level']} "
-            f"compilation={config['compilation_mode']} cudagraphs={config['cudagraph_mode']} "
-            f"batch={config['batch_size']} deterministic={str(config['deterministic']).lower()}")
+    keys = ("model", "device", "dtype", "opt_level", "compilation_mode", "cudagraph_mode", "batch_size", "deterministic")
+    return " ".join(f"{key}={config.get(key)}" for key in keys)
 
 
 def timings_text(timings: dict[str, Any]) -> str:
-    latency = timings["step_latency"]
-    memory = timings["peak_memory"]
-    return (f"load {timings['load_s']:.2f}s  compile {timings['compile_s']:.2f}s  warm-up {timings['warmup_s']:.2f}s  "
-            f"TTFT p50 {timings['ttft_ms']['p50']:.1f} ms  step p50/p95/p99 {latency['p50_ms']:.2f}/"
-            f"{latency['p95_ms']:.2f}/{latency['p99_ms']:.2f} ms  {timings['tokens_per_s']:.1f} tok/s  "
-            f"peak {human_bytes(memory['bytes'])} ({memory['kind']})")
+    """One line of timings; a stored record without them (damaged, or from a failed run) says so."""
+    try:
+        latency, memory = timings["step_latency"], timings["peak_memory"]
+        return (f"load {timings['load_s']:.2f}s  compile {timings['compile_s']:.2f}s  warm-up {timings['warmup_s']:.2f}s  "
+                f"TTFT p50 {timings['ttft_ms']['p50']:.1f} ms  step p50/p95/p99 {latency['p50_ms']:.2f}/"
+                f"{latency['p95_ms']:.2f}/{latency['p99_ms']:.2f} ms  {timings['tokens_per_s']:.1f} tok/s  "
+                f"peak {human_bytes(memory['bytes'])} ({memory['kind']})")
+    except (KeyError, TypeError, ValueError):
+        return "timings: not readable in this record"
 
 
 def results_table(results: list[PromptResult]) -> str:
     rows = []
     for r in results:
         margins = r.arrays.get("margins")
-        rows.append([r.prompt_id, r.input_tokens, r.new_tokens, r.eos_step if r.eos_step >= 0 else "-",
+        eos = r.eos_step if isinstance(r.eos_step, int) and r.eos_step >= 0 else "-"
+        rows.append([r.prompt_id, r.input_tokens, r.new_tokens, eos,
                      f"{float(margins.min()):.3f}" if margins is not None and margins.size else "",
-                     r.logits_digest[:12], snippet(r.output_text)])
+                     str(r.logits_digest)[:12], snippet(str(r.output_text))])
     return table(["prompt", "in", "new", "eos", "min margin", "logits digest", "output"], rows)
 
 
@@ -128,7 +137,8 @@ def run_json(run) -> dict[str, Any]:
 
 def run_record_json(record: RunRecord, results: list[PromptResult]) -> dict[str, Any]:
     return {**record.summary(), **record.json, "error": record.error,
-            "results": [{"prompt_id": r.prompt_id, "text": r.output_text, "tokens": r.arrays["tokens"].tolist(),
+            "results": [{"prompt_id": r.prompt_id, "text": r.output_text,
+                         "tokens": r.arrays["tokens"].tolist() if "tokens" in r.arrays else None,
                          "logits_digest": r.logits_digest} for r in results]}
 
 
@@ -200,8 +210,9 @@ def run_record_text(record: RunRecord, results: list[PromptResult]) -> str:
     lines = [f"run {record.id}  {record.status}  created {record.created_at}  finished {record.finished_at or '-'}"]
     if record.config:
         lines.append(config_line(record.config))
-    lines.append(f"hashes: config {record.config_hash[:12]}  environment {record.environment_hash[:12]}  "
-                 f"model {record.model_hash[:12]}  prompts {record.prompts_hash[:12]}")
+    lines.append("hashes: " + "  ".join(f"{name} {str(value)[:12]}" for name, value in (
+        ("config", record.config_hash), ("environment", record.environment_hash), ("model", record.model_hash),
+        ("prompts", record.prompts_hash))))
     if record.error:
         lines.append(f"error: {record.error}")
     if results:

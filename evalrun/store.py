@@ -42,6 +42,9 @@ RESULT_COLUMNS = ("run_id", "prompt_index", "prompt_id", "record_json", "batch_i
                   "new_tokens", "eos_step", "output_text", "tokens_digest", "logits_digest")
 ARRAY_COLUMNS = ("run_id", "prompt_index", "name", "dtype", "shape", "encoding", "data", "digest")
 MAX_ARRAY_BYTES = 1 << 31  # 2 GiB decoded: far past any run's array; a larger claim is a damaged file
+MAX_RUN_BYTES = 1 << 33  # all arrays of one run decoded together; goldens set far smaller budgets
+EXPECTED_COLUMNS = {"runs": ("id", "status", "created_at", "config_json", "model_json", "prompt_set_json"),
+                    "results": RESULT_COLUMNS, "arrays": ARRAY_COLUMNS, "meta": ("key", "value")}
 
 
 def default_store_path() -> Path:
@@ -81,6 +84,27 @@ def _migration_2(db: sqlite_utils.Database) -> None:
 
 MIGRATIONS = {1: _migration_1, 2: _migration_2}  # version -> function that brings the schema from version-1 to version
 REQUIRED_ARRAYS = ("input_ids", "tokens", "digests", "topk_ids", "topk_values", "margins")
+PROBE_ARRAYS = ("probe_ids", "probe_values")
+
+
+def result_problem(result: "PromptResult", probed: bool = False) -> str:
+    """What is wrong with one stored result's arrays ('' when nothing): each array a comparison reads,
+    with the shapes evalrun writes (N steps, K top-k ids, K' probe ids)."""
+    arrays = result.arrays
+    needed = REQUIRED_ARRAYS + (PROBE_ARRAYS if probed else ())
+    missing = [name for name in needed if name not in arrays]
+    if missing:
+        return f"lacks {', '.join(missing)} for prompt {result.prompt_id!r}"
+    tokens = arrays["tokens"]
+    steps = tokens.shape[0] if tokens.ndim == 1 else -1
+    fine = (steps > 0 and arrays["input_ids"].ndim == 1 and arrays["digests"].shape == (steps, 2)
+            and arrays["margins"].shape == (steps,) and arrays["topk_ids"].ndim == 2
+            and arrays["topk_ids"].shape == arrays["topk_values"].shape and arrays["topk_ids"].shape[0] == steps
+            and arrays["topk_ids"].shape[1] >= 2)
+    if probed:
+        fine = fine and arrays["probe_ids"].ndim == 2 and arrays["probe_ids"].shape[0] == steps \
+            and arrays["probe_ids"].shape == arrays["probe_values"].shape and arrays["probe_ids"].shape[1] > 0
+    return "" if fine else f"has arrays of inconsistent shapes for prompt {result.prompt_id!r}"
 
 
 @dataclass
@@ -119,21 +143,23 @@ class RunRecord:
 
     @property
     def config(self) -> dict[str, Any]:
-        return self.json["config"]
+        return self.json.get("config") or {}
 
     def summary(self) -> dict[str, Any]:
         return {"id": self.id, "status": self.status, "created_at": self.created_at, "label": self.label,
                 "model": (self.json.get("model") or {}).get("ref"), "prompts": (self.json.get("prompt_set") or {}).get("name"),
-                "device": (self.config or {}).get("device"), "dtype": (self.config or {}).get("dtype"),
-                "opt_level": (self.config or {}).get("opt_level"), "logits_digest": self.logits_digest}
+                "device": self.config.get("device"), "dtype": self.config.get("dtype"),
+                "opt_level": self.config.get("opt_level"), "logits_digest": self.logits_digest}
 
 
 class Store:
     """A SQLite store of runs. `Store(path)` creates the file and schema if needed."""
 
-    def __init__(self, path: str | Path, create: bool = True, readonly: bool = False, immutable: bool = False):
+    def __init__(self, path: str | Path, create: bool = True, readonly: bool = False, immutable: bool = False,
+                 require_schema: bool = True):
         """Open (and create, migrate) a store. `readonly` opens an existing file without writing to it;
-        `immutable` also promises SQLite that nobody else writes it (no locks, no -wal/-shm files)."""
+        `immutable` also promises SQLite that nobody else writes it (no locks, no -wal/-shm files);
+        `require_schema=False` opens a damaged file anyway (for `check`, which reports what is missing)."""
         self.path = Path(path)
         readonly = readonly or immutable
         if (readonly or not create) and not self.path.exists():
@@ -152,14 +178,20 @@ class Store:
                 conn.execute("PRAGMA foreign_keys = ON")
         except (OSError, sqlite3.Error) as error:
             raise StoreError(f"cannot open store {self.path}: {error}; pass a writable --store PATH") from None
+        conn.text_factory = lambda raw: raw.decode("utf-8", "replace")  # a damaged file's bytes never crash a read
         self.db = sqlite_utils.Database(conn)
         self.readonly = readonly
+        self.max_array_bytes = MAX_ARRAY_BYTES
+        self.max_run_bytes = MAX_RUN_BYTES
         try:
-            if readonly:
+            if readonly and require_schema:
                 if self.schema_version() != SCHEMA_VERSION:
                     raise StoreError(f"{self.path} has schema {self.schema_version()}, this evalrun reads "
                                      f"{SCHEMA_VERSION}; open it once with a writing command (evalrun run) to migrate")
-            else:
+                lacking = self.schema_problems()
+                if lacking:
+                    raise StoreError(f"{self.path} is damaged ({lacking[0]}); `evalrun store check` lists what is wrong")
+            elif not readonly:
                 self.migrate()
         except sqlite3.DatabaseError as error:
             conn.close()
@@ -192,6 +224,18 @@ class Store:
         conn.execute("COMMIT")
 
     # ------------------------------------------------------------ schema
+
+    def schema_problems(self) -> list[str]:
+        """Tables and columns evalrun reads that the file lacks (empty when the schema is whole)."""
+        tables = set(self.db.table_names())
+        problems = [f"missing table {name}" for name in sorted(set(EXPECTED_COLUMNS) - tables)]
+        for table, expected in EXPECTED_COLUMNS.items():
+            if table in tables:
+                found = {row[1] for row in self.db.execute(f"PRAGMA table_info({table})")}
+                lacking = [column for column in expected if column not in found]
+                if lacking:
+                    problems.append(f"table {table} lacks columns {', '.join(lacking)}")
+        return problems
 
     def schema_version(self) -> int:
         if "meta" not in self.db.table_names():
@@ -261,13 +305,17 @@ class Store:
     def _record(self, row: dict[str, Any]) -> RunRecord:
         try:
             blobs = {name: json.loads(row[f"{name}_json"]) if row[f"{name}_json"] else None for name in RUN_JSON_COLUMNS}
-            if not isinstance(blobs.get("config") or {}, dict):
-                raise ValueError("config is not an object")
+            for name, value in blobs.items():  # what evalrun writes: objects (batches: a list), or nothing yet
+                if value is not None and not isinstance(value, list if name == "batches" else dict):
+                    raise ValueError(f"{name} is not what evalrun writes")
+            if not isinstance(row["id"], str) or not isinstance(row["status"], str):
+                raise ValueError("id or status is not text")
             return RunRecord(row["id"], row["status"], row["created_at"], row["finished_at"], row["label"],
                              row["config_hash"], row["environment_hash"], row["model_hash"], row["prompts_hash"],
                              row["tokens_digest"], row["logits_digest"], row["error"], blobs)
-        except (TypeError, ValueError, KeyError) as error:
-            raise StoreError(f"{self.path}: run {str(row.get('id'))[:12]} is damaged ({error}); "
+        except (TypeError, ValueError, KeyError, RecursionError) as error:
+            reason = "JSON nested too deeply" if isinstance(error, RecursionError) else (str(error)[:100] or type(error).__name__)
+            raise StoreError(f"{self.path}: run {str(row.get('id'))[:12]} is damaged ({reason}); "
                              "`evalrun store check` lists what is wrong") from None
 
     def list_runs(self, limit: int | None = None) -> list[RunRecord]:
@@ -287,8 +335,11 @@ class Store:
         return self._record(rows[0])
 
     def load_results(self, run_id: str, names: tuple[str, ...] | None = None) -> list[PromptResult]:
-        """All prompt results of a run, with their arrays (all, or only `names`), each one validated."""
+        """All prompt results of a run, with their arrays (all, or only `names`), each one validated.
+        Declared sizes are checked against `max_array_bytes` each and `max_run_bytes` together before any
+        array is decoded, so a file that claims huge arrays costs no memory."""
         results = {}
+        self._check_declared_sizes(run_id, names)
         try:
             for row in self.db["results"].rows_where("run_id = ?", [run_id], order_by="prompt_index"):
                 record = json.loads(row["record_json"])
@@ -303,10 +354,26 @@ class Store:
                     if row["prompt_index"] not in results:
                         raise ValueError(f"array {row['name']!r} belongs to no result")
                     results[row["prompt_index"]].arrays[str(row["name"])] = decode_array_row(row)
-        except (TypeError, ValueError, KeyError, sqlite3.DatabaseError) as error:
-            raise StoreError(f"{self.path}: run {run_id[:12]} is damaged ({str(error).splitlines()[0]}); "
+        except (TypeError, ValueError, KeyError, RecursionError, sqlite3.DatabaseError) as error:
+            first = "JSON nested too deeply" if isinstance(error, RecursionError) else (
+                str(error).splitlines() or [type(error).__name__])[0][:200]
+            raise StoreError(f"{self.path}: run {run_id[:12]} is damaged ({first}); "
                              "`evalrun store check` lists what is wrong") from None
         return [results[index] for index in sorted(results)]
+
+    def _check_declared_sizes(self, run_id: str, names: tuple[str, ...] | None) -> None:
+        total = 0
+        for name, dtype, shape in self.db.execute("SELECT name, dtype, shape FROM arrays WHERE run_id = ?", [run_id]):
+            if names is not None and name not in names:
+                continue
+            size = declared_bytes({"name": name, "dtype": dtype, "shape": shape})
+            if size > self.max_array_bytes:
+                raise StoreError(f"{self.path}: run {run_id[:12]} array {name!r} claims {size:,} bytes, past the "
+                                 f"{self.max_array_bytes:,} allowed; the file is damaged")
+            total += size
+        if total > self.max_run_bytes:
+            raise StoreError(f"{self.path}: run {run_id[:12]} claims {total:,} bytes of arrays, past the "
+                             f"{self.max_run_bytes:,} allowed; the file is damaged")
 
     # ------------------------------------------------------------ checking
 
@@ -321,8 +388,9 @@ class Store:
             integrity = [str(error)]
         if integrity != ["ok"]:
             problems += [f"integrity: {line}" for line in integrity[:20]]
-        missing = {"meta", "runs", "results", "arrays"} - set(self.db.table_names())
-        problems += [f"missing table {name}" for name in sorted(missing)]
+        schema = self._checked(problems, self.schema_problems, ["schema unreadable"])
+        problems += schema
+        missing = {"meta", "runs", "results", "arrays"} if schema else set()
         version = self._checked(problems, self.schema_version, 0)
         if version != SCHEMA_VERSION:
             problems.append(f"schema version {version} != {SCHEMA_VERSION}")
@@ -341,8 +409,8 @@ class Store:
         """Run one check; a file too damaged for it becomes a problem line, not a crash."""
         try:
             return function()
-        except (sqlite3.DatabaseError, StoreError, ValueError, TypeError) as error:
-            problems.append(f"cannot check: {str(error).splitlines()[0]}")
+        except (sqlite3.DatabaseError, StoreError, ValueError, TypeError, UnicodeError, RecursionError) as error:
+            problems.append(f"cannot check: {(str(error).splitlines() or [type(error).__name__])[0]}")
             return fallback
 
     def _check_orphans(self, problems: list[str]) -> None:
@@ -430,24 +498,33 @@ ARRAY_DTYPES = ("bool", "uint8", "int16", "int32", "int64", "float16", "float32"
 MAX_DIMENSIONS = 4
 
 
-def decode_array_row(row: dict[str, Any]) -> np.ndarray:
+def declared_bytes(row: dict[str, Any]) -> int:
+    """The decoded size an array row declares (dtype x shape), validated; StoreError when unusable."""
+    name = row.get("name")
+    if row.get("dtype") not in ARRAY_DTYPES:
+        raise StoreError(f"array {name!r} has dtype {row.get('dtype')!r}; only {', '.join(ARRAY_DTYPES)} are read")
+    try:
+        shape = json.loads(row["shape"]) if isinstance(row.get("shape"), str) and len(row["shape"]) < 200 else None
+    except (json.JSONDecodeError, RecursionError):
+        shape = None
+    if (not isinstance(shape, list) or len(shape) > MAX_DIMENSIONS
+            or not all(isinstance(d, int) and not isinstance(d, bool) and 0 <= d < 1 << 40 for d in shape)):
+        raise StoreError(f"array {name!r} has shape {str(row.get('shape'))[:60]!r}; expected a list of up to "
+                         f"{MAX_DIMENSIONS} sizes")
+    return int(np.prod(shape, dtype=object)) * np.dtype(row["dtype"]).itemsize
+
+
+def decode_array_row(row: dict[str, Any], max_bytes: int = MAX_ARRAY_BYTES) -> np.ndarray:
     """Raw bytes + dtype + shape -> array. Stores and goldens are untrusted input: only plain numeric
     dtypes, a shape of at most 4 non-negative dimensions whose size matches the bytes exactly, and a
     decompressed size capped at what dtype x shape declares (a compression bomb stops there)."""
     name = row.get("name")
-    if row.get("dtype") not in ARRAY_DTYPES or row.get("encoding") not in ("raw", "zlib"):
-        raise StoreError(f"array {name!r} has dtype {row.get('dtype')!r} / encoding {row.get('encoding')!r}; "
-                         f"only {', '.join(ARRAY_DTYPES)} raw or zlib are read")
-    try:
-        shape = json.loads(row["shape"]) if isinstance(row.get("shape"), str) else None
-    except json.JSONDecodeError:
-        shape = None
-    if (not isinstance(shape, list) or len(shape) > MAX_DIMENSIONS
-            or not all(isinstance(d, int) and not isinstance(d, bool) and 0 <= d < 1 << 40 for d in shape)):
-        raise StoreError(f"array {name!r} has shape {row.get('shape')!r}; expected a list of up to {MAX_DIMENSIONS} sizes")
-    expected = int(np.prod(shape, dtype=object)) * np.dtype(row["dtype"]).itemsize
+    if row.get("encoding") not in ("raw", "zlib"):
+        raise StoreError(f"array {name!r} has encoding {row.get('encoding')!r}; only raw or zlib are read")
+    expected = declared_bytes(row)
+    shape = json.loads(row["shape"])
     data = row.get("data")
-    if not isinstance(data, bytes) or expected > MAX_ARRAY_BYTES:
+    if not isinstance(data, bytes) or expected > max_bytes:
         raise StoreError(f"array {name!r} has no byte data or claims {expected:,} bytes; the file is damaged")
     if row["encoding"] == "zlib":
         try:

@@ -202,6 +202,7 @@ def _gate(golden: Golden, candidate: Prepared, golden_results: list[PromptResult
             return ("incomparable", f"prompt {result.prompt_id!r} encodes to other token ids than in the golden: "
                     f"the tokenizer differs ({tokenizer_note(golden, candidate) or 'its hash'}); verify where the "
                     "golden's tokenizer is, or re-create the golden", ["tokenizer"])
+    _check_token_ranges(golden, golden_results, candidate.loaded.model.config.vocab_size)
     for result in golden_results:
         wanted = steps_for(candidate.prompt_set, result.prompt_index, candidate.config)
         if wanted > len(result.arrays["tokens"]):
@@ -209,6 +210,18 @@ def _gate(golden: Golden, candidate: Prepared, golden_results: list[PromptResult
                     f"tokens, the candidate asks {wanted}; verify with --max-new-tokens {len(result.arrays['tokens'])} "
                     "or fewer, or re-create the golden", [])
     return None
+
+
+def _check_token_ranges(golden: Golden, golden_results: list[PromptResult], vocab: int) -> None:
+    """The golden's tokens and probe ids feed the candidate's engine: every one must be a vocabulary id."""
+    for role, results in (("pinned", golden_results), ("oracle", golden.results("oracle"))):
+        for result in results:
+            for name in ("tokens", "probe_ids"):
+                ids = result.arrays.get(name)
+                if ids is not None and ids.size and (ids.min() < 0 or ids.max() >= vocab):
+                    raise GoldenError(f"golden {golden.path}: the {role} run's {name} for prompt {result.prompt_id!r} "
+                                      f"fall outside the model's {vocab} vocabulary ids; re-create it with "
+                                      f"`evalrun golden create {golden.name} --force`")
 
 
 def tokenizer_note(golden: Golden, candidate: Prepared) -> str:
