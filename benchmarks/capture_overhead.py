@@ -38,7 +38,8 @@ def isolated_capture_ms(model: Transformer, batch: int, steps: int, top_k: int =
     than the capture costs, so the A/B above is noisy there; this isolates the capture's own cost.
     """
     logits = torch.randn(batch, model.vocab_size, device=model.device).to(model.dtype)
-    buffers = CaptureBuffers.allocate(batch, steps, top_k, model.vocab_size, False, model.dtype, model.device)
+    spec = BatchSpec([[0]] * batch, steps, pad_id=0, top_k=top_k)
+    buffers = CaptureBuffers.allocate(batch, steps, model.vocab_size, spec, model.dtype, model.device)
     seeds = torch.zeros(batch, dtype=torch.int64, device=model.device)
     index = torch.arange(steps, device=model.device)
     for step in range(steps):  # warm-up
