@@ -31,7 +31,8 @@ import torch
 
 from ..config import CompilationMode, CUDAGraphMode, EffectiveConfig
 from .generate import BatchSpec, Workspace, decode_step, prefill_step
-from .transformer import Transformer, head, post_attention, pre_attention, prologue
+from .transformer import (StatePieces, Transformer, head, mlp_block, output_projection, post_attention, pre_attention,
+                          prologue)
 
 DEFAULT_PREFILL_BUCKETS = (16, 32, 64, 128, 256, 512, 1024, 2048)
 DEFAULT_BATCH_BUCKETS = (1, 2, 4, 8, 16, 32)
@@ -308,3 +309,21 @@ def build_execution_mode(transformer: Transformer, config: EffectiveConfig) -> E
         allow_recompiles_for(config.prefill_buckets, config.batch_buckets)
     return ExecutionMode(transformer, config.compilation_mode, config.cudagraph_mode, config.prefill_buckets,
                          config.batch_buckets, config.inductor_options())
+
+
+def state_pieces(config: EffectiveConfig) -> StatePieces:
+    """The pieces `Transformer.forward_states` runs to show `config`'s per-layer states: eager for
+    compilation none; otherwise each piece compiled on its own (fullgraph, static shapes, no CUDA graphs)
+    with the config's Inductor options. That is how piecewise compiles, with post_attention split at the
+    attention/MLP boundary; stock and trace-once compile the whole forward, whose inner states no one can
+    observe, so these pieces stand in for them."""
+    if not config.compilation_mode.is_compiled():
+        return StatePieces()
+    torch._dynamo.reset()
+    options = dict(config.inductor_options(), **{"triton.cudagraphs": False})
+
+    def compiled(function: Callable) -> Callable:
+        return torch.compile(_clone(function, "states"), fullgraph=True, dynamic=False, options=options)
+
+    return StatePieces(compiled(prologue), compiled(pre_attention), compiled(output_projection), compiled(mlp_block),
+                       compiled(head))

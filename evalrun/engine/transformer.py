@@ -19,6 +19,7 @@ a mask falls back to the unfused math path.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Callable
 
 import torch
 import torch.nn.functional as F
@@ -136,6 +137,25 @@ class Transformer:
             x = self.post_attention(x, attended, w.o, w.post_norm, w.gate_up, w.down, self.eps)
         return self.head(x[:, -1], self.final_norm, self.lm_head, self.eps)
 
+    def forward_states(self, tokens: torch.Tensor, positions: torch.Tensor, slots: torch.Tensor,
+                       key_valid: torch.Tensor, cache: KVCache, pieces: "StatePieces | None" = None,
+                       ) -> list[torch.Tensor]:
+        """The forward with the residual stream kept at every sub-block boundary (the layer stage of
+        `evalrun bisect`): [layer 0 after attention, layer 0 after MLP, layer 1 ..., logits of every
+        token [B, T, V]], each [B, T, hidden]. The same pieces as `forward`, post_attention run as its
+        two halves; `pieces` may hold compiled versions (modes.state_pieces)."""
+        p = pieces or StatePieces()
+        x, cos, sin, mask = p.prologue(tokens, positions, slots, key_valid, self.embed, self.inv_freq,
+                                       self.rope_scale, self.heads // self.kv_heads)
+        shape, states = (self.heads, self.kv_heads, self.head_dim, self.eps), []
+        for index, w in enumerate(self.layers):
+            q, kv = p.pre_attention(x, cos, sin, w.input_norm, w.qkv, *shape)
+            x = p.output_projection(x, self.attend(index, q, kv, slots, mask, cache), w.o)
+            states.append(x)
+            x = p.mlp_block(x, w.post_norm, w.gate_up, w.down, self.eps)
+            states.append(x)
+        return states + [p.head(x, self.final_norm, self.lm_head, self.eps)]
+
 
 # The pure pieces of the forward. Piecewise compilation compiles these (one compiled artefact per
 # piece serves every layer: same code, same shapes); attention and its KV-cache write stay between.
@@ -182,8 +202,18 @@ def pre_attention(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, input_n
 def post_attention(x: torch.Tensor, attended: torch.Tensor, wo: torch.Tensor, post_norm: torch.Tensor,
                    gate_up: torch.Tensor, down: torch.Tensor, eps: float) -> torch.Tensor:
     """x [B, T, hidden], attended [B, H, T, D] -> x after the output projection and the MLP."""
+    return mlp_block(output_projection(x, attended, wo), post_norm, gate_up, down, eps)
+
+
+def output_projection(x: torch.Tensor, attended: torch.Tensor, wo: torch.Tensor) -> torch.Tensor:
+    """The attention sub-block's end: x [B, T, hidden] + the output projection of attended [B, H, T, D]."""
     batch, tokens, _ = x.shape
-    x = x + F.linear(attended.transpose(1, 2).reshape(batch, tokens, -1), wo)
+    return x + F.linear(attended.transpose(1, 2).reshape(batch, tokens, -1), wo)
+
+
+def mlp_block(x: torch.Tensor, post_norm: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor,
+              eps: float) -> torch.Tensor:
+    """The MLP sub-block with its residual: x [B, T, hidden] -> x + down(silu(gate) * up) of norm(x)."""
     gate, up = F.linear(rms_norm(x, post_norm, eps), gate_up).chunk(2, dim=-1)
     return x + F.linear(F.silu(gate) * up, down)
 
@@ -229,3 +259,14 @@ def build_mask(slots: torch.Tensor, key_valid: torch.Tensor, rows_per_key_head: 
     zero = torch.zeros((), dtype=dtype, device=slots.device)
     blocked = torch.full((), float("-inf"), dtype=dtype, device=slots.device)
     return torch.where(rows, zero, blocked)[..., :cache_slots]  # [B, 1, R*T, S]
+
+
+@dataclass
+class StatePieces:
+    """The pure pieces `Transformer.forward_states` runs: these functions, or compiled versions of them."""
+
+    prologue: Callable = prologue
+    pre_attention: Callable = pre_attention
+    output_projection: Callable = output_projection
+    mlp_block: Callable = mlp_block
+    head: Callable = head
