@@ -50,3 +50,7 @@ class GoldenError(EvalrunError):
 
 class OutputError(EvalrunError):
     """An output path (report, plot, golden folder) cannot be written."""
+
+
+class BisectError(EvalrunError):
+    """GOOD and BAD cannot be bisected: a bad SPEC, a GOOD that fails the predicate, a missing golden."""

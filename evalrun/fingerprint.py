@@ -138,6 +138,12 @@ def environment_hash(env: dict[str, Any]) -> str:
     return hash_value(env)
 
 
+def inherited_environ() -> dict[str, str]:
+    """This process's environment variables less those evalrun set for a config: what a child process
+    running another config starts from, so that its environment fingerprint matches this process's."""
+    return {name: value for name, value in os.environ.items() if _SET_BY_EVALRUN.get(name) != value}
+
+
 def apply_numerics_flags(effective: EffectiveConfig) -> dict[str, Any]:
     """Set deterministic / TF32 flags from the effective config; return each flag as set.
 

@@ -334,6 +334,16 @@ class Store:
             raise StoreError(f"run id prefix {id_or_prefix!r} is ambiguous in {self.path}; give more characters")
         return self._record(rows[0])
 
+    def find_complete_runs(self, header: dict[str, Any], label_prefix: str = "") -> list[RunRecord]:
+        """Complete runs, newest first, with the config, environment, model and prompt-set hashes of
+        `header` (a run's header, as `begin_run` takes it) and a label starting with `label_prefix`."""
+        rows = self.db["runs"].rows_where(
+            "status = 'complete' AND config_hash = ? AND environment_hash = ? AND model_hash = ? AND prompts_hash = ? "
+            "AND substr(coalesce(label, ''), 1, ?) = ?",
+            [header["config_hash"], header["environment_hash"], header["model"]["hash"], header["prompt_set"]["hash"],
+             len(label_prefix), label_prefix], order_by="created_at desc")
+        return [self._record(row) for row in rows]
+
     def load_results(self, run_id: str, names: tuple[str, ...] | None = None) -> list[PromptResult]:
         """All prompt results of a run, with their arrays (all, or only `names`), each one validated.
         Declared sizes are checked against `max_array_bytes` each and `max_run_bytes` together before any
