@@ -416,6 +416,56 @@ def bench(model, prompts, dtype, device, max_new_tokens, batch_size, matrix_name
                                   f"({', '.join(failed)}); their rows say why")
 
 
+@cli.command()
+@click.option("--good", "good_spec", required=True, metavar="SPEC",
+              help="Items, comma-separated, applied in order: O0-O3, a preset, FILE.toml, KEY=VALUE, run:ID, "
+                   "golden:NAME.")
+@click.option("--bad", "bad_spec", required=True, metavar="SPEC", help="The same kinds of items as --good.")
+@click.option("--until", default="bits", show_default=True, metavar='bits|verdict|cmd:"..."',
+              help="bits: any logits digest changes; verdict: the golden's verdict turns changed; cmd: a shell "
+                   "command, exit 0 good, 125 skip (it sees EVALRUN_BISECT_CONFIG, EVALRUN_BISECT_RUN).")
+@click.option("--golden", "golden_name", metavar="NAME",
+              help="Golden for --until verdict (default: a golden:NAME item).")
+@click.option("--golden-dir", type=click.Path(path_type=Path), default=Path("golden"), show_default=True,
+              help="Folder of goldens.")
+@run_options
+@store_option
+@click.option("--skip", "skipped", multiple=True, type=click.Choice(["compiler", "layer"]),
+              help="Leave out stage 2 (compiler) or 3 (layer) (repeatable).")
+@click.option("--in-process", is_flag=True, help="Run probes in this process instead of a fresh one each (faster; "
+                                                 "compiled state may carry from one probe to the next).")
+@click.option("--probe-timeout", type=click.FloatRange(min=1), default=3600, show_default=True, metavar="SECONDS",
+              help="Stop a probe that runs longer (it counts as skipped).")
+@output_options("text", "json", "markdown")
+@click.option("--plot", "plot_path", type=click.Path(path_type=Path), help="Write a PNG of per-layer error.")
+@quiet_option
+def bisect(good_spec, bad_spec, until, golden_name, golden_dir, store_path, skipped, in_process, probe_timeout,
+           output_format, as_json, plot_path, quiet, **kwargs) -> None:
+    """Find the knob, compiler pass, layer and step that turn GOOD into BAD.
+
+    Probes are ordinary stored runs (labelled bisect:SESSION probe N); a second bisect on the same store
+    reuses them. Exit 0 when a culprit is found or GOOD and BAD do not differ, 2 on bad input.
+
+    \b
+    Example:
+      evalrun bisect --good O0 --bad O3 --until bits
+      evalrun bisect --good golden:smollm2-cpu --bad O2 --until verdict --format markdown
+    """
+    from . import bisect_report
+    from .bisect import STAGES, BisectRequest, run_bisect
+
+    writable_output(plot_path, "--plot")
+    config_source, flags, sets = run_flags(kwargs)
+    request = BisectRequest(good_spec, bad_spec, until, golden_name, golden_dir, config_source, flags, sets, store_path,
+                            in_process, stages=tuple(s for s in STAGES if s not in skipped),
+                            probe_timeout=probe_timeout,
+                            progress=None if quiet else (lambda line: click.echo(f"bisect: {line}", err=True)))
+    result = run_bisect(request)
+    click.echo(bisect_report.render(result, chosen_format(output_format, as_json)))
+    if plot_path:
+        bisect_report.plot(result, plot_path)
+
+
 # ---------------------------------------------------------------- the one place errors become exit codes
 
 ENVIRONMENT_ERRNOS = (errno.ENOSPC, errno.EROFS, errno.EACCES, errno.EPERM, errno.ENOENT, errno.EDQUOT, errno.EISDIR,
