@@ -8,7 +8,7 @@ torch's own bisector orders backends before subsystems). The predicate (`--until
 config is good: `bits` (every logits digest and token equal to GOOD's run), `verdict` (the golden's
 verdict is not `changed`), `cmd:...` (a shell command: exit 0 good, 125 skip, else bad).
 
-Stage 1, the knob ladder, is a search over data (`search_knobs`, pure, tested with fake predicates):
+Stage 1, the knob ladder, is a search over data (`bisect_search`, pure, tested with fake predicates):
 binary search over prefixes of the ladder (GOOD with the first n knobs of BAD) for the first bad one,
 assuming BAD bad; a prefix that is not a valid config (or that the predicate skips) is stepped over,
 so the culprit may be a group of knobs that only change together. Then the culprit alone on GOOD:

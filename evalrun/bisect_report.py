@@ -59,8 +59,8 @@ def _stage_three(result: BisectResult) -> list[str]:
     if report is None:
         return ["stage 3, layer: skipped"]
     lines = [f"stage 3, layer: {report.summary}",
-             f"  one forward over prompt {report.prompt_id!r} + GOOD's tokens ({report.tokens} tokens); "
-             f"rule: {report.rule}",
+             f"  one forward over prompt {report.prompt_id!r} + GOOD's tokens ({report.tokens} tokens) for each of "
+             f"GOOD, the culprit and the reference, in this process (not stored); rule: {report.rule}",
              "  observed: " + "; ".join(f"{who}: {how}" for who, how in report.observed.items())]
     return lines + [f"  note: {note}" for note in report.notes]
 
@@ -69,8 +69,10 @@ def _stage_four(result: BisectResult) -> list[str]:
     step = result.step
     if step is None:
         return ["stage 4, prompt and step: the culprit's run and GOOD's agree bit for bit on every prompt"]
+    tokens = f"tokens at step {step.token_step}" if step.token_step >= 0 else "tokens equal throughout"
+    logits = f"logits first differ at step {step.step}" if step.step >= 0 else "logits equal"
     lines = [f"stage 4, prompt and step: prompt {step.prompt_id!r} ({step.prompts_differing} prompt(s) differ), "
-             f"logits first differ at step {step.step}, tokens at step {step.token_step}",
+             f"{logits}, {tokens}",
              f"  at step {step.shown_step}: GOOD {step.good_token!r} (margin {step.good_margin:.4g}) vs culprit "
              f"{step.bad_token!r} (margin {step.bad_margin:.4g}); {step.compared}"]
     if step.verdict_reason:

@@ -109,7 +109,7 @@ class LayerReport:
 class CompilerReport:
     """Stage 2: torch's CompilerBisector driven with our predicate."""
 
-    status: str  # found | nothing found | not run | failed
+    status: str  # found | before the compiler (eager backend already differs) | nothing found | not run | failed
     summary: str
     backend: str | None = None
     subsystem: str | None = None
@@ -261,7 +261,7 @@ def layer_points(names: list[tuple[str, int, str]], good: list[torch.Tensor], ba
     points = []
     for (name, layer, block), g, b, o in zip(names, good, bad, oracle):
         good_error, bad_error = relative_error(g, o), relative_error(b, o)
-        same = g.dtype == b.dtype and g.shape == b.shape and torch.equal(g, b)
+        same = (g.dtype, g.shape, g.device) == (b.dtype, b.shape, b.device) and torch.equal(g, b)
         points.append(LayerPoint(name, layer, block, good_error, bad_error,
                                  EXECUTION_RULE.multiplier * good_error + floor, same))
     return points
@@ -429,4 +429,5 @@ def _compiler_report(result, state: dict[str, Any], lines: list[str]) -> Compile
     else:
         summary = (f"{backend} / {subsystem}, application #{result.bisect_number}: "
                    f"{result.debug_info or 'no debug info recorded'}")
-    return CompilerReport("found", summary, backend, subsystem, result.bisect_number, result.debug_info, **common)
+    status = "before the compiler" if backend == "eager" else "found"
+    return CompilerReport(status, summary, backend, subsystem, result.bisect_number, result.debug_info, **common)

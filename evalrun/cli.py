@@ -455,6 +455,8 @@ def bisect(good_spec, bad_spec, until, golden_name, golden_dir, store_path, skip
     from .bisect import STAGES, BisectRequest, run_bisect
 
     writable_output(plot_path, "--plot")
+    if plot_path and "layer" in skipped:
+        raise click.UsageError("--plot draws stage 3's per-layer errors; drop --skip layer or --plot")
     config_source, flags, sets = run_flags(kwargs)
     request = BisectRequest(good_spec, bad_spec, until, golden_name, golden_dir, config_source, flags, sets, store_path,
                             in_process, stages=tuple(s for s in STAGES if s not in skipped),
@@ -462,8 +464,10 @@ def bisect(good_spec, bad_spec, until, golden_name, golden_dir, store_path, skip
                             progress=None if quiet else (lambda line: click.echo(f"bisect: {line}", err=True)))
     result = run_bisect(request)
     click.echo(bisect_report.render(result, chosen_format(output_format, as_json)))
-    if plot_path:
+    if plot_path and result.layer is not None:
         bisect_report.plot(result, plot_path)
+    elif plot_path:
+        click.echo(f"bisect: no plot written to {plot_path}: there is no culprit to look into", err=True)
 
 
 # ---------------------------------------------------------------- the one place errors become exit codes

@@ -71,6 +71,15 @@ def test_the_knob_ladder_is_ordered_and_skips_invalid_configs():
         apply_knobs(gpu_good, ladder[1:], cuda_available=True)
 
 
+def test_a_probe_config_written_as_toml_reads_back_to_the_same_config(tmp_path):
+    from evalrun.bisect_probe import write_toml
+
+    good = resolve(build_config(flags=TINY), cuda_available=False)
+    probe = good.replace(compilation_mode="piecewise", prefill_buckets=(8, 64), tf32=True)
+    path = write_toml(probe, tmp_path / "probe.toml")
+    assert resolve(build_config(str(path)), cuda_available=False).compute_hash() == probe.compute_hash()
+
+
 # ---------------------------------------------------------------- the search, with fake predicates
 
 def _counting(bad_when):
@@ -123,7 +132,7 @@ def test_a_fault_in_one_layers_mlp_switched_on_by_one_inductor_knob_is_found(sto
     assert (result.layer.first_out.layer, result.layer.first_out.block) == (1, "MLP")
     assert result.layer.first_bits.name == "layer 1 MLP"
     assert all(p.bits_equal for p in result.layer.points[:3])
-    assert result.compiler.status == "found" and result.compiler.backend == "eager"  # not a compiler pass
+    assert (result.compiler.status, result.compiler.backend) == ("before the compiler", "eager")  # not a pass
     assert result.step.prompt_id == "capital" and result.step.step == 0
     assert result.culprit_config["epilogue_fusion"] is False
 

@@ -320,6 +320,7 @@ def state_pieces(config: EffectiveConfig) -> StatePieces:
     if not config.compilation_mode.is_compiled():
         return StatePieces()
     torch._dynamo.reset()
+    allow_recompiles_for(config.prefill_buckets, config.batch_buckets)
     options = dict(config.inductor_options(), **{"triton.cudagraphs": False})
 
     def compiled(function: Callable) -> Callable:
