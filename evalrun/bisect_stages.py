@@ -356,13 +356,15 @@ def compiler_stage(prober: Prober, culprit: EffectiveConfig, knobs: list[Knob], 
 def _quiet_eager_backend():
     """Dynamo's eager backends warn, once per graph, that they ignore the Inductor options every piece is
     compiled with: expected while the bisector swaps backends, so not shown."""
-    logger = logging.getLogger("torch._dynamo.backends.debugging")
-    level = logger.level
-    logger.setLevel(logging.ERROR)
+    loggers = [logging.getLogger(f"torch._dynamo.backends.{name}") for name in ("debugging", "common")]
+    levels = [logger.level for logger in loggers]
+    for logger in loggers:
+        logger.setLevel(logging.ERROR)
     try:
         yield
     finally:
-        logger.setLevel(level)
+        for logger, level in zip(loggers, levels):
+            logger.setLevel(level)
 
 
 def _bisect_function(prober: Prober, culprit: EffectiveConfig, prompt_index: int):
