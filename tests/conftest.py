@@ -72,6 +72,16 @@ def tiny_hf_dir(tmp_path_factory) -> Path:
     return directory
 
 
+def one_line_exit_2(result, *needles):
+    """A CLI result (code, out, err) that is exit 2 with one stderr line holding every needle."""
+    code, out, err = result
+    assert code == 2, (out, err)
+    lines = err.strip().splitlines()
+    assert len(lines) == 1 and "Traceback" not in err, err
+    for needle in needles:
+        assert needle in lines[0], lines[0]
+
+
 def copy_model_dir(source: Path, target: Path, edit=None) -> Path:
     """Copy a HF directory; `edit(state_dict)` may change weights before saving."""
     import shutil

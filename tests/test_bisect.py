@@ -13,6 +13,8 @@ from evalrun.config import build_config, resolve
 from evalrun.engine.faults import Fault, fault_hook
 from evalrun.errors import BisectError, ConfigError
 
+from conftest import one_line_exit_2
+
 TINY = {"model": "random:tiny", "prompts": "smoke", "max_new_tokens": 4}
 # Bit-neutral on CPU for random:tiny in float32 (measured): the fault hook decides which one matters.
 NEUTRAL = ("coordinate_descent_tuning=true,epilogue_fusion=false,emulate_precision_casts=true,tf32=true,"
@@ -185,13 +187,7 @@ def test_verdict_predicate_finds_the_knob_that_makes_it_wrong(golden_factory, st
 
 # ---------------------------------------------------------------- the command line
 
-def _one_line_exit_2(result, *needles):
-    code, out, err = result
-    assert code == 2, (out, err)
-    lines = err.strip().splitlines()
-    assert len(lines) == 1 and "Traceback" not in err, err
-    for needle in needles:
-        assert needle in lines[0], lines[0]
+_one_line_exit_2 = one_line_exit_2
 
 
 @pytest.mark.parametrize("args,needle", [

@@ -5,6 +5,8 @@ import pytest
 
 from evalrun.cli import cli as cli_group
 
+from conftest import one_line_exit_2
+
 
 def test_run_json_stores_a_complete_run(cli, tiny_args):
     code, out, err = cli("run", *tiny_args, "--json", "--quiet")
@@ -50,13 +52,7 @@ def test_per_prompt_max_new_tokens(cli, tiny_args, write_prompts):
     assert [len(r["tokens"]) for r in data["results"]] == [6, 3]
 
 
-def _one_line_exit_2(result, *needles):
-    code, out, err = result
-    assert code == 2, (out, err)
-    lines = err.strip().splitlines()
-    assert len(lines) == 1 and "Traceback" not in err, err
-    for needle in needles:
-        assert needle in lines[0], lines[0]
+_one_line_exit_2 = one_line_exit_2
 
 
 def test_bad_input_unknown_model(cli, tiny_args):

@@ -188,46 +188,39 @@ def test_a_golden_verifies_under_every_cpu_instruction_set(golden_factory, isa):
     assert verdict["distance"] < 1
 
 
-def _edited_tokenizer(tiny_hf_dir, target, edit):
-    from conftest import copy_model_dir
-
-    model_dir = copy_model_dir(tiny_hf_dir, target)
-    config_path = model_dir / "tokenizer_config.json"
-    config = json.loads(config_path.read_text())
-    edit(config, model_dir)
-    config_path.write_text(json.dumps(config))
-    return model_dir
-
-
-def test_a_tokenizer_that_encodes_the_prompts_alike_is_not_a_model_change(verify, golden_factory, tiny_hf_dir, tmp_path):
-    """Seen on the H200: the same GGUF converted by transformers 5.17 and 5.24 gave two eos ids."""
+def _golden_then_edited_tokenizer(golden_factory, tiny_hf_dir, tmp_path, edit):
+    """A golden of a model folder, then the folder replaced by a copy whose tokenizer config `edit` changed."""
     from conftest import copy_model_dir
 
     model_dir = copy_model_dir(tiny_hf_dir, tmp_path / "model")
     directory = golden_factory(model=str(model_dir))
     shutil.rmtree(model_dir)
+    copy_model_dir(tiny_hf_dir, model_dir)
+    config_path = model_dir / "tokenizer_config.json"
+    config = json.loads(config_path.read_text())
+    edit(config, model_dir)
+    config_path.write_text(json.dumps(config))
+    return directory
+
+
+def test_a_tokenizer_that_encodes_the_prompts_alike_is_not_a_model_change(verify, golden_factory, tiny_hf_dir, tmp_path):
+    """Seen on the H200: the same GGUF converted by transformers 5.17 and 5.24 gave two eos ids."""
 
     def new_eos(config, _):
         config["eos_token"] = "<|endoftext|>"
 
-    _edited_tokenizer(tiny_hf_dir, model_dir, new_eos)
+    directory = _golden_then_edited_tokenizer(golden_factory, tiny_hf_dir, tmp_path, new_eos)
     code, verdict, _ = verify(directory)
     assert (code, verdict["verdict"]) == (0, "identical"), verdict["causes"]
     assert any(c.startswith("tokenizer differs (eos_token_id") for c in verdict["causes"])
 
 
 def test_a_tokenizer_that_encodes_the_prompts_otherwise_is_incomparable(verify, golden_factory, tiny_hf_dir, tmp_path):
-    from conftest import copy_model_dir
-
-    model_dir = copy_model_dir(tiny_hf_dir, tmp_path / "model")
-    directory = golden_factory(model=str(model_dir))
-    shutil.rmtree(model_dir)
-
     def new_template(config, path):
         config["chat_template"] = "{{ messages[0]['content'] }}!"
         (path / "chat_template.jinja").unlink(missing_ok=True)
 
-    _edited_tokenizer(tiny_hf_dir, model_dir, new_template)
+    directory = _golden_then_edited_tokenizer(golden_factory, tiny_hf_dir, tmp_path, new_template)
     code, verdict, err = verify(directory)
     assert (code, verdict["verdict"]) == (2, "incomparable") and "encodes to other token ids" in verdict["causes"][0]
     assert len(err.strip().splitlines()) == 1
