@@ -9,14 +9,12 @@ the run's logits are bit-identical to the first (the -O0) run.
 
 from __future__ import annotations
 
-import json
-import subprocess
-import sys
 import tempfile
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable
 
+from .child import run_json_child
 from .errors import ConfigError
 
 
@@ -24,6 +22,7 @@ GPU_MATRIX = [("-O0", ["-O0"]), ("-O1", ["-O1"]), ("-O2", ["-O2"]), ("-O3", ["-O
 CPU_MATRIX = [("-O0", ["-O0"]), ("stock", ["--compilation-mode", "stock"]),
               ("trace-once", ["--compilation-mode", "trace-once"]), ("piecewise", ["--compilation-mode", "piecewise"])]
 BASELINES = ("eager", "static-compile")
+TIMEOUT_HINT = " (raise --config-timeout)"
 
 
 @dataclass(frozen=True)
@@ -81,20 +80,6 @@ class BenchRow:
     error: str | None = None
 
 
-def _child(arguments: list[str], timeout: float) -> tuple[dict[str, Any] | None, str | None]:
-    try:
-        process = subprocess.run([sys.executable, "-m", *arguments], capture_output=True, text=True, timeout=timeout)
-    except subprocess.TimeoutExpired:
-        return None, f"timed out after {timeout:.0f} s (raise --config-timeout)"
-    if process.returncode != 0:
-        lines = process.stderr.strip().splitlines()
-        return None, lines[-1] if lines else f"exit {process.returncode}"
-    try:
-        return json.loads(process.stdout), None
-    except json.JSONDecodeError:
-        return None, "the configuration's process printed no JSON result"
-
-
 def run_matrix(common: list[str], matrix: list[tuple[str, list[str]]], baselines: bool, on_start: Callable[[str], None],
                timeout: float = 3600, baseline_options: list[str] | None = None) -> list[BenchRow]:
     """Run every configuration and baseline in its own process; failures become rows with an error."""
@@ -103,11 +88,13 @@ def run_matrix(common: list[str], matrix: list[tuple[str, list[str]]], baselines
         store = str(Path(directory) / "bench.db")
         for name, options in matrix:
             on_start(name)
-            result, error = _child(["evalrun", "run", "--json", "--quiet", "--store", store, *common, *options], timeout)
+            result, error = run_json_child(["evalrun", "run", "--json", "--quiet", "--store", store, *common, *options],
+                                           timeout, timeout_hint=TIMEOUT_HINT)
             rows.append(BenchRow(name, result, error))
         for kind in BASELINES if baselines else ():
             on_start(f"transformers {kind}")
-            result, error = _child(["evalrun.hf_baseline", "--kind", kind, *(baseline_options or [])], timeout)
+            result, error = run_json_child(["evalrun.hf_baseline", "--kind", kind, *(baseline_options or [])], timeout,
+                                           timeout_hint=TIMEOUT_HINT)
             rows.append(BenchRow(f"transformers {kind}", result, error))
     return rows
 

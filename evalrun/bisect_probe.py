@@ -23,6 +23,7 @@ from pathlib import Path
 from typing import Any, Callable
 
 from .bisect_search import Knob, Outcome, Predicate, apply_knobs
+from .child import run_json_child
 from .config import FIELD_NAMES, EffectiveConfig
 from .errors import BisectError, ConfigError, EvalrunError
 from .fingerprint import environment, environment_hash, inherited_environ
@@ -239,19 +240,8 @@ class Prober:
 
     def _child(self, request: dict[str, Any]) -> dict[str, Any]:
         """One probe in a fresh process; its failure is the probe's (a skip), not the bisect's."""
-        try:
-            process = subprocess.run([sys.executable, "-m", "evalrun.bisect_probe"], input=json.dumps(request),
-                                     capture_output=True, text=True, timeout=self.options.timeout,
-                                     env=inherited_environ())
-        except subprocess.TimeoutExpired:
-            return {"error": f"timed out after {self.options.timeout:.0f} s"}
-        if process.returncode != 0:
-            lines = process.stderr.strip().splitlines()
-            return {"error": lines[-1][:300] if lines else f"exit {process.returncode}"}
-        try:
-            return json.loads(process.stdout)
-        except json.JSONDecodeError:
-            return {"error": "the probe's process printed no JSON result"}
+        result, error = run_json_child(["evalrun.bisect_probe"], self.options.timeout, stdin=json.dumps(request))
+        return {"error": error} if result is None else result
 
     def _say(self, report: ProbeReport) -> None:
         if self.options.progress:

@@ -12,7 +12,6 @@ close to the oracle does not shrink the budget to nothing.
 from __future__ import annotations
 
 from dataclasses import dataclass
-import warnings
 from typing import Any
 
 import numpy as np

@@ -22,6 +22,7 @@ import os
 import re
 import sqlite3
 import tempfile
+import time
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable
@@ -30,7 +31,7 @@ import numpy as np
 import xxhash
 
 from . import __version__
-from .config import CompilationMode, CUDAGraphMode, EffectiveConfig, RunConfig
+from .config import CompilationMode, CUDAGraphMode, EffectiveConfig, RunConfig, resolve
 from .errors import ConfigError, GoldenError, OutputError, StoreError
 from .runner import Prepared, Probes, Run, execute, prepare, record
 from .store import RUN_JSON_COLUMNS, PromptResult, Store, result_problem
@@ -97,8 +98,6 @@ def oracle_config(config: EffectiveConfig, parameters: int, memory_bytes: int | 
 def pinned_request(config: RunConfig, cuda_available: bool) -> RunConfig:
     """The request a golden stores: as asked, with device and dtype made concrete, so a golden made on
     the CPU verifies on the CPU on a machine with a GPU too (pass --device to verify elsewhere)."""
-    from .config import resolve
-
     effective = resolve(config, cuda_available)
     return dataclasses.replace(config, device=effective.device, dtype=effective.dtype)
 
@@ -325,8 +324,6 @@ def _forced_probed(prepared: Prepared, tokens: dict[int, np.ndarray], probes: Pr
 
 def make_runs(config: RunConfig, progress=None, hook: Hook | None = None) -> CreatedRuns:
     """Run pinned, oracle, the envelope members and the function run (each distinct config once)."""
-    import time
-
     seconds: dict[str, float] = {}
     started = time.perf_counter()
     pinned = prepare(config)

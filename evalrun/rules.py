@@ -158,9 +158,9 @@ def judge(evidence: Evidence, dtype: str, rule: Rule, typical_envelope_error: fl
     """
     floor = rule.floor_ulps * EPSILON[dtype] * logit_scale(evidence.oracle)
     candidate_steps = step_errors(evidence.candidate, evidence.oracle)  # [N]
-    envelope_steps = np.max([step_errors(member, evidence.oracle) for member in evidence.envelope], axis=0)  # [N]
-    envelope_error = max(max(aggregate(step_errors(m, evidence.oracle)) for m in evidence.envelope),
-                         typical_envelope_error)
+    member_steps = [step_errors(member, evidence.oracle) for member in evidence.envelope]  # each [N]
+    envelope_steps = np.max(member_steps, axis=0)  # [N]
+    envelope_error = max(max(aggregate(steps) for steps in member_steps), typical_envelope_error)
     candidate_error = aggregate(candidate_steps)
     allowed = rule.multiplier * envelope_error + floor
     step_floor = max(float(np.median(envelope_steps)) if envelope_steps.size else 0.0, typical_envelope_error)

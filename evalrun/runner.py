@@ -71,10 +71,6 @@ class Run:
     run_id: str | None = None
 
     @property
-    def config(self) -> EffectiveConfig:
-        return EffectiveConfig.from_dict(self.header["config"])
-
-    @property
     def tokens_digest(self) -> str:
         return hash_bytes(*[r.tokens_digest.encode() for r in self.results])
 
@@ -238,7 +234,8 @@ def execute(prepared: Prepared, forced: dict[int, np.ndarray] | None = None, pro
     """
     config = prepared.config
     device = torch.device(config.device)
-    batches = [b for b in plan_batches(prepared.prompt_set, config) if only is None or set(b) & only]
+    plan = plan_batches(prepared.prompt_set, config)
+    batches = [b for b in plan if only is None or set(b) & only]
     mode = prepared.execution_mode()
     prompt_set = prepared.prompt_set
     mode.plan(max(len(ids) for ids in prompt_set.token_ids),
@@ -255,7 +252,6 @@ def execute(prepared: Prepared, forced: dict[int, np.ndarray] | None = None, pro
     mode.start_measuring()
     results, outputs = [], []
     started = time.perf_counter()
-    plan = plan_batches(prepared.prompt_set, config)
     for indices in batches:
         output = generate_batch(mode.transformer, batch_spec(prepared, indices, forced, probes), mode)
         outputs.append(output)

@@ -376,7 +376,7 @@ class Store:
         for name, dtype, shape in self.db.execute("SELECT name, dtype, shape FROM arrays WHERE run_id = ?", [run_id]):
             if names is not None and name not in names:
                 continue
-            size = declared_bytes({"name": name, "dtype": dtype, "shape": shape})
+            _, size = declared_shape({"name": name, "dtype": dtype, "shape": shape})
             if size > self.max_array_bytes:
                 raise StoreError(f"{self.path}: run {run_id[:12]} array {name!r} claims {size:,} bytes, past the "
                                  f"{self.max_array_bytes:,} allowed; the file is damaged")
@@ -508,8 +508,9 @@ ARRAY_DTYPES = ("bool", "uint8", "int16", "int32", "int64", "float16", "float32"
 MAX_DIMENSIONS = 4
 
 
-def declared_bytes(row: dict[str, Any]) -> int:
-    """The decoded size an array row declares (dtype x shape), validated; StoreError when unusable."""
+def declared_shape(row: dict[str, Any]) -> tuple[list[int], int]:
+    """The shape an array row declares and the decoded size it implies (dtype x shape), validated;
+    StoreError when unusable."""
     name = row.get("name")
     if row.get("dtype") not in ARRAY_DTYPES:
         raise StoreError(f"array {name!r} has dtype {row.get('dtype')!r}; only {', '.join(ARRAY_DTYPES)} are read")
@@ -521,7 +522,7 @@ def declared_bytes(row: dict[str, Any]) -> int:
             or not all(isinstance(d, int) and not isinstance(d, bool) and 0 <= d < 1 << 40 for d in shape)):
         raise StoreError(f"array {name!r} has shape {str(row.get('shape'))[:60]!r}; expected a list of up to "
                          f"{MAX_DIMENSIONS} sizes")
-    return int(np.prod(shape, dtype=object)) * np.dtype(row["dtype"]).itemsize
+    return shape, int(np.prod(shape, dtype=object)) * np.dtype(row["dtype"]).itemsize
 
 
 def decode_array_row(row: dict[str, Any], max_bytes: int = MAX_ARRAY_BYTES) -> np.ndarray:
@@ -531,8 +532,7 @@ def decode_array_row(row: dict[str, Any], max_bytes: int = MAX_ARRAY_BYTES) -> n
     name = row.get("name")
     if row.get("encoding") not in ("raw", "zlib"):
         raise StoreError(f"array {name!r} has encoding {row.get('encoding')!r}; only raw or zlib are read")
-    expected = declared_bytes(row)
-    shape = json.loads(row["shape"])
+    shape, expected = declared_shape(row)
     data = row.get("data")
     if not isinstance(data, bytes) or expected > max_bytes:
         raise StoreError(f"array {name!r} has no byte data or claims {expected:,} bytes; the file is damaged")

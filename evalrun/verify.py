@@ -32,9 +32,10 @@ import numpy as np
 from .compare import dict_diff, digest_mismatch_steps, first_divergence, worst_verdict
 from .config import EffectiveConfig, RunConfig, build_config
 from .errors import ConfigError, GoldenError
-from .golden import ENVELOPE_ROLES, Golden, Hook, function_config, reference_config
+from .golden import ENVELOPE_ROLES, Golden, Hook, reference_config
 from .hashing import hash_value
-from .rules import EXECUTION_RULE, FUNCTION_RULE, Evidence, Judgement, judge, judge_set, rule_for, typical
+from .rules import (EXECUTION_RULE, FUNCTION_RULE, Evidence, Judgement, aggregate, judge, judge_set, rule_for,
+                    step_errors, typical)
 from .runner import Prepared, Probes, Run, execute, prepare, steps_for
 from .store import PromptResult
 
@@ -288,11 +289,10 @@ def _verify_runs(context: Context, function_check: str) -> Verdict:
     if not context.config_diff and not context.env_diff:
         context.causes.append("nondeterminism: same config and environment, different bits")
     forced = _forced_results(context, free, prompts)
-    function_results, function_line, function_reports, function_set = _function_check(context, forced, function_check)
-    envelope_names, members = _envelope(context, forced)
+    function_line, function_reports, function_set = _function_check(context, forced, function_check)
+    envelope_names, members = _envelope(context)
     execution = _execution_check(context, forced, members, prompts)
-    return _decide(context, prompts, function_results, function_line, function_reports, function_set, envelope_names,
-                   execution)
+    return _decide(context, prompts, function_line, function_reports, function_set, envelope_names, execution)
 
 
 def _free_verdicts(golden_results: list[PromptResult], results: list[PromptResult]) -> list[PromptVerdict]:
@@ -337,7 +337,7 @@ def _function_config(context: Context) -> EffectiveConfig:
 
 
 def _function_check(context: Context, forced: dict[int, PromptResult], mode: str):
-    """Returns (function results, one-line summary, per-prompt reports, set distance)."""
+    """Returns (one-line summary, per-prompt reports, set distance)."""
     config = _function_config(context)
     started = time.perf_counter()
     if config.compute_hash() == context.candidate.config.compute_hash():
@@ -363,27 +363,25 @@ def _function_check(context: Context, forced: dict[int, PromptResult], mode: str
     set_distance = judge_set(judgements, rule)
     if same_environment and mode == "auto":
         if all(reproduced.values()):
-            return results, "reproduced the golden's float32 reference bit for bit (same environment)", reports, 0.0
+            return "reproduced the golden's float32 reference bit for bit (same environment)", reports, 0.0
         context.causes.append("function check: the float32 reference no longer reproduces the golden's bit for "
                               "bit in the same environment: the model or its code changed")
         for index, report in reports.items():
             report.reason = "" if reproduced[index] else "float32 reference not reproduced bit for bit"
-        return results, "NOT reproduced bit for bit in the golden's own environment", reports, float("inf")
+        return "NOT reproduced bit for bit in the golden's own environment", reports, float("inf")
     worst = max(list(reports.values()), key=lambda r: r.distance)
     oracle = ("the float64 oracle" if rule is FUNCTION_RULE else f"the float32 oracle (float64 did not fit: "
               f"budget {rule.floor_ulps:g} float32 ulps at the logit scale)")
     line = (f"float32 eager in this environment vs the golden's, against {oracle}: worst prompt at "
             f"{worst.distance:.2f} of the budget, the set at {set_distance:.2f}")
-    return results, line, reports, set_distance
+    return line, reports, set_distance
 
 
 def _error(result: PromptResult, oracle: PromptResult) -> float:
-    from .rules import aggregate, step_errors
-
     return aggregate(step_errors(result.arrays["probe_values"], oracle.arrays["probe_values"]))
 
 
-def _envelope(context: Context, forced: dict[int, PromptResult]) -> tuple[list[str], list[dict[int, PromptResult]]]:
+def _envelope(context: Context) -> tuple[list[str], list[dict[int, PromptResult]]]:
     """The known-good implementations of the candidate's dtype: the golden's, else one run here."""
     dtype = context.candidate.config.dtype
     names, members, seen = [], [], set()
@@ -431,8 +429,7 @@ def _execution_check(context: Context, forced: dict[int, PromptResult], members:
     return judgements, judge_set(list(judgements.values()), rule)
 
 
-def _decide(context: Context, prompts: list[PromptVerdict], function_results, function_line: str,
-            function_reports: dict[int, CheckReport], function_set: float, envelope: list[str],
+def _decide(context: Context, prompts: list[PromptVerdict], function_line: str, function_reports: dict[int, CheckReport], function_set: float, envelope: list[str],
             execution: tuple[dict[int, Judgement], float]) -> Verdict:
     judgements, execution_set = execution
     tokenizer = context.candidate.loaded.tokenizer

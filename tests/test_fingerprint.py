@@ -7,7 +7,7 @@ import torch
 from evalrun.config import (NUMERICS_FACTORS, WORKLOAD_FACTORS, CompilationMode, CUDAGraphMode, EffectiveConfig,
                             RunConfig, resolve)
 from evalrun.fingerprint import apply_numerics_flags, backend_flags, environment, environment_hash
-from evalrun.hashing import canonical_json, hash_value
+from evalrun.hashing import canonical_json
 from evalrun.models import load_model, model_identity
 from evalrun.prompts import PromptRecord, PromptSet, load_prompt_set
 

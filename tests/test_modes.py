@@ -4,7 +4,6 @@ import json
 
 import pytest
 
-from evalrun.config import RunConfig, build_config
 from evalrun.engine.modes import bucket_size
 
 MODES = ["stock", "trace-once", "piecewise"]
