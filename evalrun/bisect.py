@@ -126,6 +126,7 @@ class BisectRequest:
     hook: Hook | None = None
     stages: tuple[str, ...] = STAGES
     probe_timeout: float = PROBE_TIMEOUT_S
+    compare_compiler_bisector: bool = False  # also run CompilerBisector alone on BAD, for the run counts side by side
     progress: Callable[[str], None] | None = None
 
 
@@ -151,6 +152,7 @@ class BisectResult:
     compiler: Any = None  # bisect_stages.CompilerReport
     layer: Any = None  # bisect_stages.LayerReport
     step: Any = None  # bisect_stages.StepReport
+    compiler_alone: Any = None  # bisect_stages.CompilerReport: CompilerBisector on BAD alone (when asked)
     seconds: float = 0.0
 
     @property
@@ -163,12 +165,12 @@ class BisectResult:
 
     def as_dict(self) -> dict[str, Any]:
         data = {key: value for key, value in self.__dict__.items()
-                if key not in ("knobs", "probes", "culprit", "compiler", "layer", "step")}
+                if key not in ("knobs", "probes", "culprit", "compiler", "layer", "step", "compiler_alone")}
         data["knobs"] = [knob.as_dict() for knob in self.knobs]
         data["probes"] = [asdict(probe) for probe in self.probes]
         data["culprit"] = {"kind": self.culprit.kind, "knobs": [knob.as_dict() for knob in self.culprit_knobs],
                            "note": self.culprit.note}
-        for stage in ("compiler", "layer", "step"):
+        for stage in ("compiler", "layer", "step", "compiler_alone"):
             value = getattr(self, stage)
             data[stage] = asdict(value) if value is not None else None
         return data
@@ -219,6 +221,12 @@ def run_bisect(request: BisectRequest) -> BisectResult:
                 result.culprit_run, result.culprit_config = probe.report.run_id, probe.config.as_dict()
                 result.step, result.layer, result.compiler = analyse(prober, probe, result.culprit_knobs,
                                                                      request.stages)
+            if request.compare_compiler_bisector:
+                from .bisect_stages import compiler_alone_stage
+
+                say = request.progress or (lambda line: None)
+                say("for comparison: CompilerBisector alone on BAD")
+                result.compiler_alone = compiler_alone_stage(prober, bad, result.step.prompt_index if result.step else 0)
         finally:
             prober.store.close()
     result.seconds = time.perf_counter() - started

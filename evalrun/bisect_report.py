@@ -83,8 +83,19 @@ def _stage_four(result: BisectResult) -> list[str]:
 
 def _later_stages(result: BisectResult) -> list[str]:
     if result.culprit.kind == "none":
-        return ["stages 2-4: not run (no culprit to look into)"]
-    return _stage_two(result) + _stage_three(result) + _stage_four(result)
+        return ["stages 2-4: not run (no culprit to look into)"] + _comparison(result)
+    return _stage_two(result) + _stage_three(result) + _stage_four(result) + _comparison(result)
+
+
+def _comparison(result: BisectResult) -> list[str]:
+    """--compare-compiler-bisector: what torch's bisector alone, on BAD as a whole, took and said."""
+    alone = result.compiler_alone
+    if alone is None:
+        return []
+    ours = result.runs + (result.compiler.calls if result.compiler is not None else 0)
+    return [f"for comparison, CompilerBisector alone on BAD: {alone.calls} call(s): {alone.status}: {alone.summary}",
+            f"  evalrun: {ours} ({result.runs} stored run(s) in stage 1 + "
+            f"{result.compiler.calls if result.compiler is not None else 0} CompilerBisector call(s) in stage 2)"]
 
 
 def _layer_rows(result: BisectResult) -> list[list[Any]]:

@@ -335,9 +335,25 @@ def compiler_stage(prober: Prober, culprit: EffectiveConfig, knobs: list[Knob], 
     reason = _skip_reason(prober, culprit, knobs)
     if reason:
         return _not_run(reason)
+    return _run_compiler_bisector(prober, culprit, prompt_index, against_good=True)
+
+
+def compiler_alone_stage(prober: Prober, bad: EffectiveConfig, prompt_index: int) -> CompilerReport:
+    """CompilerBisector on BAD as a whole, as a user of torch's bisector alone would run it: no knob ladder,
+    and its reference is BAD under Dynamo's eager backend (its first state), not GOOD. For the comparison
+    `--compare-compiler-bisector` prints beside evalrun's own stages."""
+    if prober.predicate.kind == "cmd":
+        return _not_run("a cmd: predicate judges runs outside this process; CompilerBisector needs it in-process")
+    if not bad.compilation_mode.is_compiled():
+        return _not_run("BAD does not compile: CompilerBisector has nothing to bisect")
+    return _run_compiler_bisector(prober, bad, prompt_index, against_good=False)
+
+
+def _run_compiler_bisector(prober: Prober, culprit: EffectiveConfig, prompt_index: int,
+                           against_good: bool) -> CompilerReport:
     from torch._inductor.compiler_bisector import CompilerBisector
 
-    fn, state = _bisect_function(prober, culprit, prompt_index)
+    fn, state = _bisect_function(prober, culprit, prompt_index, against_good)
     log, error, result = io.StringIO(), None, None
     with contextlib.redirect_stdout(log), _quiet_eager_backend():  # the bisector prints; our stdout may be JSON
         try:
@@ -367,8 +383,10 @@ def _quiet_eager_backend():
             logger.setLevel(level)
 
 
-def _bisect_function(prober: Prober, culprit: EffectiveConfig, prompt_index: int):
-    """fn() -> True when good under the bisector's current state, and the state it keeps."""
+def _bisect_function(prober: Prober, culprit: EffectiveConfig, prompt_index: int, against_good: bool = True):
+    """fn() -> True when good under the bisector's current state, and the state it keeps. With `against_good`
+    and a compiled GOOD, each state runs both and compares them; else the first state (Dynamo's eager
+    backend) is the reference."""
     good, hook = prober.good, prober.options.hook
     state: dict[str, Any] = {"calls": 0, "reference": None, "notes": []}
     if prober.predicate.kind == "verdict":
@@ -388,7 +406,7 @@ def _bisect_function(prober: Prober, culprit: EffectiveConfig, prompt_index: int
         prepared = _prepared(prober, config)
         return execute(prepared, only={prompt_index}, timed=False).by_index()[prompt_index].arrays["digests"]
 
-    both = good.compilation_mode.is_compiled()
+    both = against_good and good.compilation_mode.is_compiled()
     state["reference_text"] = ("GOOD (the knob off) under the same compiler state" if both else
                                "the culprit config under Dynamo's eager backend (the bisector's first state)")
 
@@ -399,7 +417,8 @@ def _bisect_function(prober: Prober, culprit: EffectiveConfig, prompt_index: int
             return bool(np.array_equal(ours, digests(good)))
         if state["reference"] is None:  # do_bisect's first call runs under the eager backend
             state["reference"] = ours
-            _note_static_shapes(prober, ours, prompt_index, state)
+            if against_good:
+                _note_static_shapes(prober, ours, prompt_index, state)
             return True
         return bool(np.array_equal(ours, state["reference"]))
 

@@ -361,6 +361,9 @@ def golden_show(name, directory, output_format, as_json) -> None:
 @click.option("--golden-dir", type=click.Path(path_type=Path), default=Path("golden"), show_default=True,
               help="Folder of goldens for golden:NAME.")
 @click.option("--prompt", "prompt_ids", multiple=True, metavar="ID", help="Only these prompts (repeatable).")
+@click.option("--compare-compiler-bisector", "compare", is_flag=True,
+              help="Also run torch's CompilerBisector alone on BAD (its reference: BAD under the eager backend) "
+                   "and print its calls and answer beside evalrun's.")
 @output_options("text", "json", "markdown")
 @click.option("--plot", "plot_path", type=click.Path(path_type=Path), help="Write a PNG of per-step error.")
 def diff(run_a, run_b, store_path, golden_dir, prompt_ids, output_format, as_json, plot_path) -> None:
@@ -436,11 +439,14 @@ def bench(model, prompts, dtype, device, max_new_tokens, batch_size, matrix_name
                                                  "compiled state may carry from one probe to the next).")
 @click.option("--probe-timeout", type=click.FloatRange(min=1), default=3600, show_default=True, metavar="SECONDS",
               help="Stop a probe that runs longer (it counts as skipped).")
+@click.option("--compare-compiler-bisector", "compare", is_flag=True,
+              help="Also run torch's CompilerBisector alone on BAD (its reference: BAD under the eager backend) "
+                   "and print its calls and answer beside evalrun's.")
 @output_options("text", "json", "markdown")
 @click.option("--plot", "plot_path", type=click.Path(path_type=Path), help="Write a PNG of per-layer error.")
 @quiet_option
 def bisect(good_spec, bad_spec, until, golden_name, golden_dir, store_path, skipped, in_process, probe_timeout,
-           output_format, as_json, plot_path, quiet, **kwargs) -> None:
+           compare, output_format, as_json, plot_path, quiet, **kwargs) -> None:
     """Find the knob, compiler pass, layer and step that turn GOOD into BAD.
 
     Probes are ordinary stored runs (labelled bisect:SESSION probe N); a second bisect on the same store
@@ -460,7 +466,7 @@ def bisect(good_spec, bad_spec, until, golden_name, golden_dir, store_path, skip
     config_source, flags, sets = run_flags(kwargs)
     request = BisectRequest(good_spec, bad_spec, until, golden_name, golden_dir, config_source, flags, sets, store_path,
                             in_process, stages=tuple(s for s in STAGES if s not in skipped),
-                            probe_timeout=probe_timeout,
+                            probe_timeout=probe_timeout, compare_compiler_bisector=compare,
                             progress=None if quiet else (lambda line: click.echo(f"bisect: {line}", err=True)))
     result = run_bisect(request)
     click.echo(bisect_report.render(result, chosen_format(output_format, as_json)))

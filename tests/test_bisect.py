@@ -258,3 +258,21 @@ def test_o0_to_o3_on_cuda_in_fresh_processes(store_path, golden_factory):
     directory = golden_factory("--device", "cuda", "--dtype", "bfloat16")
     verdict = run_bisect(BisectRequest("golden:g", "golden:g,O3", "verdict", golden_dir=directory, store_path=store_path))
     assert verdict.probes[0].outcome == "good"  # an O0 golden's own config verifies
+
+
+def test_compiler_bisector_alone_is_run_beside_for_comparison(store_path):
+    """--compare-compiler-bisector: torch's bisector on BAD as a whole, its calls and answer beside ours."""
+    from evalrun import bisect_report
+
+    request = BisectRequest("O0", "compilation_mode=piecewise", flags={**TINY, "max_new_tokens": 2},
+                            store_path=store_path, in_process=True, stages=("compiler",),
+                            compare_compiler_bisector=True)
+    result = run_bisect(request)
+    ours, alone = result.compiler, result.compiler_alone
+    assert ours.status in ("found", "before the compiler") and ours.calls > 0
+    assert alone.status not in ("not run", "failed") and alone.calls > 0
+    assert alone.reference.startswith("the culprit config under Dynamo's eager backend")
+    text = bisect_report.render(result, "text")
+    assert f"for comparison, CompilerBisector alone on BAD: {alone.calls} call(s): {alone.status}" in text
+    assert f"evalrun: {result.runs + ours.calls} ({result.runs} stored run(s)" in text
+    assert json.loads(bisect_report.render(result, "json"))["compiler_alone"]["calls"] == alone.calls
