@@ -30,8 +30,8 @@ from typing import Any, Callable
 from .bisect_probe import Prober, ProbeOptions
 from .bisect_search import Culprit, Knob, Predicate, knob_ladder, parse_predicate, run_bound, search_knobs
 from .bisect_stages import analyse
-from .config import (FIELD_TYPES, EffectiveConfig, RunConfig, build_config, load_config_source, parse_opt_level,
-                     parse_set_option, preset_names)
+from .config import (FIELD_TYPES, EffectiveConfig, RunConfig, apply_layer, build_config, load_config_source,
+                     parse_opt_level, parse_set_option, preset_names)
 from .errors import BisectError, ConfigError
 from .golden import Hook
 from .hashing import hash_value
@@ -98,7 +98,7 @@ def parse_spec(text: str, store_path: Path | None = None, golden_dir: Path = Pat
     `golden:NAME` the golden's requested config. Later items win."""
     values: dict[str, Any] = {}
     for item in split_spec(text):
-        values.update(spec_item(item, store_path, golden_dir))
+        values = apply_layer(values, spec_item(item, store_path, golden_dir))
     return values
 
 

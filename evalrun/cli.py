@@ -361,9 +361,6 @@ def golden_show(name, directory, output_format, as_json) -> None:
 @click.option("--golden-dir", type=click.Path(path_type=Path), default=Path("golden"), show_default=True,
               help="Folder of goldens for golden:NAME.")
 @click.option("--prompt", "prompt_ids", multiple=True, metavar="ID", help="Only these prompts (repeatable).")
-@click.option("--compare-compiler-bisector", "compare", is_flag=True,
-              help="Also run torch's CompilerBisector alone on BAD (its reference: BAD under the eager backend) "
-                   "and print its calls and answer beside evalrun's.")
 @output_options("text", "json", "markdown")
 @click.option("--plot", "plot_path", type=click.Path(path_type=Path), help="Write a PNG of per-step error.")
 def diff(run_a, run_b, store_path, golden_dir, prompt_ids, output_format, as_json, plot_path) -> None:

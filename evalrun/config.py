@@ -100,6 +100,7 @@ OPT_LEVEL_DEFAULTS: dict[int, dict[str, Any]] = {
 INDUCTOR_DEFAULTS = {"max_autotune": False, "coordinate_descent_tuning": False, "epilogue_fusion": True,
                      "emulate_precision_casts": False}
 INDUCTOR_KNOBS = tuple(INDUCTOR_DEFAULTS)
+OPT_LEVEL_KNOBS = ("compilation_mode", "cudagraph_mode", *INDUCTOR_KNOBS)  # what an -O level decides
 
 # The hashed factors, in the order bisect walks them: compilation before CUDA graphs before Inductor
 # knobs before precision flags before shapes (torch's bisector: backends before subsystems).
@@ -361,20 +362,29 @@ def build_config(
 
     `base` is a requested config stored earlier (a golden's): the user's options go on top of it.
     """
-    values: dict[str, Any] = {}
-    for key, value in (base or {}).items():
-        if key in FIELD_TYPES:
-            values[key] = _coerce(key, value)
+    values = {key: _coerce(key, value) for key, value in (base or {}).items() if key in FIELD_TYPES}
     if config_source:
-        values.update(load_config_source(config_source))
-    for key, value in (flags or {}).items():
-        if value is not None:
-            validate_key(key)
-            values[key] = _coerce(key, value)
-    for item in sets:
-        key, value = parse_set_option(item)
-        values[key] = value
+        values = apply_layer(values, load_config_source(config_source))
+    given = {key: value for key, value in (flags or {}).items() if value is not None}
+    for key in given:
+        validate_key(key)
+    values = apply_layer(values, {key: _coerce(key, value) for key, value in given.items()})
+    values = apply_layer(values, dict(parse_set_option(item) for item in sets))
     return normalize(RunConfig(**values))
+
+
+def apply_layer(values: dict[str, Any], layer: dict[str, Any]) -> dict[str, Any]:
+    """Requested values with a later layer on top (a golden's request, then a preset or file, then flags,
+    then --set items). An -O level in the later layer takes back the knobs it governs from the earlier
+    ones: `golden verify G -O2` on a golden requested as eager runs -O2, not eager labelled -O2. Knobs
+    the same layer sets stay (`-O2 --compilation-mode stock`)."""
+    merged = dict(values)
+    if layer.get("opt_level") is not None:
+        for key in OPT_LEVEL_KNOBS:
+            if key not in layer:
+                merged.pop(key, None)
+    merged.update(layer)
+    return merged
 
 
 def normalize(config: RunConfig) -> RunConfig:

@@ -33,6 +33,7 @@ def test_spec_items_of_every_kind(cli, tiny_args, store_path, golden_factory, tm
     assert split_spec("O2, prefill_buckets=16,32,64 ,max_autotune=true") == [
         "O2", "prefill_buckets=16,32,64", "max_autotune=true"]
     assert parse_spec("O3") == {"opt_level": 3}
+    assert parse_spec("debug,O3")["opt_level"] == 3 and "compilation_mode" not in parse_spec("debug,O3")
     assert parse_spec("compilation_mode=stock,max_autotune=true") == {"compilation_mode": "stock", "max_autotune": True}
     assert parse_spec("debug")["deterministic"] is True  # a preset
     toml = tmp_path / "knobs.toml"

@@ -46,6 +46,20 @@ def test_explicit_settings_win_over_opt_level():
     assert effective.cudagraph_mode == "full-and-piecewise" and effective.coordinate_descent_tuning is True
 
 
+def test_an_opt_level_given_later_takes_its_knobs_back_from_earlier_layers():
+    """`golden verify G -O2` on a golden requested as eager (the debug preset) once ran eager labelled -O2."""
+    debug = {"compilation_mode": "none", "cudagraph_mode": "none", "deterministic": True, "max_autotune": False}
+    on_top = resolve(build_config(flags={"opt_level": 2}, base=debug), cuda_available=True)
+    assert (on_top.compilation_mode, on_top.cudagraph_mode, on_top.deterministic) == (
+        "piecewise", "full-and-piecewise", True)  # not governed by the level: kept
+    same_layer = resolve(build_config(flags={"opt_level": 2, "compilation_mode": "stock"}, base=debug), True)
+    assert same_layer.compilation_mode == "stock"
+    later_set = resolve(build_config(flags={"opt_level": 3}, sets=["max_autotune=false"], base=debug), True)
+    assert later_set.max_autotune is False and later_set.coordinate_descent_tuning is True
+    preset_then_level = resolve(build_config("debug", flags={"opt_level": 1}), True)
+    assert preset_then_level.compilation_mode == "piecewise"
+
+
 def test_default_opt_level_and_dtype_follow_the_device():
     cpu, gpu = resolve(RunConfig(), False), resolve(RunConfig(), True)
     assert (cpu.device, cpu.opt_level, cpu.dtype) == ("cpu", 0, "float32")
