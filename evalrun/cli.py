@@ -309,12 +309,27 @@ def golden_verify(name, directory, strict, output_format, as_json, junit_path, q
     writable_output(junit_path, "--junit")
     opened = open_golden(name, directory)
     verdict = verify_golden(opened, candidate_config(opened, *run_flags(kwargs)), strict, phase_progress(quiet))
-    click.echo(verdict_report.render(verdict, chosen_format(output_format, as_json)))
+    chosen = chosen_format(output_format, as_json)
+    click.echo(verdict_report.render(verdict, chosen))
+    _github_outputs(verdict, name, chosen)
     if junit_path:
         junit_path.write_text(verdict_report.junit(verdict, strict))
     if verdict.exit_code:
         raise Exit(verdict.exit_code, f"evalrun: golden {name}: {verdict.verdict}: {verdict.causes[0]}"
                    if verdict.exit_code == EXIT_UNUSABLE else None)
+
+
+def _github_outputs(verdict, name: str, output_format: str) -> None:
+    """On GitHub Actions: the Markdown verdict in the step summary, an annotation for drift/changed (text only:
+    stdout stays one JSON or Markdown document otherwise)."""
+    from . import ci_output, verdict_report
+
+    ci_output.append_step_summary(verdict_report.markdown(verdict))
+    if ci_output.on_github_actions() and output_format == "text":
+        line = ci_output.annotation(verdict.verdict, f"evalrun golden {name}",
+                                    f"{verdict.verdict}: {verdict.causes[0] if verdict.causes else ''}")
+        if line:
+            click.echo(line)
 
 
 @golden.command("list")
@@ -394,26 +409,49 @@ def diff(run_a, run_b, store_path, golden_dir, prompt_ids, output_format, as_jso
 @click.option("--no-baselines", is_flag=True, help="Skip transformers' generate baselines.")
 @click.option("--config-timeout", type=click.FloatRange(min=1), default=3600, show_default=True, metavar="SECONDS",
               help="Stop a configuration that runs longer (its row shows the timeout); the others still run.")
+@click.option("--compare", "baseline_path", type=click.Path(path_type=Path), metavar="BASELINE.json",
+              help="An earlier `evalrun bench --json` output: print each config's change against it.")
+@click.option("--fail-on", "fail_on", multiple=True, metavar="METRIC:PCT",
+              help="With --compare: exit 1 when METRIC is worse than the baseline by more than PCT percent, e.g. "
+                   "tokens_per_s:5% (repeatable).")
 @output_options("text", "json")
 def bench(model, prompts, dtype, device, max_new_tokens, batch_size, matrix_names, no_baselines, config_timeout,
-          output_format, as_json) -> None:
+          baseline_path, fail_on, output_format, as_json) -> None:
     """Measure a matrix of configurations side by side, each in a fresh process, with transformers baselines.
+
+    With --compare and --fail-on, a performance regression exits 1, like a changed verdict.
 
     \b
     Example:
       evalrun bench --model random:llama3-8b --dtype bfloat16 --max-new-tokens 128 --prompts smoke
+      evalrun bench --matrix O0,O2 --compare baseline.json --fail-on tokens_per_s:5% --fail-on ttft_ms:10%
     """
+    from . import bench_compare
     from .bench import BenchRequest, run_bench
 
+    if fail_on and baseline_path is None:
+        raise click.UsageError("--fail-on needs --compare BASELINE.json (an earlier `evalrun bench --json`)")
+    rules = [bench_compare.parse_fail_on(text) for text in fail_on]
+    baseline = bench_compare.load_baseline(baseline_path) if baseline_path else None
     request = BenchRequest(model, prompts, dtype, device, max_new_tokens, batch_size, matrix_names,
                            not no_baselines, config_timeout)
     rows = run_bench(request, lambda name: click.echo(f"bench: {name}", err=True))
-    json_out = chosen_format(output_format, as_json) == "json"
-    click.echo(report.to_json(rows) if json_out else report.bench_table(rows))
+    changes = bench_compare.compare(rows, baseline, rules) if baseline is not None else None
+    if chosen_format(output_format, as_json) == "json":
+        click.echo(report.to_json(rows if changes is None else {"rows": rows,
+                                                                "comparison": bench_compare.as_dicts(changes)}))
+    else:
+        click.echo(report.bench_table(rows))
+        if changes is not None:
+            click.echo(f"\nagainst {baseline_path}:\n" + report.table(*bench_compare.table(changes)))
     failed = [row["config"] for row in rows if row.get("error")]
     if failed:
         raise Exit(EXIT_UNUSABLE, f"evalrun: error: {len(failed)} of {len(rows)} bench configurations failed "
                                   f"({', '.join(failed)}); their rows say why")
+    worse = bench_compare.regressions(changes or [])
+    if worse:
+        raise Exit(EXIT_CHANGED, "evalrun: bench: " + "; ".join(
+            f"{c.config} {c.metric} {c.change_percent:+.1f}% (allowed -{c.limit_percent:g}%)" for c in worse))
 
 
 @cli.command()

@@ -238,18 +238,20 @@ def tokenizer_note(golden: Golden, candidate: Prepared) -> str:
 
 def verify_golden(golden: Golden, config: RunConfig, strict: bool = False,
                   progress: Callable[[str, int], Any] | None = None, hook: Hook | None = None,
-                  function_check: str = "auto", observe: Callable[[str, Run], None] | None = None) -> Verdict:
+                  function_check: str = "auto", observe: Callable[[str, Run], None] | None = None,
+                  reuse: Prepared | None = None) -> Verdict:
     """The verdict of `config` against `golden` (see the module docstring for the steps).
 
     `hook` is called on every run this verification prepares (tests and calibration plant faults
     with it); `function_check="statistical"` judges the function check by its numbers even in the
     golden's own environment, where "auto" demands bit-for-bit reproduction; `observe(phase, run)`
-    sees every run made (phases: candidate, forced, function, envelope).
+    sees every run made (phases: candidate, forced, function, envelope); `reuse` shares an already
+    loaded model (several configs verified in one process load the weights once).
     """
     if function_check not in FUNCTION_CHECK_MODES:
         raise ValueError(f"function_check must be one of {FUNCTION_CHECK_MODES}")
     started = time.perf_counter()
-    candidate = prepare(config)
+    candidate = prepare(config, reuse)
     if hook:
         hook(candidate)
     pinned = golden.config("pinned")

@@ -237,3 +237,16 @@ def test_a_float32_oracle_still_gives_a_function_check(golden_factory, monkeypat
     assert _verdict(directory, mode="statistical", batch_size=3).verdict == "drift"
     changed = _verdict(directory, fault_hook(Fault("scale", 1e-2)), mode="statistical")
     assert changed.verdict == "changed" and "float32 oracle" in changed.function_check
+
+
+def test_on_github_actions_verify_writes_the_step_summary_and_annotates_drift(cli, o0, tmp_path, monkeypatch):
+    summary = tmp_path / "summary.md"
+    monkeypatch.setenv("GITHUB_STEP_SUMMARY", str(summary))
+    monkeypatch.setenv("GITHUB_ACTIONS", "true")
+    code, out, err = cli("golden", "verify", "g", "--dir", str(o0), "--quiet", "--batch-size", "3")
+    assert code == 0, err
+    assert out.strip().splitlines()[-1] == "::warning title=evalrun golden g::drift: config: batch_size 1 -> 3"
+    assert summary.read_text().startswith("### 🟡 evalrun golden `g`: **drift**")
+    code, out, err = cli("golden", "verify", "g", "--dir", str(o0), "--quiet", "--batch-size", "3", "--json")
+    assert code == 0 and json.loads(out)["verdict"] == "drift"  # stdout stays one JSON document
+    assert summary.read_text().count("evalrun golden `g`") == 2

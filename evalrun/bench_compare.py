@@ -1,0 +1,109 @@
+"""`evalrun bench --compare BASELINE.json --fail-on METRIC:PCT`: a performance regression fails like a
+changed verdict (pytest-benchmark's `--benchmark-compare-fail` idea).
+
+The baseline is an earlier `evalrun bench --json` output (its rows, or a previous comparison's `rows`).
+Rows are matched by config name; each `--fail-on` rule names a metric and the largest change for the
+worse it allows, in percent of the baseline: for tokens/s lower is worse, for times and memory higher
+is worse. A config or metric missing on either side is reported, never a failure (a new config has no
+baseline yet). Compare figures from the same machine: the rule is a ratio, the machine is not in it.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Any
+
+from .errors import ConfigError
+
+HIGHER_IS_BETTER = {"tokens_per_s": True, "ttft_ms": False, "first_request_ms": False, "compile_s": False,
+                    "peak_memory_gib": False, "p50_ms": False, "p95_ms": False, "p99_ms": False}
+
+
+@dataclass(frozen=True)
+class FailRule:
+    metric: str
+    percent: float | None  # the largest change for the worse that passes, in percent; None: report only
+
+
+@dataclass
+class MetricChange:
+    config: str
+    metric: str
+    baseline: float | None
+    current: float | None
+    change_percent: float | None  # signed: positive = better, negative = worse
+    limit_percent: float | None
+    status: str  # ok | regressed | missing | reported
+
+
+def parse_fail_on(text: str) -> FailRule:
+    """'tokens_per_s:5%' -> FailRule('tokens_per_s', 5.0); ConfigError (exit 2) names the fix."""
+    metric, _, percent = text.partition(":")
+    if metric not in HIGHER_IS_BETTER:
+        raise ConfigError(f"--fail-on {text!r}: unknown metric {metric!r}; use one of {', '.join(HIGHER_IS_BETTER)}, "
+                          "e.g. --fail-on tokens_per_s:5%")
+    try:
+        value = float(percent.rstrip("%"))
+    except ValueError:
+        value = math.nan
+    if not math.isfinite(value) or value < 0:
+        raise ConfigError(f"--fail-on {text!r}: the allowed change must be a percentage >= 0, e.g. {metric}:5%")
+    return FailRule(metric, value)
+
+
+def load_baseline(path: Path) -> dict[str, dict[str, Any]]:
+    """Config name -> row of an earlier `bench --json`; ConfigError on anything else."""
+    try:
+        data = json.loads(Path(path).read_text(encoding="utf-8"))
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as error:
+        raise ConfigError(f"--compare {path}: cannot read a bench baseline ({error}); pass the output of "
+                          "`evalrun bench --json`") from None
+    rows = data.get("rows") if isinstance(data, dict) else data
+    if not isinstance(rows, list) or not all(isinstance(r, dict) and isinstance(r.get("config"), str) for r in rows):
+        raise ConfigError(f"--compare {path}: not a bench baseline (a list of rows with a 'config' each); pass the "
+                          "output of `evalrun bench --json`")
+    return {row["config"]: row for row in rows}
+
+
+def _figure(row: dict[str, Any] | None, metric: str) -> float | None:
+    value = (row or {}).get(metric)
+    return float(value) if isinstance(value, (int, float)) and math.isfinite(value) else None
+
+
+def compare(rows: list[dict[str, Any]], baseline: dict[str, dict[str, Any]], rules: list[FailRule]) -> list[MetricChange]:
+    """Every rule on every config measured now (in the order measured); no rules: every metric, reported."""
+    rules = rules or [FailRule(metric, None) for metric in HIGHER_IS_BETTER]
+    changes = []
+    for row in rows:
+        for rule in rules:
+            before, now = _figure(baseline.get(row["config"]), rule.metric), _figure(row, rule.metric)
+            if before is None or now is None or before == 0:
+                changes.append(MetricChange(row["config"], rule.metric, before, now, None, rule.percent, "missing"))
+                continue
+            change = (now - before) / abs(before) * 100 * (1 if HIGHER_IS_BETTER[rule.metric] else -1)
+            status = "reported" if rule.percent is None else "regressed" if change < -rule.percent else "ok"
+            changes.append(MetricChange(row["config"], rule.metric, before, now, change, rule.percent, status))
+    return changes
+
+
+def regressions(changes: list[MetricChange]) -> list[MetricChange]:
+    return [c for c in changes if c.status == "regressed"]
+
+
+def as_dicts(changes: list[MetricChange]) -> list[dict[str, Any]]:
+    return [asdict(c) for c in changes]
+
+
+def table(changes: list[MetricChange]) -> tuple[list[str], list[list[Any]]]:
+    def show(value: float | None) -> str:
+        return "-" if value is None else f"{value:.4g}"
+
+    headers = ["config", "metric", "baseline", "now", "change (+ better)", "allowed", "status"]
+    rows = [[c.config, c.metric, show(c.baseline), show(c.current),
+             "-" if c.change_percent is None else f"{c.change_percent:+.1f}%",
+             "any" if c.limit_percent is None else f"-{c.limit_percent:g}%", c.status]
+            for c in changes]
+    return headers, rows

@@ -1,0 +1,412 @@
+"""evalrun's pytest plugin: golden checks as tests (registered through the `pytest11` entry point).
+
+    @pytest.mark.evalrun_golden("smollm2-cpu", opt_level=[0, 1, 2])
+    def test_smollm2(evalrun_verdict):
+        assert sum(p.verdict == "drift" for p in evalrun_verdict.prompts) <= 2  # optional, your own rule
+
+The marker names a golden and any run options (the keys of `evalrun run`'s flags: opt_level, device,
+dtype, batch_size, compilation_mode, ...); a list is one test per value, several lists their product.
+The verdict is judged after the test body, like every evalrun verdict:
+  identical  passes
+  drift      passes with an `EvalrunDriftWarning` (fails with --evalrun-strict or strict=True)
+  changed    fails, with the Markdown verdict as a report section
+  incomparable, an unreadable golden or bad options: an error
+Marker options besides run options: `golden_dir` (default: --evalrun-golden-dir, relative to the
+rootdir), `create` (a preset, TOML file or dict of run options: how --evalrun-update makes the
+golden), `strict`, `enforce=False` (leave the judgment to the test body).
+
+A missing golden fails its test with the command that creates it. Outside CI it is also created then
+(the test still fails: commit the golden and re-run, as pytest-regressions does); with `CI` set it is
+never created implicitly. `--evalrun-update` re-creates every golden the session's tests use, once
+each (under a lock, so xdist workers do not race), then verifies against it.
+
+One process loads a model once for all the configs it verifies (`verify_golden(reuse=...)`). Each
+verification's candidate run is stored (`--evalrun-store`, default the usual store) labelled with the
+test id, so `evalrun diff` works afterwards. Under pytest-xdist each worker takes one GPU
+(`CUDA_VISIBLE_DEVICES` from `PYTEST_XDIST_WORKER`, when the machine has GPUs and the variable is not
+set already). JUnit XML gets `evalrun.*` properties per test (verdict, distance, causes, golden,
+config); on GitHub Actions the controller appends every verdict's Markdown to `$GITHUB_STEP_SUMMARY`
+and prints `::error`/`::warning` annotations; `--evalrun-comment FILE` writes the Markdown as a PR
+comment body. Goldens in the used folders that no test of the session used are listed at the end.
+"""
+
+from __future__ import annotations
+
+import fcntl
+import itertools
+import os
+import shutil
+import subprocess
+import time
+import warnings
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+MARKER = "evalrun_golden"
+SPECIAL_KEYS = ("golden_dir", "create", "strict", "enforce")
+SECTION = "evalrun"  # report section key: the verdict's Markdown travels with the report (xdist too)
+
+
+class EvalrunDriftWarning(UserWarning):
+    """A golden verified as drift: same model, different numerics (a pass)."""
+
+
+class EvalrunIncomparable(Exception):
+    """A golden and a candidate that cannot be compared (an error, not a failure)."""
+
+
+# ---------------------------------------------------------------- options and markers
+
+def pytest_addoption(parser: pytest.Parser) -> None:
+    group = parser.getgroup("evalrun", "evalrun golden checks")
+    group.addoption("--evalrun-update", action="store_true",
+                    help="Re-create the goldens the selected tests use (once each), then verify against them.")
+    group.addoption("--evalrun-golden-dir", default=None, metavar="DIR",
+                    help="Folder of goldens, relative to the rootdir (default: golden, or ini evalrun_golden_dir).")
+    group.addoption("--evalrun-store", default=None, metavar="PATH",
+                    help="Store for the candidate runs (default: EVALRUN_STORE or the usual store).")
+    group.addoption("--evalrun-strict", action="store_true", help="Drift fails too.")
+    group.addoption("--evalrun-comment", default=None, metavar="FILE",
+                    help="Write every verdict's Markdown here (a PR comment body).")
+    parser.addini("evalrun_golden_dir", "Folder of goldens, relative to the rootdir.", default="golden")
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    config.addinivalue_line("markers", f"{MARKER}(name, **run_options): verify golden NAME under each combination "
+                                       "of the run options (lists are parametrized); see evalrun.pytest_plugin")
+    config.stash[STATE] = SessionState(config)
+    config.pluginmanager.register(VerdictCollector(config.stash[STATE]), "evalrun-verdicts")
+    _assign_gpu()
+
+
+def _assign_gpu() -> None:
+    """Under xdist, worker gwN sees GPU N mod count; before anything initialises CUDA."""
+    worker = os.environ.get("PYTEST_XDIST_WORKER")
+    if worker and "CUDA_VISIBLE_DEVICES" not in os.environ:
+        device = gpu_for_worker(worker, gpu_count())
+        if device is not None:
+            os.environ["CUDA_VISIBLE_DEVICES"] = device
+
+
+def gpu_count() -> int:
+    """GPUs on this machine without initialising CUDA (nvidia-smi -L); EVALRUN_PYTEST_GPUS overrides."""
+    if os.environ.get("EVALRUN_PYTEST_GPUS"):
+        return int(os.environ["EVALRUN_PYTEST_GPUS"])
+    smi = shutil.which("nvidia-smi")
+    if smi is None:
+        return 0
+    try:
+        listed = subprocess.run([smi, "-L"], capture_output=True, text=True, timeout=30, check=False).stdout
+    except (OSError, subprocess.SubprocessError):
+        return 0
+    return sum(1 for line in listed.splitlines() if line.startswith("GPU "))
+
+
+def gpu_for_worker(worker: str, count: int) -> str | None:
+    """'gw3', 2 GPUs -> '1'; None without GPUs or for a worker id that is not gwN."""
+    if count <= 0 or not worker.startswith("gw") or not worker[2:].isdigit():
+        return None
+    return str(int(worker[2:]) % count)
+
+
+def configs_of(marker: pytest.Mark) -> list[dict[str, Any]]:
+    """The marker's run options as one dict per test: lists (and tuples) multiply out, in order."""
+    options = {k: v for k, v in marker.kwargs.items() if k not in SPECIAL_KEYS}
+    keys = list(options)
+    values = [v if isinstance(v, (list, tuple)) else [v] for v in options.values()]
+    return [dict(zip(keys, combination)) for combination in itertools.product(*values)]
+
+
+def config_id(options: dict[str, Any]) -> str:
+    parts = []
+    for key, value in options.items():
+        parts.append(f"O{value}".replace("O-O", "O").replace("OO", "O") if key == "opt_level" else f"{key}={value}")
+    return "-".join(parts) or "golden"
+
+
+def pytest_generate_tests(metafunc: pytest.Metafunc) -> None:
+    marker = metafunc.definition.get_closest_marker(MARKER)
+    if marker is None or "evalrun_config" not in metafunc.fixturenames:
+        return
+    configs = configs_of(marker)
+    if len(configs) > 1 or configs != [{}]:
+        metafunc.parametrize("evalrun_config", configs, ids=[config_id(c) for c in configs], indirect=True)
+
+
+# ---------------------------------------------------------------- one check
+
+@dataclass
+class GoldenCheck:
+    """What one marked test verifies."""
+
+    name: str
+    directory: Path
+    options: dict[str, Any]
+    create: Any = None
+    strict: bool = False
+    enforce: bool = True
+
+    @property
+    def path(self) -> Path:
+        return self.directory / f"{self.name}.db"
+
+    def create_command(self) -> str:
+        how = ""
+        if isinstance(self.create, str):
+            how = f" --config {self.create}"
+        elif isinstance(self.create, dict):
+            how = "".join(f" --set {k}={v}" for k, v in self.create.items())
+        return f"evalrun golden create {self.name} --dir {self.directory}{how}"
+
+
+@dataclass
+class SessionState:
+    """Per process: loaded models to reuse, goldens already re-created, what was used and seen."""
+
+    config: pytest.Config
+    prepared: dict[tuple, Any] = field(default_factory=dict)
+    updated: set[Path] = field(default_factory=set)
+    used: set[Path] = field(default_factory=set)
+    folders: set[Path] = field(default_factory=set)
+    reports: list[tuple[str, str, str, str]] = field(default_factory=list)  # nodeid, verdict, title, markdown
+    started: float = field(default_factory=time.time)
+
+    def check_for(self, item: pytest.Item, options: dict[str, Any]) -> GoldenCheck:
+        marker = item.get_closest_marker(MARKER)
+        if not marker.args or not isinstance(marker.args[0], str):
+            raise pytest.UsageError(f"{item.nodeid}: @pytest.mark.{MARKER} needs the golden's name as its first "
+                                    f"argument, e.g. @pytest.mark.{MARKER}('smollm2-cpu', opt_level=[0, 2])")
+        folder = Path(marker.kwargs.get("golden_dir") or self.config.getoption("evalrun_golden_dir")
+                      or self.config.getini("evalrun_golden_dir"))
+        if not folder.is_absolute():
+            folder = self.config.rootpath / folder
+        return GoldenCheck(marker.args[0], folder, options, marker.kwargs.get("create"),
+                           bool(marker.kwargs.get("strict")) or self.config.getoption("evalrun_strict"),
+                           marker.kwargs.get("enforce", True))
+
+    def verify(self, check: GoldenCheck, nodeid: str):
+        """The verdict, the stored candidate run's id and the store; the model is loaded once per process
+        for every config that shares it."""
+        from .golden import open_golden
+        from .runner import effective_config, prepare, record
+        from .store import Store, default_store_path
+        from .verify import candidate_config, verify_golden
+
+        golden = open_golden(check.name, check.directory)
+        config = effective_config(candidate_config(golden, None, check.options, ()))
+        key = (config.model, config.device, config.dtype, config.attn_implementation, config.prompts,
+               config.max_new_tokens)
+        self.prepared[key] = prepare(config, reuse=self.prepared.get(key))
+        store_path = self.config.getoption("evalrun_store") or default_store_path()
+        store = Store(store_path)
+        recorded = []
+
+        def observe(phase: str, run) -> None:
+            if phase == "candidate":
+                recorded.append(record(store, run.header, lambda: run, label=f"pytest:{nodeid}"))
+
+        try:
+            verdict = verify_golden(golden, config, check.strict, observe=observe, reuse=self.prepared[key])
+        finally:
+            store.close()
+        return verdict, (recorded[0].run_id if recorded else None), str(store_path)
+
+    def ensure_golden(self, check: GoldenCheck) -> str | None:
+        """Create or re-create the golden as the session asks; a problem message to fail with, or None."""
+        update = self.config.getoption("evalrun_update")
+        if check.path.exists() and not update:
+            return None
+        if not check.path.exists() and not update and _in_ci():
+            return (f"golden {check.path} does not exist, and goldens are never created implicitly when CI is set: "
+                    f"create it with `{check.create_command()}` (or pytest --evalrun-update) and commit it")
+        created = self._create_once(check)
+        if update:
+            return None
+        return (f"golden {check.path} did not exist: created it now ({check.create_command()}); commit it and re-run"
+                if created else None)
+
+    def _create_once(self, check: GoldenCheck) -> bool:
+        from .golden import create_golden
+
+        check.directory.mkdir(parents=True, exist_ok=True)
+        with open(check.directory / ".evalrun-update.lock", "w") as lock:
+            fcntl.flock(lock, fcntl.LOCK_EX)  # xdist workers: one creates, the others find it made
+            if check.path in self.updated:
+                return False
+            session_start = float(getattr(self.config, "workerinput", {}).get("evalrun_started", self.started))
+            if check.path.exists() and check.path.stat().st_mtime >= session_start:
+                self.updated.add(check.path)
+                return False
+            create_golden(check.name, _creation_config(check), check.directory, force=True)
+            self.updated.add(check.path)
+            return True
+
+
+def _creation_config(check: GoldenCheck):
+    from .config import build_config
+    from .golden import open_golden
+
+    if isinstance(check.create, str):
+        return build_config(check.create)
+    if isinstance(check.create, dict):
+        return build_config(flags=check.create)
+    if check.path.exists():  # --evalrun-update without `create`: the golden's own request, again
+        return build_config(base=open_golden(check.name, check.directory).meta["requested_config"])
+    return build_config()
+
+
+def _in_ci() -> bool:
+    return os.environ.get("CI", "").lower() not in ("", "0", "false", "no")
+
+
+# ---------------------------------------------------------------- fixtures and the judgment
+
+@pytest.fixture
+def evalrun_config(request: pytest.FixtureRequest) -> dict[str, Any]:
+    """This test's run options (one combination of the marker's lists)."""
+    return getattr(request, "param", {})
+
+
+@pytest.fixture(autouse=True)
+def _evalrun_golden_check(request: pytest.FixtureRequest, evalrun_config: dict[str, Any]) -> None:
+    """For a marked test: make the verdict before the body runs (errors here are errors, not failures)."""
+    item = request.node
+    if item.get_closest_marker(MARKER) is None:
+        return
+    from .errors import EvalrunError
+
+    state: SessionState = request.config.stash[STATE]
+    check = state.check_for(item, evalrun_config)
+    state.folders.add(check.directory)
+    state.used.add(check.path)
+    item.stash[CHECK] = check
+    try:
+        problem = state.ensure_golden(check)
+        if problem:
+            item.stash[PROBLEM] = problem
+            return
+        verdict, run_id, store = state.verify(check, item.nodeid)
+    except EvalrunError as error:
+        raise EvalrunIncomparable(str(error)) from None
+    item.stash[VERDICT] = verdict
+    _record_properties(item, check, verdict, run_id, store)
+    if verdict.verdict == "incomparable":
+        raise EvalrunIncomparable(f"golden {check.name}: incomparable: {'; '.join(verdict.causes)}")
+
+
+@pytest.fixture
+def evalrun_verdict(request: pytest.FixtureRequest, _evalrun_golden_check):
+    """The `evalrun.verify.Verdict` of this test's golden and config (None before it could be made)."""
+    return request.node.stash.get(VERDICT, None)
+
+
+def _record_properties(item: pytest.Item, check: GoldenCheck, verdict, run_id: str | None, store: str) -> None:
+    from . import verdict_report
+
+    properties = [("evalrun.golden", check.name), ("evalrun.config", config_id(check.options)),
+                  ("evalrun.verdict", verdict.verdict), ("evalrun.distance", f"{verdict.distance:.4g}"),
+                  ("evalrun.closest", verdict.closest), ("evalrun.causes", "; ".join(verdict.causes)),
+                  ("evalrun.run", run_id or ""), ("evalrun.store", store)]
+    item.user_properties.extend(properties)
+    item.add_report_section("call", SECTION, verdict_report.markdown(verdict))
+
+
+@pytest.hookimpl(wrapper=True)
+def pytest_pyfunc_call(pyfuncitem: pytest.Function):
+    problem = pyfuncitem.stash.get(PROBLEM, None)
+    if problem:
+        pytest.fail(problem, pytrace=False)
+    result = yield
+    verdict = pyfuncitem.stash.get(VERDICT, None)
+    check = pyfuncitem.stash.get(CHECK, None)
+    if verdict is None or check is None or not check.enforce:
+        return result
+    summary = f"golden {check.name} [{config_id(check.options)}]: {verdict.verdict}"
+    detail = f"{verdict.causes[0] if verdict.causes else ''}; {verdict.closest} at {verdict.distance:.2f} of its budget"
+    if verdict.verdict == "changed" or (check.strict and verdict.verdict == "drift"):
+        pytest.fail(f"{summary}: {detail}", pytrace=False)
+    if verdict.verdict == "drift":
+        warnings.warn(EvalrunDriftWarning(f"{summary}: {detail}"), stacklevel=1)
+    return result
+
+
+# ---------------------------------------------------------------- the session's end (controller)
+
+class VerdictCollector:
+    """Registered per session: sees every test report, the workers' too under xdist (in the controller)."""
+
+    def __init__(self, state: SessionState):
+        self.state = state
+
+    def pytest_runtest_logreport(self, report: pytest.TestReport) -> None:
+        properties = dict(report.user_properties)
+        if report.when != "call" or "evalrun.verdict" not in properties:
+            return
+        markdown = next((content for name, content in report.sections if name == f"Captured {SECTION} call"), "")
+        title = f"evalrun {properties['evalrun.golden']} [{properties['evalrun.config']}]"
+        self.state.reports.append((report.nodeid, properties["evalrun.verdict"], title, markdown))
+
+
+def pytest_configure_node(node) -> None:  # xdist controller: one session start time for every worker
+    node.workerinput["evalrun_started"] = node.config.stash[STATE].started
+
+
+def pytest_sessionfinish(session: pytest.Session) -> None:
+    state = session.config.stash.get(STATE, None)
+    if state is None:
+        return
+    workeroutput = getattr(session.config, "workeroutput", None)
+    if workeroutput is not None:  # an xdist worker: hand what it used to the controller
+        workeroutput["evalrun_used"] = sorted(str(p) for p in state.used)
+        workeroutput["evalrun_folders"] = sorted(str(p) for p in state.folders)
+
+
+def pytest_testnodedown(node, error) -> None:
+    state = node.config.stash.get(STATE, None)
+    output = getattr(node, "workeroutput", {}) or {}
+    if state is not None:
+        state.used.update(Path(p) for p in output.get("evalrun_used", []))
+        state.folders.update(Path(p) for p in output.get("evalrun_folders", []))
+
+
+def pytest_terminal_summary(terminalreporter, exitstatus, config: pytest.Config) -> None:
+    from .ci_output import annotation, append_step_summary, on_github_actions
+
+    state = config.stash.get(STATE, None)
+    if state is None or getattr(config, "workerinput", None) is not None:
+        return
+    if state.reports:
+        markdown = "\n".join(f"<!-- {nodeid} -->\n{body}" for nodeid, _, _, body in state.reports)
+        counts = {}
+        for _, verdict, _, _ in state.reports:
+            counts[verdict] = counts.get(verdict, 0) + 1
+        heading = "## evalrun: " + ", ".join(f"{n} {v}" for v, n in sorted(counts.items())) + "\n\n"
+        append_step_summary(heading + markdown)
+        comment = config.getoption("evalrun_comment")
+        if comment:
+            Path(comment).write_text(heading + markdown, encoding="utf-8")
+        if on_github_actions():
+            for nodeid, verdict, title, _ in state.reports:
+                line = annotation(verdict, title, f"{nodeid}: {verdict}")
+                if line:
+                    terminalreporter.write_line(line)
+    unused = unused_goldens(state.folders, state.used)
+    if unused:
+        terminalreporter.write_sep("-", "evalrun")
+        terminalreporter.write_line(f"{len(unused)} golden(s) that no test of this session used: "
+                                    + ", ".join(str(p) for p in unused) + " (delete them, or add a test)")
+
+
+def unused_goldens(folders: set[Path], used: set[Path]) -> list[Path]:
+    resolved = {p.resolve() for p in used}
+    return sorted(path for folder in folders if folder.is_dir() for path in folder.glob("*.db")
+                  if path.resolve() not in resolved)
+
+
+STATE = pytest.StashKey[SessionState]()
+CHECK = pytest.StashKey[GoldenCheck]()
+VERDICT = pytest.StashKey[Any]()
+PROBLEM = pytest.StashKey[str]()

@@ -1,0 +1,70 @@
+"""`evalrun bench --compare BASELINE.json --fail-on METRIC:PCT`: a slower PR fails like a wrong one."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from conftest import one_line_exit_2
+from evalrun.bench_compare import FailRule, compare, parse_fail_on, regressions
+from evalrun.errors import ConfigError
+
+ROWS = [{"config": "O0", "tokens_per_s": 90.0, "ttft_ms": 12.0}, {"config": "O2", "tokens_per_s": 200.0, "ttft_ms": 5.0},
+        {"config": "new", "tokens_per_s": 1.0}]
+BASELINE = {"O0": {"config": "O0", "tokens_per_s": 100.0, "ttft_ms": 10.0},
+            "O2": {"config": "O2", "tokens_per_s": 190.0, "ttft_ms": 5.0}}
+
+
+def test_worse_by_more_than_the_allowance_regresses_in_the_metrics_direction():
+    changes = compare(ROWS, BASELINE, [FailRule("tokens_per_s", 5), FailRule("ttft_ms", 25)])
+    by = {(c.config, c.metric): c for c in changes}
+    assert by["O0", "tokens_per_s"].status == "regressed" and by["O0", "tokens_per_s"].change_percent == pytest.approx(-10)
+    assert by["O0", "ttft_ms"].status == "ok" and by["O0", "ttft_ms"].change_percent == pytest.approx(-20)  # slower
+    assert by["O2", "tokens_per_s"].status == "ok" and by["O2", "tokens_per_s"].change_percent > 0
+    assert by["new", "tokens_per_s"].status == "missing"  # no baseline yet: reported, never a failure
+    assert [(c.config, c.metric) for c in regressions(changes)] == [("O0", "tokens_per_s")]
+    assert {c.status for c in compare(ROWS, BASELINE, [])} <= {"reported", "missing"}
+
+
+@pytest.mark.parametrize("text,needle", [("speed:5%", "unknown metric 'speed'"), ("tokens_per_s:-1%", "percentage"),
+                                         ("tokens_per_s:lots", "percentage"), ("tokens_per_s", "percentage")])
+def test_bad_rules_name_the_fix(text, needle):
+    with pytest.raises(ConfigError, match=needle):
+        parse_fail_on(text)
+    assert parse_fail_on("ttft_ms:10%") == FailRule("ttft_ms", 10.0)
+
+
+def _bench(cli, *options):
+    return cli("bench", "--model", "random:tiny", "--prompts", "smoke", "--max-new-tokens", "4", "--matrix", "O0",
+               "--no-baselines", *options)
+
+
+def test_bench_against_a_baseline_passes_or_exits_1_on_a_regression(cli, tmp_path):
+    code, out, err = _bench(cli, "--json")
+    assert code == 0, err
+    measured = json.loads(out)
+    fast = tmp_path / "fast.json"  # a baseline 1000x faster than anything measured here: a regression
+    fast.write_text(json.dumps([{**measured[0], "tokens_per_s": measured[0]["tokens_per_s"] * 1000}]))
+    code, out, err = _bench(cli, "--compare", str(fast), "--fail-on", "tokens_per_s:5%", "--json")
+    data = json.loads(out)
+    assert code == 1 and "O0 tokens_per_s -99.9% (allowed -5%)" in err
+    assert data["comparison"][0]["status"] == "regressed" and data["rows"][0]["config"] == "O0"
+    slow = tmp_path / "slow.json"
+    slow.write_text(json.dumps({"rows": [{**measured[0], "tokens_per_s": measured[0]["tokens_per_s"] / 1000}]}))
+    code, out, err = _bench(cli, "--compare", str(slow), "--fail-on", "tokens_per_s:5%")
+    assert code == 0, err
+    assert "against" in out and "| ok" not in out and " ok" in out
+
+
+_one_line_exit_2 = one_line_exit_2
+
+
+@pytest.mark.parametrize("options,needle", [(["--fail-on", "tokens_per_s:5%"], "--fail-on needs --compare"),
+                                            (["--compare", "missing.json"], "cannot read a bench baseline"),
+                                            (["--compare", "{json}", "--fail-on", "speed:1"], "unknown metric")])
+def test_bad_comparison_input_is_one_line_exit_2_before_any_run(cli, tmp_path, options, needle):
+    baseline = tmp_path / "b.json"
+    baseline.write_text("[]")
+    options = [str(baseline) if o == "{json}" else o for o in options]
+    _one_line_exit_2(cli("bench", "--model", "random:tiny", *options), needle)

@@ -1,0 +1,216 @@
+"""The pytest plugin, tested with pytest's own pytester: real pytest runs (in subprocesses) of test files
+that use the marker against real goldens of random:tiny."""
+
+from __future__ import annotations
+
+import json
+import shutil
+import sqlite3
+import xml.etree.ElementTree as ElementTree
+from pathlib import Path
+
+import pytest
+
+from evalrun.ci_output import annotation
+from evalrun.pytest_plugin import config_id, configs_of, gpu_for_worker
+
+pytest_plugins = ["pytester"]
+
+TINY = {"model": "random:tiny", "prompts": "smoke", "max_new_tokens": 6}
+COUNT_LOADS = '''
+import json, os
+import evalrun.runner as runner
+
+_real, _loads = runner.load_model, []
+
+
+def _counting(*args, **kwargs):
+    _loads.append(args[0])
+    return _real(*args, **kwargs)
+
+
+runner.load_model = _counting
+
+
+def pytest_sessionfinish(session):
+    name = "loads-" + os.environ.get("PYTEST_XDIST_WORKER", "main") + ".json"
+    with open(os.path.join(os.environ["RESULTS"], name), "w") as handle:
+        json.dump(_loads, handle)
+'''
+
+
+@pytest.fixture
+def golden_dir(golden_factory, tmp_path) -> Path:
+    """A private copy of a random:tiny golden `g` (6 tokens, smoke prompts)."""
+    directory = tmp_path / "goldens"
+    shutil.copytree(golden_factory(), directory)
+    return directory
+
+
+@pytest.fixture
+def env(tmp_path, monkeypatch) -> dict[str, Path]:
+    paths = {"store": tmp_path / "store.db", "summary": tmp_path / "summary.md", "results": tmp_path / "results"}
+    paths["results"].mkdir()
+    monkeypatch.setenv("EVALRUN_STORE", str(paths["store"]))
+    monkeypatch.setenv("GITHUB_STEP_SUMMARY", str(paths["summary"]))
+    monkeypatch.setenv("GITHUB_ACTIONS", "true")
+    monkeypatch.setenv("RESULTS", str(paths["results"]))
+    for variable in ("CI", "CUDA_VISIBLE_DEVICES", "PYTEST_XDIST_WORKER", "PYTEST_ADDOPTS"):
+        monkeypatch.delenv(variable, raising=False)
+    return paths
+
+
+def _run(pytester, *args):
+    return pytester.runpytest_subprocess("-p", "no:cacheprovider", "-W", "ignore::DeprecationWarning", *args)
+
+
+def test_configs_multiply_out_and_name_the_tests():
+    marker = pytest.mark.evalrun_golden("g", opt_level=[0, 2], dtype=("float32", "bfloat16"), golden_dir="x",
+                                        create="debug").mark
+    configs = configs_of(marker)
+    assert configs[0] == {"opt_level": 0, "dtype": "float32"} and len(configs) == 4
+    assert [config_id(c) for c in configs[:2]] == ["O0-dtype=float32", "O0-dtype=bfloat16"]
+    assert configs_of(pytest.mark.evalrun_golden("g").mark) == [{}]
+
+
+@pytest.mark.parametrize("worker,count,expected", [("gw0", 2, "0"), ("gw3", 2, "1"), ("gw5", 8, "5"),
+                                                   ("gw1", 0, None), ("master", 2, None)])
+def test_one_gpu_per_xdist_worker(worker, count, expected):
+    assert gpu_for_worker(worker, count) == expected
+
+
+def test_annotations_cannot_start_another_workflow_command():
+    assert annotation("drift", "evalrun g [O2]", "x: drift") == "::warning title=evalrun g [O2]::x: drift"
+    assert annotation("changed", "a,b:c", "line\n::error::forged") == "::error title=a%2Cb%3Ac::line%0A::error::forged"
+    assert annotation("identical", "t", "m") is None
+
+
+def test_parametrized_configs_junit_step_summary_store_and_one_model_load(pytester, golden_dir, env, cli):
+    pytester.makeconftest(COUNT_LOADS)
+    pytester.makepyfile(f'''
+        import pytest
+
+        @pytest.mark.evalrun_golden("g", golden_dir={str(golden_dir)!r}, batch_size=[1, 3])
+        def test_g(evalrun_verdict, evalrun_config):
+            assert evalrun_verdict.verdict in ("identical", "drift")
+            assert evalrun_verdict.candidate_config["batch_size"] == evalrun_config["batch_size"]
+    ''')
+    result = _run(pytester, "--junitxml=report.xml", "-rw")
+    result.assert_outcomes(passed=2, warnings=1)
+    result.stdout.fnmatch_lines(["*EvalrunDriftWarning: golden g ?batch_size=3?: drift*",
+                                 "::warning title=evalrun g ?batch_size=3?::*test_g?batch_size=3?: drift"])
+    assert "::error" not in result.stdout.str()
+    properties = {}
+    for case in ElementTree.parse(pytester.path / "report.xml").getroot().iter("testcase"):
+        properties[case.get("name")] = {p.get("name"): p.get("value") for p in case.iter("property")}
+    assert properties["test_g[batch_size=1]"]["evalrun.verdict"] == "identical"
+    drift = properties["test_g[batch_size=3]"]
+    assert drift["evalrun.verdict"] == "drift" and 0 < float(drift["evalrun.distance"]) < 1
+    assert "config: batch_size 1 -> 3" in drift["evalrun.causes"] and drift["evalrun.golden"] == "g"
+    summary = env["summary"].read_text()
+    assert summary.startswith("## evalrun: 1 drift, 1 identical")
+    assert summary.count("evalrun golden `g`") == 2 and "| prompt |" in summary
+    assert json.loads((env["results"] / "loads-main.json").read_text()) == ["random:tiny"]  # one load, two configs
+    with sqlite3.connect(env["store"]) as db:
+        labels = [row[0] for row in db.execute("SELECT label FROM runs ORDER BY label")]
+    assert labels == ["pytest:test_parametrized_configs_junit_step_summary_store_and_one_model_load.py::"
+                      f"test_g[batch_size={n}]" for n in (1, 3)]
+    code, out, err = cli("diff", drift["evalrun.run"], properties["test_g[batch_size=1]"]["evalrun.run"],
+                         "--store", str(env["store"]), "--json")
+    assert code == 0, err
+    assert {"key": "batch_size", "a": 3, "b": 1} in json.loads(out)["config"]
+
+
+def test_changed_fails_with_the_markdown_verdict_and_strict_fails_drift(pytester, golden_dir, env):
+    pytester.makeconftest('''
+        import evalrun.runner as runner
+        import evalrun.verify as verify
+        from evalrun.engine.faults import Fault, fault_hook
+
+        _real, _hook = runner.prepare, fault_hook(Fault("scale", 0.25))
+
+
+        def _faulty(*args, **kwargs):  # the model computes another function: every run this process prepares
+            prepared = _real(*args, **kwargs)
+            _hook(prepared)
+            return prepared
+
+
+        verify.prepare = _faulty
+    ''')
+    pytester.makepyfile(f'''
+        import pytest
+
+        @pytest.mark.evalrun_golden("g", golden_dir={str(golden_dir)!r})
+        def test_g():
+            pass
+    ''')
+    result = _run(pytester, f"--evalrun-comment={env['results'] / 'comment.md'}")
+    result.assert_outcomes(failed=1)
+    result.stdout.fnmatch_lines(["*golden g ?golden?: changed*", "*Captured evalrun call*",
+                                 "*evalrun golden `g`: **changed***", "::error title=evalrun g ?golden?::*changed"])
+    assert "changed" in (env["results"] / "comment.md").read_text()
+    pytester.makeconftest("")
+    pytester.makepyfile(f'''
+        import pytest
+
+        @pytest.mark.evalrun_golden("g", golden_dir={str(golden_dir)!r}, batch_size=3)
+        def test_g():
+            pass
+    ''')
+    _run(pytester).assert_outcomes(passed=1, warnings=1)
+    strict = _run(pytester, "--evalrun-strict")
+    strict.assert_outcomes(failed=1)
+    strict.stdout.fnmatch_lines(["*golden g ?batch_size=3?: drift*"])
+
+
+def test_missing_golden_under_ci_is_never_created_and_update_creates_it(pytester, env, tmp_path, monkeypatch):
+    folder = tmp_path / "new-goldens"
+    pytester.makepyfile(f'''
+        import pytest
+
+        @pytest.mark.evalrun_golden("h", golden_dir={str(folder)!r}, create={TINY!r})
+        def test_h(evalrun_verdict):
+            assert evalrun_verdict.verdict == "identical"
+    ''')
+    monkeypatch.setenv("CI", "true")
+    result = _run(pytester)
+    result.assert_outcomes(failed=1)
+    result.stdout.fnmatch_lines(["*never created implicitly when CI is set*evalrun golden create h --dir*"
+                                 "--set model=random:tiny*"])
+    assert not (folder / "h.db").exists()
+    monkeypatch.delenv("CI")
+    first = _run(pytester)  # locally: created, and the test fails once (commit it, re-run)
+    first.assert_outcomes(failed=1)
+    first.stdout.fnmatch_lines(["*did not exist: created it now*commit it and re-run*"])
+    made = (folder / "h.db").stat().st_mtime_ns
+    _run(pytester).assert_outcomes(passed=1)
+    assert (folder / "h.db").stat().st_mtime_ns == made
+    _run(pytester, "--evalrun-update").assert_outcomes(passed=1)
+    assert (folder / "h.db").stat().st_mtime_ns > made
+
+
+def test_xdist_workers_take_one_gpu_each_and_unused_goldens_are_listed(pytester, golden_dir, env, monkeypatch):
+    monkeypatch.setenv("EVALRUN_PYTEST_GPUS", "2")
+    shutil.copy(golden_dir / "g.db", golden_dir / "stale.db")
+    pytester.makeconftest(COUNT_LOADS)
+    pytester.makepyfile(f'''
+        import json, os
+        import pytest
+
+        @pytest.mark.evalrun_golden("g", golden_dir={str(golden_dir)!r}, batch_size=[1, 2, 3, 4])
+        def test_g(evalrun_verdict, evalrun_config):
+            worker = os.environ["PYTEST_XDIST_WORKER"]
+            path = os.path.join(os.environ["RESULTS"], "gpu-" + worker + "-" + str(evalrun_config["batch_size"]))
+            with open(path, "w") as handle:
+                handle.write(os.environ["CUDA_VISIBLE_DEVICES"])
+    ''')
+    result = _run(pytester, "-n", "2", "--junitxml=report.xml")
+    result.assert_outcomes(passed=4, warnings=3)
+    seen = {p.name.split("-")[1]: p.read_text() for p in env["results"].glob("gpu-*")}
+    assert seen and all(gpu == str(int(worker[2:]) % 2) for worker, gpu in seen.items())
+    result.stdout.fnmatch_lines([f"*1 golden(s) that no test of this session used: {golden_dir / 'stale.db'}*"])
+    summary = env["summary"].read_text()
+    assert summary.startswith("## evalrun: 3 drift, 1 identical") and summary.count("evalrun golden `g`") == 4
+    loads = [json.loads(p.read_text()) for p in env["results"].glob("loads-gw*.json")]
+    assert all(len(worker_loads) <= 1 for worker_loads in loads) and sum(map(len, loads)) == len(seen)
