@@ -14,6 +14,7 @@ from typing import Any, Callable
 import numpy as np
 import torch
 
+from .compile_cache import cache_counters, cache_evidence, use_evalrun_cache
 from .config import EffectiveConfig, RunConfig, keep_logits_steps, resolve, validate
 from .engine.driver import generate_batch
 from .engine.generate import BatchOutput, BatchSpec
@@ -109,6 +110,7 @@ def prepare(config: RunConfig | EffectiveConfig, reuse: Prepared | None = None) 
     `reuse` shares an already loaded model and prompt set when model, device, dtype and prompts are
     the same (several configs in one process).
     """
+    use_evalrun_cache()  # before anything reads Inductor's cache folder (the first read fixes it for the process)
     effective = config if isinstance(config, EffectiveConfig) else effective_config(config)
     baseline_backend_flags()  # read the environment's own flags before the config changes any
     applied = apply_numerics_flags(effective)  # before anything initialises CUDA
@@ -236,6 +238,7 @@ def execute(prepared: Prepared, forced: dict[int, np.ndarray] | None = None, pro
     device = torch.device(config.device)
     plan = plan_batches(prepared.prompt_set, config)
     batches = [b for b in plan if only is None or set(b) & only]
+    cache_folders, cache_before = use_evalrun_cache(), cache_counters()  # before anything compiles
     mode = prepared.execution_mode()
     prompt_set = prepared.prompt_set
     mode.plan(max(len(ids) for ids in prompt_set.token_ids),
@@ -261,6 +264,7 @@ def execute(prepared: Prepared, forced: dict[int, np.ndarray] | None = None, pro
     generate_seconds = time.perf_counter() - started
     evidence = mode.evidence()
     evidence["config_adjustments"] = list(config.adjustments)
+    evidence["compile_cache"] = cache_evidence(cache_before, cache_folders)
     timings = _timings(prepared, outputs, warmup_seconds, evidence["compile_s"], generate_seconds, device, cold_ttft_ms)
     batch_plan = [{"batch": plan.index(indices), "prompt_ids": [prompt_set.records[j].id for j in indices],
                    "padded_length": int(output.padded_length)} for indices, output in zip(batches, outputs)]

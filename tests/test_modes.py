@@ -176,3 +176,26 @@ def test_more_shapes_than_dynamos_default_recompile_limit(cli, tiny_args, write_
                          "--set", "prefill_buckets=8,16,24,32,40,48,56,64,72,80", "--max-new-tokens", "2")
     assert code == 0, err
     assert json.loads(out)["evidence"]["fallbacks"] == []
+
+
+def test_a_second_process_takes_compiled_graphs_from_evalruns_cache_with_the_same_bits(tmp_path):
+    """Inductor's caches live under EVALRUN_CACHE; the first process compiles (misses), the second hits,
+    each run's evidence says which, and the logits are the same bits."""
+    import os
+    import subprocess
+    import sys
+
+    env = {key: value for key, value in os.environ.items() if not key.startswith(("TORCHINDUCTOR", "TRITON"))}
+    env.update(EVALRUN_CACHE=str(tmp_path / "cache"), EVALRUN_STORE=str(tmp_path / "store.db"))
+    command = [sys.executable, "-m", "evalrun", "run", "--model", "random:tiny", "--prompts", "smoke",
+               "--max-new-tokens", "3", "--compilation-mode", "piecewise", "--json", "--quiet"]
+    runs = []
+    for _ in range(2):
+        done = subprocess.run(command, env=env, capture_output=True, text=True, timeout=600)
+        assert done.returncode == 0, done.stderr[-2000:]
+        runs.append(json.loads(done.stdout))
+    cold, warm = (run["evidence"]["compile_cache"] for run in runs)
+    assert cold["folder"].startswith(str(tmp_path / "cache" / "compile" / "torch-"))
+    assert cold["misses"] > 0 and cold["hits"] == 0
+    assert warm["hits"] == cold["misses"] and warm["misses"] == 0
+    assert runs[0]["logits_digest"] == runs[1]["logits_digest"]

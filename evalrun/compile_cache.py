@@ -1,0 +1,70 @@
+"""Inductor's compile caches under evalrun's cache folder, and what a run took from them.
+
+Inductor keeps compiled FX graphs and max-autotune's kernel choices on disk (`TORCHINDUCTOR_CACHE_DIR`,
+by default a per-user folder under /tmp that a reboot or a fresh CI runner loses), Triton its kernel
+binaries (`TRITON_CACHE_DIR`). evalrun points both at `EVALRUN_CACHE/compile/torch-V-triton-W/`
+unless the user set them, so a second `golden verify -O3` skips compiling and autotuning, and CI can
+cache one folder (examples/github-actions/evalrun.yml caches EVALRUN_CACHE).
+
+Can a cache change numerics unnoticed? Inductor's own keys cover the graph, the Inductor config and
+the torch/triton/device versions, so a hit gives the code a cold compile of the same graph would give,
+except where a cold compile is itself not deterministic: max-autotune picks kernels by timing, and a
+warm run replays the choice the cold one made. Each run therefore records, as evidence, the cache
+folder and how many graphs were cache hits, misses and bypasses (`compile_cache`); `evalrun diff`
+shows it beside the config, and `TORCHINDUCTOR_FORCE_DISABLE_CACHES=1` (an environment factor of the
+fingerprint) compiles everything afresh.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+from pathlib import Path
+from typing import Any
+
+CACHE_VARIABLES = ("TORCHINDUCTOR_CACHE_DIR", "TRITON_CACHE_DIR")
+
+
+def cache_folder() -> Path:
+    """EVALRUN_CACHE/compile/torch-<version>-triton-<version>: one folder per compiler build."""
+    import torch
+
+    from .models import cache_root
+
+    try:
+        import triton
+
+        triton_version = triton.__version__
+    except ImportError:
+        triton_version = "none"
+    name = re.sub(r"[^A-Za-z0-9_.+-]", "_", f"torch-{torch.__version__}-triton-{triton_version}")
+    return cache_root() / "compile" / name
+
+
+def use_evalrun_cache() -> dict[str, str]:
+    """Point Inductor's and Triton's caches into evalrun's cache folder where the user has not chosen one;
+    returns the folders in effect. Before anything compiles (Inductor reads the variables when it first
+    writes)."""
+    folder = cache_folder()
+    defaults = {"TORCHINDUCTOR_CACHE_DIR": folder / "inductor", "TRITON_CACHE_DIR": folder / "triton"}
+    for variable, path in defaults.items():
+        if not os.environ.get(variable):
+            path.mkdir(parents=True, exist_ok=True)
+            os.environ[variable] = str(path)
+    return {variable: os.environ[variable] for variable in CACHE_VARIABLES}
+
+
+def cache_counters() -> dict[str, int]:
+    """Inductor's FX-graph cache counters so far in this process."""
+    from torch._dynamo.utils import counters
+
+    inductor = counters["inductor"]
+    return {"hits": int(inductor["fxgraph_cache_hit"]), "misses": int(inductor["fxgraph_cache_miss"]),
+            "bypasses": int(inductor["fxgraph_cache_bypass"])}
+
+
+def cache_evidence(before: dict[str, int], folders: dict[str, str]) -> dict[str, Any]:
+    """What one run took from the cache: graphs hit, missed (compiled and written) and bypassed."""
+    after = cache_counters()
+    return {"folder": folders.get("TORCHINDUCTOR_CACHE_DIR"), **{k: after[k] - before[k] for k in after},
+            "disabled": os.environ.get("TORCHINDUCTOR_FORCE_DISABLE_CACHES") == "1"}
