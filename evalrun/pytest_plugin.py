@@ -350,6 +350,7 @@ class VerdictCollector:
         self.state.reports.append((report.nodeid, properties["evalrun.verdict"], title, markdown))
 
 
+@pytest.hookimpl(optionalhook=True)  # an xdist hook: pytest without xdist does not know it
 def pytest_configure_node(node) -> None:  # xdist controller: one session start time for every worker
     node.workerinput["evalrun_started"] = node.config.stash[STATE].started
 
@@ -364,6 +365,7 @@ def pytest_sessionfinish(session: pytest.Session) -> None:
         workeroutput["evalrun_folders"] = sorted(str(p) for p in state.folders)
 
 
+@pytest.hookimpl(optionalhook=True)
 def pytest_testnodedown(node, error) -> None:
     state = node.config.stash.get(STATE, None)
     output = getattr(node, "workeroutput", {}) or {}

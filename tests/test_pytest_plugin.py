@@ -214,3 +214,10 @@ def test_xdist_workers_take_one_gpu_each_and_unused_goldens_are_listed(pytester,
     assert summary.startswith("## evalrun: 3 drift, 1 identical") and summary.count("evalrun golden `g`") == 4
     loads = [json.loads(p.read_text()) for p in env["results"].glob("loads-gw*.json")]
     assert all(len(worker_loads) <= 1 for worker_loads in loads) and sum(map(len, loads)) == len(seen)
+
+
+def test_the_plugin_loads_without_xdist(pytester):
+    """Its xdist hooks are optional: a project without pytest-xdist still runs (here: xdist blocked)."""
+    pytester.makepyfile("def test_plain():\n    pass\n")
+    result = pytester.runpytest_subprocess("-p", "no:cacheprovider", "-p", "no:xdist")
+    result.assert_outcomes(passed=1)
