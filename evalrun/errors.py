@@ -32,6 +32,10 @@ class ModelError(EvalrunError):
     """A model reference cannot be resolved or loaded."""
 
 
+class UnsupportedModelError(ModelError):
+    """The model's config asks for something evalrun's engine does not compute (engine.model_support)."""
+
+
 class PromptError(EvalrunError):
     """A prompt set file is missing or malformed."""
 

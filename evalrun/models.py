@@ -5,7 +5,7 @@ References:
   random:tiny       a tiny Llama with seeded weights and a byte-level tokenizer (fast tests)
   random:smollm2    SmolLM2-135M's shape, seeded weights, SmolLM2's tokenizer
   random:llama3-8b  Llama-3-8B's shape, seeded weights, SmolLM2's tokenizer
-  PATH/             a local Hugging Face model directory
+  PATH/             a local Hugging Face model directory (Llama, Qwen2/2.5 or Qwen3: engine/model_support.py)
   PATH.gguf         a GGUF file (loaded with transformers' GGUF support)
   owner/name        a hub id, where the machine has a network
 
@@ -30,6 +30,7 @@ import numpy as np
 import torch
 
 from .engine.mixing import GOLDEN_GAMMA, logical_shift_right, splitmix64
+from .engine.model_support import check_architecture
 from .errors import ModelError
 from .hashing import hash_bytes, hash_value
 
@@ -271,10 +272,30 @@ def decoder_for(record: Any):
     return decode
 
 
+CONFIG_JSON_LIMIT = 4 << 20  # bytes; a config.json is a few kB
+
+
+def check_directory_family(directory: Path) -> None:
+    """Refuse, before any weight is read, a model folder whose config.json names a family evalrun's
+    engine does not run (one line naming the families it runs). A config.json that is missing or not
+    JSON is left to the loader, whose message says so."""
+    path = directory / "config.json"
+    try:
+        if path.stat().st_size > CONFIG_JSON_LIMIT:
+            raise ModelError(f"{path} is larger than {CONFIG_JSON_LIMIT >> 20} MiB; it is not a model config")
+        config = json.loads(path.read_text(encoding="utf-8"))
+    except (OSError, ValueError, RecursionError):
+        return
+    if isinstance(config, dict):
+        check_architecture(config)
+
+
 def _load_directory(ref: str, directory: Path | str, device: torch.device, dtype: torch.dtype, attn: str,
                     source: dict[str, Any]) -> LoadedModel:
     from transformers import AutoModelForCausalLM
 
+    if isinstance(directory, Path):
+        check_directory_family(directory)
     try:
         model = _quietly(AutoModelForCausalLM.from_pretrained, directory, dtype="auto", attn_implementation=attn)
         tokenizer = load_tokenizer(directory)

@@ -18,6 +18,7 @@ from .compile_cache import cache_counters, cache_evidence, use_evalrun_cache
 from .config import EffectiveConfig, RunConfig, keep_logits_steps, resolve, validate
 from .engine.driver import generate_batch
 from .engine.generate import BatchOutput, BatchSpec
+from .engine.model_support import check_config
 from .engine.modes import ExecutionMode, build_execution_mode
 from .engine.timing import latency_summary, peak_memory_bytes, reset_peak_memory
 from .engine.transformer import Transformer
@@ -119,6 +120,7 @@ def prepare(config: RunConfig | EffectiveConfig, reuse: Prepared | None = None) 
         loaded, prompt_set = reuse.loaded, reuse.prompt_set
     else:
         loaded = load_model(effective.model, effective.device, effective.dtype, effective.attn_implementation)
+        check_config(loaded.model.config.to_dict())  # before any prompt is read or token computed
         prompt_set = load_prompt_set(effective.prompts, loaded.tokenizer, context_limit=loaded.context_limit,
                                      new_tokens=effective.max_new_tokens)
     load_seconds = time.perf_counter() - started

@@ -14,6 +14,10 @@ key/value head are stacked as R*T query rows of that head ([B, G, R*T, D]), so a
 on every side and the additive mask [B, 1, R*T, S], built once per forward, serves every layer. That
 keeps CUDA's SDPA on its fused memory-efficient kernel (one launch per layer) where `enable_gqa` with
 a mask falls back to the unfused math path.
+
+Families: Llama (optional attention and MLP biases), Qwen2/2.5 (q/k/v biases) and Qwen3 (RMSNorm of
+each query and key head before rotary); every config field is checked first (`model_support`), so a
+config asking for what this forward does not compute is refused, never run as another model.
 """
 
 from __future__ import annotations
@@ -24,9 +28,9 @@ from typing import Callable
 import torch
 import torch.nn.functional as F
 
-from ..errors import ModelError
+from .model_support import FAMILIES, check_config
 
-SUPPORTED_ARCHITECTURES = ("llama",)
+SUPPORTED_ARCHITECTURES = tuple(FAMILIES)
 
 
 @dataclass
@@ -37,10 +41,16 @@ class LayerWeights:
     post_norm: torch.Tensor  # [hidden]
     gate_up: torch.Tensor  # [2*inter, hidden]: gate and up projections stacked
     down: torch.Tensor  # [hidden, inter]
+    qkv_bias: torch.Tensor | None = None  # [(H+2G)*D]
+    o_bias: torch.Tensor | None = None  # [hidden]
+    gate_up_bias: torch.Tensor | None = None  # [2*inter]
+    down_bias: torch.Tensor | None = None  # [hidden]
+    q_norm: torch.Tensor | None = None  # [D], Qwen3's per-head query RMSNorm
+    k_norm: torch.Tensor | None = None  # [D], Qwen3's per-head key RMSNorm
 
 
 def stack_rows(module_weights: list[torch.nn.Parameter]) -> torch.Tensor:
-    """Stack weight matrices [n_i, hidden] row-wise into one [sum n_i, hidden] tensor, and make each
+    """Stack weight matrices [n_i, hidden] (or biases [n_i]) row-wise into one [sum n_i, hidden] tensor, and make each
     parameter a view of its rows, so the stacked tensor costs no memory beyond the model's own.
 
     One matrix product over the stack replaces several (vLLM's merged QKV and gate/up projections).
@@ -53,7 +63,7 @@ def stack_rows(module_weights: list[torch.nn.Parameter]) -> torch.Tensor:
     adjacent = all(w.untyped_storage().data_ptr() == first.untyped_storage().data_ptr() and w.is_contiguous()
                    and w.storage_offset() == offset for w, offset in zip(module_weights, offsets))
     if adjacent:
-        return first.detach().as_strided((rows, first.shape[1]), (first.shape[1], 1))
+        return first.detach().as_strided((rows, *first.shape[1:]), first.stride())
     stacked = torch.cat([w.detach() for w in module_weights])
     start = 0
     for weight in module_weights:
@@ -76,18 +86,17 @@ class KVCache:
 
 
 class Transformer:
-    """Callable forward of a Llama-family model: (tokens, positions, slots, key_valid, cache) -> logits."""
+    """Callable forward of a supported model: (tokens, positions, slots, key_valid, cache) -> logits."""
 
     def __init__(self, hf_model: torch.nn.Module, attn_implementation: str = "sdpa"):
         config = hf_model.config
-        if getattr(config, "model_type", None) not in SUPPORTED_ARCHITECTURES:
-            raise ModelError(f"architecture {config.model_type!r} is not supported by evalrun's engine; "
-                             f"supported: {', '.join(SUPPORTED_ARCHITECTURES)}")
+        check_config(config.to_dict())  # refuses, with one line, any field this forward does not compute
         inner = hf_model.model
         self.heads = config.num_attention_heads
         self.kv_heads = config.num_key_value_heads
         self.head_dim = getattr(config, "head_dim", None) or config.hidden_size // self.heads
         self.eps = config.rms_norm_eps
+        self.activation = config.hidden_act
         self.attn_implementation = attn_implementation
         self.embed = inner.embed_tokens.weight  # [V, hidden]
         self.final_norm = inner.norm.weight
@@ -106,12 +115,16 @@ class Transformer:
     @staticmethod
     def _layer(layer: torch.nn.Module) -> LayerWeights:
         attention, mlp = layer.self_attn, layer.mlp
-        if getattr(attention.q_proj, "bias", None) is not None:
-            raise ModelError("attention biases are not supported by evalrun's engine")
-        qkv = stack_rows([attention.q_proj.weight, attention.k_proj.weight, attention.v_proj.weight])
+        qkv_projections = [attention.q_proj, attention.k_proj, attention.v_proj]
+        qkv = stack_rows([p.weight for p in qkv_projections])
         gate_up = stack_rows([mlp.gate_proj.weight, mlp.up_proj.weight])
+        norms = [getattr(attention, name, None) for name in ("q_norm", "k_norm")]
         return LayerWeights(layer.input_layernorm.weight, qkv, attention.o_proj.weight,
-                            layer.post_attention_layernorm.weight, gate_up, mlp.down_proj.weight)
+                            layer.post_attention_layernorm.weight, gate_up, mlp.down_proj.weight,
+                            qkv_bias=_stacked_biases(qkv_projections), o_bias=attention.o_proj.bias,
+                            gate_up_bias=_stacked_biases([mlp.gate_proj, mlp.up_proj]), down_bias=mlp.down_proj.bias,
+                            q_norm=None if norms[0] is None else norms[0].weight,
+                            k_norm=None if norms[1] is None else norms[1].weight)
 
     def new_cache(self, batch: int, slots: int) -> KVCache:
         return KVCache(len(self.layers), batch, self.kv_heads, slots, self.head_dim, self.dtype, self.device)
@@ -132,9 +145,10 @@ class Transformer:
                                           self.rope_scale, self.heads // self.kv_heads)
         shape = (self.heads, self.kv_heads, self.head_dim, self.eps)
         for index, w in enumerate(self.layers):
-            q, kv = self.pre_attention(x, cos, sin, w.input_norm, w.qkv, *shape)
+            q, kv = self.pre_attention(x, cos, sin, w.input_norm, w.qkv, *shape, w.qkv_bias, w.q_norm, w.k_norm)
             attended = self.attend(index, q, kv, slots, mask, cache)
-            x = self.post_attention(x, attended, w.o, w.post_norm, w.gate_up, w.down, self.eps)
+            x = self.post_attention(x, attended, w.o, w.post_norm, w.gate_up, w.down, self.eps, self.activation,
+                                    w.o_bias, w.gate_up_bias, w.down_bias)
         return self.head(x[:, -1], self.final_norm, self.lm_head, self.eps)
 
     def forward_states(self, tokens: torch.Tensor, positions: torch.Tensor, slots: torch.Tensor,
@@ -149,12 +163,23 @@ class Transformer:
                                        self.rope_scale, self.heads // self.kv_heads)
         shape, states = (self.heads, self.kv_heads, self.head_dim, self.eps), []
         for index, w in enumerate(self.layers):
-            q, kv = p.pre_attention(x, cos, sin, w.input_norm, w.qkv, *shape)
-            x = p.output_projection(x, self.attend(index, q, kv, slots, mask, cache), w.o)
+            q, kv = p.pre_attention(x, cos, sin, w.input_norm, w.qkv, *shape, w.qkv_bias, w.q_norm, w.k_norm)
+            x = p.output_projection(x, self.attend(index, q, kv, slots, mask, cache), w.o, w.o_bias)
             states.append(x)
-            x = p.mlp_block(x, w.post_norm, w.gate_up, w.down, self.eps)
+            x = p.mlp_block(x, w.post_norm, w.gate_up, w.down, self.eps, self.activation, w.gate_up_bias,
+                            w.down_bias)
             states.append(x)
         return states + [p.head(x, self.final_norm, self.lm_head, self.eps)]
+
+
+def _stacked_biases(projections: list[torch.nn.Module]) -> torch.Tensor | None:
+    """The biases of projections whose weights are stacked, stacked the same way [sum n_i]; None
+    without biases. model_support has vouched that they come all or none (one config switch)."""
+    biases = [p.bias for p in projections]
+    if all(b is None for b in biases):
+        return None
+    assert all(b is not None for b in biases), "a stacked projection without its bias"
+    return stack_rows(biases)
 
 
 # The pure pieces of the forward. Piecewise compilation compiles these (one compiled artefact per
@@ -190,32 +215,58 @@ def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch
 
 
 def pre_attention(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, input_norm: torch.Tensor,
-                  wqkv: torch.Tensor, heads: int, kv_heads: int, head_dim: int,
-                  eps: float) -> tuple[torch.Tensor, torch.Tensor]:
-    """x [B, T, hidden] -> q [B, H, T, D] and kv [2, B, G, T, D] (keys, values), rotary applied to q and k."""
+                  wqkv: torch.Tensor, heads: int, kv_heads: int, head_dim: int, eps: float,
+                  bqkv: torch.Tensor | None = None, q_norm: torch.Tensor | None = None,
+                  k_norm: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """x [B, T, hidden] -> q [B, H, T, D] and kv [2, B, G, T, D] (keys, values), rotary applied to q and k.
+
+    bqkv [(H+2G)*D]: the q/k/v biases (Qwen2, Llama's attention_bias); q_norm, k_norm [D]: Qwen3's
+    RMSNorm of each query and key head, applied before rotary."""
     batch, tokens, _ = x.shape
-    qkv = F.linear(rms_norm(x, input_norm, eps), wqkv).view(batch, tokens, heads + 2 * kv_heads, head_dim)
+    qkv = F.linear(rms_norm(x, input_norm, eps), wqkv, bqkv).view(batch, tokens, heads + 2 * kv_heads, head_dim)
     q, k, v = qkv.transpose(1, 2).split([heads, kv_heads, kv_heads], dim=1)
+    if q_norm is not None:
+        q, k = rms_norm(q, q_norm, eps), rms_norm(k, k_norm, eps)
     return apply_rotary(q, cos, sin), torch.stack((apply_rotary(k, cos, sin), v))
 
 
 def post_attention(x: torch.Tensor, attended: torch.Tensor, wo: torch.Tensor, post_norm: torch.Tensor,
-                   gate_up: torch.Tensor, down: torch.Tensor, eps: float) -> torch.Tensor:
+                   gate_up: torch.Tensor, down: torch.Tensor, eps: float, activation: str = "silu",
+                   bo: torch.Tensor | None = None, b_gate_up: torch.Tensor | None = None,
+                   b_down: torch.Tensor | None = None) -> torch.Tensor:
     """x [B, T, hidden], attended [B, H, T, D] -> x after the output projection and the MLP."""
-    return mlp_block(output_projection(x, attended, wo), post_norm, gate_up, down, eps)
+    return mlp_block(output_projection(x, attended, wo, bo), post_norm, gate_up, down, eps, activation, b_gate_up,
+                     b_down)
 
 
-def output_projection(x: torch.Tensor, attended: torch.Tensor, wo: torch.Tensor) -> torch.Tensor:
-    """The attention sub-block's end: x [B, T, hidden] + the output projection of attended [B, H, T, D]."""
+def output_projection(x: torch.Tensor, attended: torch.Tensor, wo: torch.Tensor,
+                      bo: torch.Tensor | None = None) -> torch.Tensor:
+    """The attention sub-block's end: x [B, T, hidden] + the output projection of attended [B, H, T, D]
+    (bo [hidden]: its bias, where the config has one)."""
     batch, tokens, _ = x.shape
-    return x + F.linear(attended.transpose(1, 2).reshape(batch, tokens, -1), wo)
+    return x + F.linear(attended.transpose(1, 2).reshape(batch, tokens, -1), wo, bo)
+
+
+def activate(x: torch.Tensor, name: str) -> torch.Tensor:
+    """The feed-forward activation `name` (transformers' ACT2FN name; model_support.ACTIVATIONS), elementwise."""
+    if name in ("silu", "swish"):
+        return F.silu(x)
+    if name == "gelu":
+        return F.gelu(x)
+    if name == "gelu_pytorch_tanh":
+        return F.gelu(x, approximate="tanh")
+    if name == "relu":
+        return F.relu(x)
+    raise AssertionError(f"activation {name!r} passed model_support but is not computed here")
 
 
 def mlp_block(x: torch.Tensor, post_norm: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor,
-              eps: float) -> torch.Tensor:
-    """The MLP sub-block with its residual: x [B, T, hidden] -> x + down(silu(gate) * up) of norm(x)."""
-    gate, up = F.linear(rms_norm(x, post_norm, eps), gate_up).chunk(2, dim=-1)
-    return x + F.linear(F.silu(gate) * up, down)
+              eps: float, activation: str = "silu", b_gate_up: torch.Tensor | None = None,
+              b_down: torch.Tensor | None = None) -> torch.Tensor:
+    """The MLP sub-block with its residual: x [B, T, hidden] -> x + down(act(gate) * up) of norm(x);
+    b_gate_up [2*inter] and b_down [hidden] are its biases where the config has them."""
+    gate, up = F.linear(rms_norm(x, post_norm, eps), gate_up, b_gate_up).chunk(2, dim=-1)
+    return x + F.linear(activate(gate, activation) * up, down, b_down)
 
 
 def head(last: torch.Tensor, final_norm: torch.Tensor, lm_head: torch.Tensor, eps: float) -> torch.Tensor:

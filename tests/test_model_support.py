@@ -1,0 +1,231 @@
+"""Every family the engine runs matches transformers, field by field; every config it does not compute is
+refused with one line (engine/model_support.py holds the table)."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+from conftest import one_line_exit_2
+from evalrun.engine.driver import generate_batch
+from evalrun.engine.generate import BatchSpec
+from evalrun.engine.model_support import FAMILIES, check_config
+from evalrun.engine.transformer import Transformer
+from evalrun.errors import UnsupportedModelError
+from evalrun.models import byte_tokenizer, load_model
+
+STEPS = 32
+MAX_ABS_LOGITS = 1e-4  # float32 on CPU; measured differences are ~1e-6 (the test prints them)
+TINY = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+            vocab_size=320, max_position_embeddings=256, bos_token_id=1, eos_token_id=2, pad_token_id=0)
+LLAMA3_ROPE = {"rope_type": "llama3", "rope_theta": 10000.0, "factor": 8.0, "low_freq_factor": 1.0,
+               "high_freq_factor": 4.0, "original_max_position_embeddings": 64}
+YARN_ROPE = {"rope_type": "yarn", "rope_theta": 10000.0, "factor": 4.0, "original_max_position_embeddings": 64}
+LINEAR_ROPE = {"rope_type": "linear", "rope_theta": 10000.0, "factor": 2.0}
+
+# (family, config overrides): each switches on one feature the engine implements (or one inert field).
+CASES = {
+    "llama": ("llama", {}),
+    "llama-mqa": ("llama", {"num_key_value_heads": 1}),
+    "llama-head-dim-32": ("llama", {"head_dim": 32}),
+    "llama-tied": ("llama", {"tie_word_embeddings": True}),
+    "llama-mlp-bias": ("llama", {"mlp_bias": True}),
+    "llama-attention-bias": ("llama", {"attention_bias": True}),
+    "llama-gelu": ("llama", {"hidden_act": "gelu"}),
+    "llama-gelu-tanh-biases": ("llama", {"hidden_act": "gelu_pytorch_tanh", "mlp_bias": True, "attention_bias": True}),
+    "llama-relu": ("llama", {"hidden_act": "relu"}),
+    "llama-rope-llama3": ("llama", {"rope_parameters": LLAMA3_ROPE}),
+    "llama-rope-yarn": ("llama", {"rope_parameters": YARN_ROPE}),
+    "llama-rope-linear": ("llama", {"rope_parameters": LINEAR_ROPE}),
+    "llama-inert-fields": ("llama", {"attention_dropout": 0.25, "pretraining_tp": 2, "rms_norm_eps": 1e-3}),
+    "qwen2": ("qwen2", {}),
+    "qwen2-tied-yarn": ("qwen2", {"tie_word_embeddings": True, "rope_parameters": YARN_ROPE}),
+    "qwen3": ("qwen3", {"head_dim": 32}),
+    "qwen3-attention-bias-gelu": ("qwen3", {"attention_bias": True, "hidden_act": "gelu_pytorch_tanh"}),
+}
+
+
+def _config(family: str, **overrides):
+    from transformers import LlamaConfig, Qwen2Config, Qwen3Config
+
+    classes = {"llama": LlamaConfig, "qwen2": Qwen2Config, "qwen3": Qwen3Config}
+    architectures = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM"}
+    return classes[family](**{**TINY, "architectures": [architectures[family]], **overrides})
+
+
+@torch.no_grad()
+def _randomize(model: torch.nn.Module, seed: int) -> None:
+    """Every parameter random, biases and norm weights included (transformers initialises biases to 0
+    and norms to 1, which would hide a dropped bias or norm)."""
+    generator = torch.Generator().manual_seed(seed)
+    for name, param in sorted(model.named_parameters()):
+        noise = torch.randn(param.shape, generator=generator)
+        if param.ndim == 1:
+            param.copy_((1.0 if "norm" in name else 0.0) + 0.3 * noise)
+        else:
+            param.copy_(noise * (1.0 if "embed" in name else param.shape[1] ** -0.5))
+
+
+def _checkpoint(directory: Path, family: str, seed: int = 0, **overrides) -> Path:
+    """A tiny random checkpoint of `family` saved by transformers: config.json, safetensors, tokenizer."""
+    from transformers import AutoModelForCausalLM
+
+    torch.manual_seed(seed)
+    model = AutoModelForCausalLM.from_config(_config(family, **overrides))
+    _randomize(model, seed)
+    model.save_pretrained(directory)
+    byte_tokenizer().save_pretrained(directory)
+    return directory
+
+
+def _hf_greedy(model: torch.nn.Module, ids: list[int], steps: int) -> tuple[list[int], np.ndarray]:
+    """transformers' own forward, the whole sequence each step: tokens and last-position logits [steps, V]."""
+    tokens, logits = list(ids), []
+    with torch.no_grad():
+        for _ in range(steps):
+            last = model(torch.tensor([tokens])).logits[0, -1]
+            logits.append(last.numpy())
+            tokens.append(int(last.argmax()))
+    return tokens[len(ids):], np.stack(logits)
+
+
+@pytest.mark.parametrize("case", list(CASES))
+def test_engine_matches_transformers_over_a_32_token_greedy_decode(tmp_path, case):
+    family, overrides = CASES[case]
+    loaded = load_model(str(_checkpoint(tmp_path / case, family, **overrides)), "cpu", "float32")
+    assert loaded.model.config.model_type == family
+    ids = loaded.tokenizer("The engine must compute this model and no other")["input_ids"]
+    out = generate_batch(Transformer(loaded.model, "sdpa"), BatchSpec([ids], STEPS, pad_id=0, keep_logits=True))
+    expected_tokens, expected_logits = _hf_greedy(loaded.model, ids, STEPS)
+    ours = out.logits[0].view(np.float32)  # [steps, V]
+    difference = float(np.abs(ours - expected_logits).max())
+    print(f"{case}: max abs logits difference {difference:.2e}")
+    assert out.tokens[0].tolist() == expected_tokens
+    assert difference < MAX_ABS_LOGITS, difference
+    assert np.abs(expected_logits).max() > 0.1  # the logits are not degenerate
+
+
+@pytest.mark.parametrize("case,switch", [
+    ("llama-mlp-bias", lambda s: s.update({k: v + 1 for k, v in s.items() if "mlp" in k and k.endswith("bias")})),
+    ("llama-attention-bias", lambda s: s.update({k: v + 1 for k, v in s.items() if "v_proj.bias" in k})),
+    ("qwen2", lambda s: s.update({k: v + 1 for k, v in s.items() if "q_proj.bias" in k})),
+    ("qwen3", lambda s: s.update({k: v * 2 for k, v in s.items() if "k_norm" in k})),
+])
+def test_each_implemented_feature_changes_the_engines_logits(tmp_path, case, switch):
+    """The features are really computed: editing only their weights changes the engine's logits."""
+    from safetensors.torch import load_file, save_file
+
+    family, overrides = CASES[case]
+    directory = _checkpoint(tmp_path / case, family, **overrides)
+    ids = [5, 6, 7, 8]
+
+    def logits() -> np.ndarray:
+        loaded = load_model(str(directory), "cpu", "float32")
+        return generate_batch(Transformer(loaded.model), BatchSpec([ids], 1, pad_id=0, keep_logits=True)).logits
+
+    before = logits()
+    state = load_file(directory / "model.safetensors")
+    switch(state)
+    save_file(state, directory / "model.safetensors", metadata={"format": "pt"})
+    assert not np.array_equal(before, logits())
+
+
+def test_every_field_of_every_supported_familys_config_has_a_rule():
+    """A field a new transformers adds to a family's config must be audited before the engine runs it."""
+    for family in FAMILIES:
+        config = _config(family).to_dict()
+        missing = sorted(set(config) - set(FAMILIES[family]))
+        assert missing == [], f"{family}: no rule for {missing}"
+        assert check_config(config) == family
+
+
+REFUSED = [
+    ("llama", {"hidden_act": "gelu_new"}, "'hidden_act' = 'gelu_new'"),
+    ("llama", {"hidden_act": "tanh"}, "'hidden_act' = 'tanh'"),
+    ("llama", {"rope_parameters": {"rope_type": "dynamic", "rope_theta": 1e4, "factor": 2.0}}, "'rope_parameters'"),
+    ("llama", {"rope_parameters": {"rope_type": "linear", "rope_theta": 1e4, "factor": 2.0,
+                                   "partial_rotary_factor": 0.5}}, "partial_rotary_factor"),
+    ("llama", {"sliding_window": 16}, "'sliding_window' = 16 is a setting of another family"),
+    ("llama", {"final_logit_softcapping": 30.0}, "'final_logit_softcapping'"),
+    ("llama", {"attn_logit_softcapping": 50.0}, "'attn_logit_softcapping'"),
+    ("llama", {"rope_interleaved": True}, "'rope_interleaved'"),
+    ("llama", {"some_new_switch": 3}, "'some_new_switch' = 3 is not a field evalrun knows"),
+    ("llama", {"pruned_heads": {"0": [1]}}, "'pruned_heads'"),
+    ("qwen2", {"use_sliding_window": True, "sliding_window": 8, "max_window_layers": 1},
+     "'use_sliding_window' = True"),
+    ("qwen3", {"layer_types": ["full_attention", "sliding_attention"], "sliding_window": 8}, "'layer_types'"),
+    ("qwen2", {"mlp_bias": True}, "'mlp_bias' = True is not a field evalrun knows for Qwen2/2.5"),
+]
+
+
+@pytest.mark.parametrize("family,overrides,needle", REFUSED)
+def test_configs_the_engine_does_not_compute_are_refused_naming_the_field(family, overrides, needle):
+    config = _config(family).to_dict()
+    config.update(overrides)
+    with pytest.raises(UnsupportedModelError, match="evalrun") as error:
+        check_config(config)
+    message = str(error.value)
+    assert needle in message and "\n" not in message, message
+
+
+def test_off_values_of_unknown_fields_pass():
+    config = _config("llama").to_dict()
+    config.update(sliding_window=None, use_sliding_window=False, rope_interleaved=False, unknown_empty={})
+    assert check_config(config) == "llama"
+
+
+def test_the_engine_itself_refuses_a_config_it_does_not_compute():
+    """Not only the runner: any Transformer built over such a module refuses (bench, bisect, tests)."""
+    loaded = load_model("random:tiny", "cpu", "float32")
+    loaded.model.config.hidden_act = "gelu_new"
+    with pytest.raises(UnsupportedModelError, match="hidden_act"):
+        Transformer(loaded.model)
+
+
+def _edit_config(directory: Path, **fields) -> Path:
+    path = directory / "config.json"
+    config = json.loads(path.read_text())
+    config.update(fields)
+    path.write_text(json.dumps(config))
+    return directory
+
+
+@pytest.mark.parametrize("fields,needles", [
+    ({"hidden_act": "gelu_new"}, ["'hidden_act' = 'gelu_new'", "silu"]),
+    ({"sliding_window": 16}, ["'sliding_window' = 16", "remove it from config.json"]),
+    ({"rope_scaling": {"rope_type": "dynamic", "factor": 2.0}}, ["'rope_parameters'", "dynamic"]),
+])
+def test_run_refuses_an_unsupported_config_with_one_line(tmp_path, cli, store_path, fields, needles):
+    directory = _edit_config(_checkpoint(tmp_path / "model", "llama"), **fields)
+    result = cli("run", "--model", str(directory), "--prompts", "smoke", "--max-new-tokens", "2",
+                 "--store", str(store_path))
+    one_line_exit_2(result, *needles)
+    assert not store_path.exists() or "run" not in result[1]
+
+
+@pytest.mark.parametrize("model_type", ["mistral", "gpt2", "made_up_family"])
+def test_run_on_an_unsupported_architecture_names_the_supported_families(tmp_path, cli, store_path, model_type):
+    directory = _edit_config(_checkpoint(tmp_path / "model", "llama"), model_type=model_type,
+                             architectures=["SomethingForCausalLM"])
+    result = cli("run", "--model", str(directory), "--prompts", "smoke", "--store", str(store_path))
+    one_line_exit_2(result, f"model_type '{model_type}' is not a family evalrun's engine runs",
+                    "Llama (model_type 'llama')", "Qwen2/2.5 (model_type 'qwen2')", "Qwen3 (model_type 'qwen3')")
+
+
+def test_run_refuses_architectures_that_do_not_match_the_model_type(tmp_path, cli, store_path):
+    directory = _edit_config(_checkpoint(tmp_path / "model", "llama"), architectures=["MistralForCausalLM"])
+    result = cli("run", "--model", str(directory), "--prompts", "smoke", "--store", str(store_path))
+    one_line_exit_2(result, "architectures ['MistralForCausalLM'] is not LlamaForCausalLM")
+
+
+def test_run_on_a_qwen3_folder_records_its_tokens(tmp_path, cli, store_path):
+    directory = _checkpoint(tmp_path / "qwen3", "qwen3", head_dim=32)
+    code, out, err = cli("run", "--model", str(directory), "--prompts", "smoke", "--max-new-tokens", "4",
+                         "--store", str(store_path), "--json", "--quiet")
+    assert code == 0, err
+    data = json.loads(out)
+    assert len(data["results"]) == 3 and all(len(r["tokens"]) == 4 for r in data["results"])
