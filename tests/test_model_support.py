@@ -229,3 +229,46 @@ def test_run_on_a_qwen3_folder_records_its_tokens(tmp_path, cli, store_path):
     assert code == 0, err
     data = json.loads(out)
     assert len(data["results"]) == 3 and all(len(r["tokens"]) == 4 for r in data["results"])
+
+
+# ---------------------------------------------------------------- bfloat16 on a GPU, within the drift envelope
+
+ENVELOPE_MULTIPLIER = 3  # the verdict's rule: within 3x the error of a known-good implementation of the same dtype
+
+
+def _relative_rms(values: np.ndarray, reference: np.ndarray) -> float:
+    """[steps, V] against [steps, V] float64: RMS error over RMS of the reference."""
+    return float(np.sqrt(np.mean((values - reference) ** 2)) / np.sqrt(np.mean(reference ** 2)))
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("case", list(CASES))
+def test_engine_in_bfloat16_on_cuda_stays_within_transformers_bfloat16_envelope(tmp_path, case):
+    """Along one path (float64 greedy tokens), the engine's bfloat16 logits are within 3x the error that
+    transformers' own bfloat16 forward makes against its float64 forward: drift, not another model."""
+    from transformers import AutoModelForCausalLM
+
+    from evalrun.compare import bits_to_float
+
+    family, overrides = CASES[case]
+    directory = _checkpoint(tmp_path / case, family, **overrides)
+    reference_model = AutoModelForCausalLM.from_pretrained(directory, dtype=torch.float64).cuda().eval()
+    hf_bf16 = AutoModelForCausalLM.from_pretrained(directory, dtype=torch.bfloat16).cuda().eval()
+    loaded = load_model(str(directory), "cuda", "bfloat16")
+    ids = loaded.tokenizer("The engine must compute this model and no other")["input_ids"]
+    tokens = list(ids)
+    with torch.no_grad():
+        for _ in range(STEPS):  # the float64 greedy path, then every model scored along it
+            tokens.append(int(reference_model(torch.tensor([tokens], device="cuda")).logits[0, -1].argmax()))
+        sequence = torch.tensor([tokens], device="cuda")
+        span = slice(len(ids) - 1, len(tokens) - 1)  # the positions that predict each generated token
+        reference = reference_model(sequence).logits[0, span].cpu().numpy()
+        theirs = hf_bf16(sequence).logits[0, span].double().cpu().numpy()
+    forced = [np.array(tokens[len(ids):], dtype=np.int64)]
+    out = generate_batch(Transformer(loaded.model, "sdpa"),
+                         BatchSpec([ids], STEPS, pad_id=0, keep_logits=True, forced_tokens=forced))
+    ours = bits_to_float(out.logits[0], "bfloat16")
+    ours_error, their_error = _relative_rms(ours, reference), _relative_rms(theirs, reference)
+    print(f"{case}: engine bf16 {ours_error:.3g}, transformers bf16 {their_error:.3g} "
+          f"(ratio {ours_error / their_error:.2f})")
+    assert 0 < their_error and ours_error <= ENVELOPE_MULTIPLIER * their_error, (ours_error, their_error)
