@@ -397,6 +397,40 @@ def diff(run_a, run_b, store_path, golden_dir, prompt_ids, output_format, as_jso
 
 
 @cli.command()
+@run_options
+@store_option
+@click.option("--batch-sizes", default="1,4,16", show_default=True, metavar="N,N,...",
+              help="Batch sizes to place each prompt in (1, alone, is always run: the reference).")
+@click.option("--positions", default="first,middle,last", show_default=True, metavar="first,middle,last",
+              help="Rows of each batch the prompt is placed at.")
+@click.option("--repeats", type=click.IntRange(min=1, max=100), default=2, show_default=True,
+              help="Runs of each cell (run-to-run determinism).")
+@output_options("text", "json", "markdown")
+@quiet_option
+def invariance(store_path, batch_sizes, positions, repeats, output_format, as_json, quiet, **kwargs) -> None:
+    """Run each prompt alone and inside batches at several positions, N times each; report what varies.
+
+    Every run is stored (`evalrun diff` works between them). Exit 0 whatever is measured.
+
+    \b
+    Example:
+      evalrun invariance --model random:tiny --prompts smoke --batch-sizes 1,4,16 --repeats 2
+      evalrun invariance --set batch_invariant=true --format markdown
+    """
+    from .invariance import measure_invariance, parse_batch_sizes, parse_positions
+    from .invariance_report import invariance_markdown, invariance_text
+
+    config = config_from(kwargs)
+    sizes, places = parse_batch_sizes(batch_sizes), parse_positions(positions)
+    outcome = measure_invariance(config, sizes, places, repeats, open_store(store_path), phase_progress(quiet))
+    chosen = chosen_format(output_format, as_json)
+    if chosen == "json":
+        click.echo(report.to_json(outcome.as_dict()))
+    else:
+        click.echo(invariance_markdown(outcome) if chosen == "markdown" else invariance_text(outcome))
+
+
+@cli.command()
 @click.option("--model", help="Model reference (default smollm2-135m).")
 @click.option("--prompts", metavar="FILE.jsonl", help="Prompt set.")
 @click.option("--dtype", metavar="T", help="float32|bfloat16|float16.")

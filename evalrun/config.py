@@ -105,8 +105,10 @@ OPT_LEVEL_KNOBS = ("compilation_mode", "cudagraph_mode", *INDUCTOR_KNOBS)  # wha
 # The hashed factors, in the order bisect walks them: compilation before CUDA graphs before Inductor
 # knobs before precision flags before shapes (torch's bisector: backends before subsystems).
 NUMERICS_FACTORS = ("device", "dtype", "compilation_mode", "cudagraph_mode", *INDUCTOR_KNOBS, "attn_implementation",
-                    "tf32", "deterministic", "batch_size", "prefill_buckets", "batch_buckets")
+                    "tf32", "deterministic", "batch_invariant", "batch_size", "prefill_buckets", "batch_buckets")
 WORKLOAD_FACTORS = ("model", "prompts", "max_new_tokens", "top_k", "temperature", "seed")
+# Knobs added after runs and goldens were first stored: a stored config without one ran at this value.
+OPTIONAL_STORED = {"batch_invariant": False}
 
 
 @dataclass
@@ -129,6 +131,7 @@ class RunConfig:
     warmup: int = 1
     deterministic: bool = False
     tf32: bool = False
+    batch_invariant: bool = False  # each row computed as if alone: bits independent of the batch (engine/modes.py)
     max_autotune: bool | None = None
     coordinate_descent_tuning: bool | None = None
     epilogue_fusion: bool | None = None
@@ -163,6 +166,7 @@ class EffectiveConfig:
     warmup: int
     deterministic: bool
     tf32: bool
+    batch_invariant: bool
     max_autotune: bool
     coordinate_descent_tuning: bool
     epilogue_fusion: bool
@@ -208,6 +212,7 @@ class EffectiveConfig:
         if not isinstance(data, dict):
             raise ConfigError("stored effective config is not an object")
         names = [f.name for f in dataclasses.fields(cls)]
+        data = {**OPTIONAL_STORED, **data}
         missing = [name for name in names if name not in data and name != "adjustments"]
         if missing:
             raise ConfigError(f"stored effective config lacks {', '.join(missing)}")

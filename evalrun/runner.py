@@ -137,6 +137,15 @@ def plan_batches(prompt_set: PromptSet, config: EffectiveConfig) -> list[list[in
     return [list(range(start, min(start + size, count))) for start in range(0, count, size)]
 
 
+@dataclass(frozen=True)
+class Placement:
+    """A batch plan chosen by the caller (`evalrun invariance`): prompt indices per batch in row order,
+    and per batch the one row whose result the run records (its companions only share the batch)."""
+
+    batches: list[list[int]]
+    recorded_rows: list[int]
+
+
 def row_seed(prompt_id: str, seed: int) -> int:
     return int(hash_value([prompt_id, seed])[:15], 16)
 
@@ -158,13 +167,15 @@ def batch_spec(prepared: Prepared, indices: list[int], forced: dict[int, np.ndar
                probes: Probes | None = None) -> BatchSpec:
     """The engine's description of one batch of the run."""
     config, prompt_set = prepared.config, prepared.prompt_set
-    steps = max(steps_for(prompt_set, index, config) for index in indices)
+    row_steps = [steps_for(prompt_set, index, config) for index in indices]
+    steps = max(row_steps)
     return BatchSpec(
         [prompt_set.token_ids[index] for index in indices], steps, _pad_id(prepared.loaded), config.top_k,
         config.temperature, [row_seed(prompt_set.records[i].id, config.seed) for i in indices],
         any(keep_logits_steps(config.keep_logits, prompt_set.records[i].id, steps) for i in indices),
         [forced[i] for i in indices] if forced else None,
-        [probes.ids[i] for i in indices] if probes else None, probes.own_topk if probes else 0)
+        [probes.ids[i] for i in indices] if probes else None, probes.own_topk if probes else 0,
+        row_steps=row_steps if len(set(row_steps)) > 1 else None)
 
 
 def to_results(prepared: Prepared, batch_index: int, indices: list[int], output: BatchOutput) -> list[PromptResult]:
@@ -220,6 +231,8 @@ def warmup_batches(batches: list[list[int]], prepared: Prepared, mode: Execution
     """One batch per distinct shape (batch bucket, prefill bucket): warm-up compiles and captures each
     shape the run will use, so a trace-once run never compiles while it is measured."""
     chosen: dict[tuple[int, int], list[int]] = {}
+    if mode.batch_invariant:  # rows run as batches of one: those are the shapes to warm
+        batches = [[index] for indices in batches for index in indices]
     for indices in batches:
         prompts = [prepared.prompt_set.token_ids[i] for i in indices]
         chosen.setdefault((mode.padded_batch(len(indices)), mode.padded_length(prompts)), indices)
@@ -227,19 +240,23 @@ def warmup_batches(batches: list[list[int]], prepared: Prepared, mode: Execution
 
 
 def execute(prepared: Prepared, forced: dict[int, np.ndarray] | None = None, probes: Probes | None = None,
-            progress: Progress | None = None, only: set[int] | None = None, timed: bool = True) -> Run:
+            progress: Progress | None = None, only: set[int] | None = None, timed: bool = True,
+            placement: Placement | None = None) -> Run:
     """Warm up, then run every batch of the plan (or only those holding a prompt index in `only`).
 
     `forced` feeds given tokens per prompt index instead of the model's own choices (forced
     decoding); `probes` records the logits at given ids. Batch composition is always the plan's,
     so a partial re-run computes the same bits as the full one would. `timed=False` skips the
     warm-up of eager modes (runs made for their numbers, not their timings); static modes always warm
-    up, since that is where they compile and capture.
+    up, since that is where they compile and capture. `placement` replaces the plan: each batch then
+    records one row's result (a prompt placed among companions).
     """
     config = prepared.config
     device = torch.device(config.device)
-    plan = plan_batches(prepared.prompt_set, config)
-    batches = [b for b in plan if only is None or set(b) & only]
+    plan = placement.batches if placement else plan_batches(prepared.prompt_set, config)
+    kept = placement.recorded_rows if placement else [None] * len(plan)
+    chosen = [number for number, b in enumerate(plan) if only is None or set(b) & only]
+    batches = [plan[number] for number in chosen]
     cache_folders, cache_before = use_evalrun_cache(), cache_counters()  # before anything compiles
     mode = prepared.execution_mode()
     prompt_set = prepared.prompt_set
@@ -257,19 +274,22 @@ def execute(prepared: Prepared, forced: dict[int, np.ndarray] | None = None, pro
     mode.start_measuring()
     results, outputs = [], []
     started = time.perf_counter()
-    for indices in batches:
+    for number, indices in zip(chosen, batches):
         output = generate_batch(mode.transformer, batch_spec(prepared, indices, forced, probes), mode)
         outputs.append(output)
-        results += to_results(prepared, plan.index(indices), indices, output)
+        batch_results = to_results(prepared, number, indices, output)
+        results += batch_results if kept[number] is None else [batch_results[kept[number]]]
         if progress:
-            progress(len(indices))
+            progress(len(indices) if kept[number] is None else 1)
     generate_seconds = time.perf_counter() - started
     evidence = mode.evidence()
     evidence["config_adjustments"] = list(config.adjustments)
     evidence["compile_cache"] = cache_evidence(cache_before, cache_folders)
     timings = _timings(prepared, outputs, warmup_seconds, evidence["compile_s"], generate_seconds, device, cold_ttft_ms)
-    batch_plan = [{"batch": plan.index(indices), "prompt_ids": [prompt_set.records[j].id for j in indices],
-                   "padded_length": int(output.padded_length)} for indices, output in zip(batches, outputs)]
+    batch_plan = [{"batch": number, "prompt_ids": [prompt_set.records[j].id for j in indices],
+                   "padded_length": int(output.padded_length)}
+                  | ({"recorded_row": kept[number]} if kept[number] is not None else {})
+                  for number, indices, output in zip(chosen, batches, outputs)]
     run = Run(prepared.header, results, timings, evidence, batch_plan)
     if config.strict_config and evidence["fallbacks"]:
         raise FallbackError("the requested mode fell back (" + "; ".join(evidence["fallbacks"])

@@ -290,11 +290,36 @@ def _verify_runs(context: Context, function_check: str) -> Verdict:
         return context.verdict("identical", prompts, "skipped: identical", "skipped: identical")
     if not context.config_diff and not context.env_diff:
         context.causes.append("nondeterminism: same config and environment, different bits")
+    composition = batch_composition_cause(context.config_diff, context.env_diff, context.golden_results, free.results)
+    if composition:
+        context.causes.append(composition)
     forced = _forced_results(context, free, prompts)
     function_line, function_reports, function_set = _function_check(context, forced, function_check)
     envelope_names, members = _envelope(context)
     execution = _execution_check(context, forced, members, prompts)
     return _decide(context, prompts, function_line, function_reports, function_set, envelope_names, execution)
+
+
+def batch_composition_cause(config_diff: list[tuple[str, Any, Any]], env_diff: list[tuple[str, Any, Any]],
+                            golden_results: list[PromptResult], results: list[PromptResult]) -> str | None:
+    """The cause line when the only difference between golden and candidate is the batch each prompt ran
+    in (batch_size, nothing else in config or environment), naming how many prompts changed batch."""
+    if env_diff or [key for key, _, _ in config_diff] != ["batch_size"]:
+        return None
+    (_, before, after), = config_diff
+    golden_batches, batches = _companions(golden_results), _companions(results)
+    moved = sum(golden_batches[r.prompt_index] != batches.get(r.prompt_index) for r in golden_results)
+    return (f"batch composition: the only difference is the batch each prompt ran in (batch_size {before} -> "
+            f"{after}; {moved} of {len(golden_results)} prompts in another batch or row); this engine's bits depend "
+            "on the batch: `evalrun invariance` measures it, --set batch_invariant=true removes it")
+
+
+def _companions(results: list[PromptResult]) -> dict[int, tuple]:
+    """prompt index -> (its row, the prompt indices of its batch)."""
+    members: dict[int, list[int]] = {}
+    for result in results:
+        members.setdefault(result.batch_index, []).append(result.prompt_index)
+    return {r.prompt_index: (r.batch_row, tuple(members[r.batch_index])) for r in results}
 
 
 def _free_verdicts(golden_results: list[PromptResult], results: list[PromptResult]) -> list[PromptVerdict]:

@@ -158,3 +158,25 @@ def test_attention_takes_any_output_layout_of_the_fused_kernel(monkeypatch):
     out = transformer.attention(q, k, v, mask, "sdpa")
     monkeypatch.setattr(transformer.F, "scaled_dot_product_attention", real)
     torch.testing.assert_close(out, transformer.attention(q, k, v, mask, "sdpa"), rtol=0, atol=0)
+
+
+def test_batch_invariant_mode_gives_every_row_the_bits_of_the_prompt_alone(tiny):
+    """Default: the same prompts batched change logits bits (measured on CPU fp32: gemm vs gemv rows,
+    SDPA with padding and cache length). batch_invariant: every row, at any position, equals the prompt
+    alone with its own step count (the cache length follows it)."""
+    from evalrun.engine.modes import ExecutionMode
+
+    loaded, model = tiny
+    prompts = [_ids(loaded, text) for text in ("A long prompt about rivers and towns", "Hi", "Numbers: 1 2 3")]
+    steps = [8, 5, 8]
+    invariant = ExecutionMode(model, batch_invariant=True)
+    alone = [generate_batch(model, BatchSpec([ids], n, pad_id=0)) for ids, n in zip(prompts, steps)]
+    default = generate_batch(model, BatchSpec(prompts, 8, pad_id=0))
+    assert any(not np.array_equal(default.digests[row, :5], alone[row].digests[0, :5]) for row in range(3))
+    for order in ([0, 1, 2], [2, 0, 1], [1, 2, 0]):
+        spec = BatchSpec([prompts[i] for i in order], 8, pad_id=0, keep_logits=True, row_steps=[steps[i] for i in order])
+        batched = generate_batch(model, spec, invariant)
+        for row, index in enumerate(order):
+            assert np.array_equal(batched.digests[row, :steps[index]], alone[index].digests[0])
+            assert np.array_equal(batched.tokens[row, :steps[index]], alone[index].tokens[0])
+        assert batched.logits.shape[:2] == (3, 8) and not batched.tokens[order.index(1), 5:].any()

@@ -37,6 +37,8 @@ def test_batch_change_is_drift_and_strict_fails(verify, o0, tmp_path):
     code, verdict, _ = verify(o0, "--batch-size", "3", "--junit", str(junit))
     assert (code, verdict["verdict"]) == (0, "drift")
     assert any(c["key"] == "batch_size" for c in verdict["config_diff"])
+    assert any(c.startswith("batch composition: the only difference is the batch") and "3 of 3 prompts" in c
+               for c in verdict["causes"]), verdict["causes"]
     assert verdict["function_check"].startswith("reproduced")  # same environment: bit for bit
     assert 0 < verdict["distance"] < 1 and verdict["closest"]
     assert all(p["execution"]["distance"] < 1 for p in verdict["prompts"])
@@ -51,6 +53,7 @@ def test_another_dtype_is_judged_against_a_reference_of_that_dtype(verify, o0):
     code, verdict, _ = verify(o0, "--dtype", "bfloat16")
     assert (code, verdict["verdict"]) == (0, "drift"), verdict["causes"]
     assert "run here" in verdict["envelope"][0] and "envelope_s" in verdict["timings"]
+    assert not any("batch composition" in cause for cause in verdict["causes"])
     assert verdict["function_check"].startswith("reproduced")
 
 

@@ -2,14 +2,15 @@
 
 `generate_batch` pads the prompts as the mode wants, takes the mode's workspace for that shape,
 loads the batch into it, then runs prefill and the decode steps through the mode (eager, compiled,
-CUDA graphs) with a step clock that never syncs inside the loop.
+CUDA graphs) with a step clock that never syncs inside the loop. A batch-invariant mode runs each row
+as a batch of one (its own padding, cache length and kernels: the bits of the prompt run alone).
 """
 
 from __future__ import annotations
 
 import torch
 
-from .generate import BatchOutput, BatchSpec, PaddedBatch, load_batch
+from .generate import BatchOutput, BatchSpec, PaddedBatch, load_batch, stack_outputs
 from .modes import ExecutionMode, eager_mode
 from .timing import StepClock
 from .transformer import Transformer
@@ -23,6 +24,13 @@ def generate_batch(model: Transformer, spec: BatchSpec, mode: ExecutionMode | No
     runs eagerly in a fresh workspace.
     """
     mode = mode or eager_mode(model)
+    if mode.batch_invariant and len(spec.prompts) > 1:
+        rows = [_generate(model, spec.row(index), mode) for index in range(len(spec.prompts))]
+        return stack_outputs(rows, spec.steps)
+    return _generate(model, spec, mode)
+
+
+def _generate(model: Transformer, spec: BatchSpec, mode: ExecutionMode) -> BatchOutput:
     prompts = spec.prompts
     padded_length, batch = mode.padded_length(prompts), mode.padded_batch(len(prompts))
     rows = prompts + [prompts[-1]] * (batch - len(prompts))  # batch-bucket filler rows repeat the last prompt

@@ -12,6 +12,7 @@ token does not stop the loop; the runner records where it first appeared.
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 from typing import Callable
 
@@ -47,6 +48,15 @@ class BatchSpec:
     probe_ids: list[np.ndarray] | None = None
     probe_own_topk: int = 0
     capture: bool = True
+    row_steps: list[int] | None = None  # each row's own step count (<= steps), where rows differ
+
+    def row(self, index: int) -> "BatchSpec":
+        """Row `index` as a batch of one, decoded for its own step count (batch-invariant execution)."""
+        pick = lambda values: [values[index]] if values is not None else None  # noqa: E731
+        steps = self.row_steps[index] if self.row_steps is not None else self.steps
+        return dataclasses.replace(self, prompts=[self.prompts[index]], steps=steps, row_seeds=pick(self.row_seeds),
+                                   forced_tokens=pick(self.forced_tokens), probe_ids=pick(self.probe_ids),
+                                   row_steps=None)
 
     def layout(self) -> tuple:
         """What fixes a workspace's buffers, besides its shape: batches with equal layouts share one."""
@@ -69,6 +79,27 @@ class BatchOutput:
     padded_length: int = 0  # P, the prompt length the batch was padded to
     probe_ids: np.ndarray | None = None  # [B, N, K'] int64, when probed
     probe_values: np.ndarray | None = None  # [B, N, K'] float64 logits at the probe ids, when probed
+
+
+def stack_outputs(outputs: list[BatchOutput], steps: int) -> BatchOutput:
+    """Batches of one row each -> one batch of `steps` steps (a row's steps past its own stay zero).
+
+    step_ms sums the rows' step times: the rows ran one after another, so that is the batch's wall time."""
+    def stacked(name: str) -> np.ndarray | None:
+        arrays = [getattr(output, name) for output in outputs]
+        if arrays[0] is None:
+            return None
+        full = np.zeros((len(arrays), steps) + arrays[0].shape[2:], dtype=arrays[0].dtype)
+        for row, array in enumerate(arrays):
+            full[row, :array.shape[1]] = array[0]
+        return full
+
+    step_ms = np.zeros(steps)
+    for output in outputs:
+        step_ms[:len(output.step_ms)] += output.step_ms
+    return BatchOutput(stacked("tokens"), stacked("digests"), stacked("topk_ids"), stacked("topk_values"),
+                       stacked("margins"), stacked("logits"), step_ms, max(o.padded_length for o in outputs),
+                       stacked("probe_ids"), stacked("probe_values"))
 
 
 @dataclass

@@ -18,6 +18,15 @@ CUDA graph modes
 
 Static modes (anything but none/none) pad prompts to prefill buckets and batches to batch buckets
 and keep one workspace per batch bucket for the whole run, so shapes repeat and graphs replay.
+
+Batch invariance (`batch_invariant=True`): every row of a batch is computed as a batch of one, in a
+workspace padded to its own prompt length (driver.generate_batch), so each reduction runs in the same
+order as when the prompt runs alone, whatever its companions and position. Measured on CPU (MKL,
+fp32): a linear layer's row changes bits between 1-3 rows and 4+ rows (gemv/small-M kernels), and
+SDPA's output changes with the left padding and the cache length a batch imposes; RMSNorm is
+row-local. Rows one at a time removes both causes at once. On a GPU the same mode is correct but
+serial; fixed-split kernels (vLLM's and SGLang's batch-invariant matmul, RMSNorm and attention) would
+keep the batch's throughput (not built yet).
 """
 
 from __future__ import annotations
@@ -73,6 +82,7 @@ class ExecutionMode:
     batch_buckets: tuple[int, ...] = DEFAULT_BATCH_BUCKETS
     inductor_options: dict[str, Any] = field(default_factory=dict)
     fallbacks: list[str] = field(default_factory=list)
+    batch_invariant: bool = False  # rows run one at a time (driver.generate_batch)
 
     def __post_init__(self) -> None:
         self.static = (self.compilation_mode, self.cudagraph_mode) != (CompilationMode.NONE, CUDAGraphMode.NONE)
@@ -308,7 +318,7 @@ def build_execution_mode(transformer: Transformer, config: EffectiveConfig) -> E
         torch._dynamo.reset()  # Dynamo's caches are not keyed on Inductor config: never reuse another config's
         allow_recompiles_for(config.prefill_buckets, config.batch_buckets)
     return ExecutionMode(transformer, config.compilation_mode, config.cudagraph_mode, config.prefill_buckets,
-                         config.batch_buckets, config.inductor_options())
+                         config.batch_buckets, config.inductor_options(), batch_invariant=config.batch_invariant)
 
 
 def state_pieces(config: EffectiveConfig) -> StatePieces:

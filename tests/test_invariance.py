@@ -1,0 +1,96 @@
+"""evalrun invariance: placement of prompts among companions, the per-prompt analysis, the default engine's
+batch dependence on CPU and the batch-invariant mode's bit-identity, the CLI's formats and bad input."""
+
+import json
+
+import pytest
+
+from evalrun.config import RunConfig
+from evalrun.errors import ConfigError
+from evalrun.invariance import (Cell, cells_for, measure_invariance, parse_batch_sizes, parse_positions,
+                                placement)
+
+from conftest import one_line_exit_2
+
+
+def test_batch_sizes_and_positions_parse_and_alone_is_always_the_reference():
+    assert parse_batch_sizes("16,4") == [1, 4, 16]
+    assert parse_positions("last, first") == ["first", "last"]
+    assert [c.name for c in cells_for([1, 4], ["first", "last"])] == ["alone", "b4/first", "b4/last"]
+    for bad in ("", "0", "a,b", "1,99999"):
+        with pytest.raises(ConfigError):
+            parse_batch_sizes(bad)
+    with pytest.raises(ConfigError):
+        parse_positions("side")
+
+
+@pytest.mark.parametrize("position, row", [("first", 0), ("middle", 2), ("last", 3)])
+def test_each_prompt_is_placed_at_its_row_among_other_prompts(position, row):
+    layout = placement(5, Cell(4, position))
+    assert layout.recorded_rows == [row] * 5
+    for target, batch in enumerate(layout.batches):
+        assert len(batch) == 4 and batch[row] == target and batch.count(target) == 1
+
+
+def test_a_set_smaller_than_the_batch_repeats_companions():
+    layout = placement(2, Cell(16, "middle"))
+    assert [b[8] for b in layout.batches] == [0, 1] and layout.batches[0].count(1) == 15
+    assert placement(1, Cell(4, "first")).batches == [[0, 0, 0, 0]]
+
+
+def _measure(**flags):
+    config = RunConfig(model="random:tiny", prompts="smoke", max_new_tokens=4, **flags)
+    return measure_invariance(config, [1, 4, 16], ["first", "middle", "last"], 2, None)
+
+
+def test_the_default_engine_on_cpu_changes_bits_with_the_batch_not_run_to_run():
+    """Measured on CPU fp32: a prompt in a batch of 4 or 16 has other logits bits than alone (tokens
+    stay), while repeats are bit-identical."""
+    report = _measure()
+    assert report.run_to_run_deterministic and not report.batch_invariant
+    assert len(report.runs) == 14 and {r["batch_size"] for r in report.runs} == {1, 4, 16}
+    for prompt in report.prompts:
+        assert prompt.unique_logits_digests > 1 and prompt.first_divergent_step == 0
+        assert prompt.margin_at_divergence is not None and {"b4/first", "b16/last"} <= set(prompt.differs_in)
+
+
+def test_batch_invariant_mode_is_bit_identical_across_batch_sizes_and_positions():
+    report = _measure(batch_invariant=True)
+    assert report.batch_invariant and report.run_to_run_deterministic
+    assert report.config["batch_invariant"] is True
+    for prompt in report.prompts:
+        assert (prompt.unique_token_sequences, prompt.unique_logits_digests) == (1, 1)
+        assert (prompt.first_divergent_step, prompt.differs_in) == (-1, [])
+
+
+def test_cli_json_stores_ordinary_runs_that_diff_compares(cli, tiny_args, store_path):
+    code, out, err = cli("invariance", *tiny_args, "--batch-sizes", "4", "--positions", "last", "--repeats", "1",
+                         "--json", "--quiet")
+    assert code == 0, err
+    report = json.loads(out)
+    assert [r["cell"] for r in report["runs"]] == ["alone", "b4/last"]
+    assert report["batch_invariant"] is False and len(report["prompts"]) == 3
+    alone, batched = (r["run_id"] for r in report["runs"])
+    code, out, err = cli("diff", alone, batched, "--store", str(store_path), "--json")
+    assert code == 0, err
+    assert json.loads(out)["config"] == [{"key": "batch_size", "a": 1, "b": 4}]
+    code, out, _ = cli("store", "show", batched, "--store", str(store_path), "--json")
+    batches = json.loads(out)["batches"]
+    assert [(b["recorded_row"], b["prompt_ids"][3]) for b in batches] == [(3, "capital"), (3, "chat-hello"), (3, "zh-short")]
+
+
+def test_cli_markdown_names_the_summary_and_escapes_prompt_ids(cli, tiny_args):
+    code, out, err = cli("invariance", *tiny_args, "--batch-sizes", "1,4", "--positions", "first", "--repeats", "1",
+                         "--set", "batch_invariant=true", "--format", "markdown", "--quiet")
+    assert code == 0, err
+    assert out.startswith("### evalrun invariance: batch-invariant: yes; run-to-run deterministic: yes")
+    assert "| chat\\-hello | 1 | 1 |" in out
+
+
+@pytest.mark.parametrize("options, needle", [
+    (("--batch-sizes", "0,4"), "--batch-sizes"), (("--batch-sizes", "x"), "--batch-sizes"),
+    (("--positions", "side"), "--positions"), (("--repeats", "0"), "repeats"),
+    (("--set", "batch_invariant=maybe"), "batch_invariant"),
+])
+def test_cli_bad_input_is_one_line_and_exit_2(cli, tiny_args, options, needle):
+    one_line_exit_2(cli("invariance", *tiny_args, *options, "--quiet"), needle)
