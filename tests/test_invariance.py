@@ -63,6 +63,19 @@ def test_batch_invariant_mode_is_bit_identical_across_batch_sizes_and_positions(
         assert (prompt.first_divergent_step, prompt.differs_in) == (-1, [])
 
 
+@pytest.mark.gpu
+@pytest.mark.parametrize("opt_level", [0, 2])
+def test_on_cuda_batch_invariant_mode_is_bit_identical_eager_and_with_cuda_graphs(opt_level):
+    """The GPU half: bfloat16, eager and -O2 (piecewise compile, full-and-piecewise CUDA graphs)."""
+    report = _measure(device="cuda", dtype="bfloat16", opt_level=opt_level, batch_invariant=True)
+    assert report.batch_invariant and report.run_to_run_deterministic
+    assert all((p.unique_token_sequences, p.unique_logits_digests) == (1, 1) for p in report.prompts)
+    default = _measure(device="cuda", dtype="bfloat16", opt_level=opt_level)
+    assert default.run_to_run_deterministic  # what varies with the batch is reported either way
+    print(f"-O{opt_level} default engine: batch-invariant {default.batch_invariant}; "
+          f"{[(p.prompt_id, p.unique_logits_digests, p.differs_in) for p in default.prompts]}")
+
+
 def test_cli_json_stores_ordinary_runs_that_diff_compares(cli, tiny_args, store_path):
     code, out, err = cli("invariance", *tiny_args, "--batch-sizes", "4", "--positions", "last", "--repeats", "1",
                          "--json", "--quiet")
