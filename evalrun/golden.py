@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import math
 import os
 import re
 import sqlite3
@@ -190,7 +191,17 @@ class Golden:
                 "device": pinned.config["device"], "dtype": pinned.config["dtype"],
                 "opt_level": pinned.config["opt_level"], "oracle_dtype": self.config("oracle").dtype,
                 "format": self.meta["format"], "bytes": self.path.stat().st_size,
-                "evalrun": str(self.meta.get("evalrun_version"))}
+                "evalrun": str(self.meta.get("evalrun_version")),
+                "create_seconds": create_seconds(self.meta.get("create_seconds"))}
+
+
+def create_seconds(value: Any) -> dict[str, float] | None:
+    """The time `golden create` spent per phase (pinned_s, oracle_s, envelope_s), as stored; None when the
+    golden does not say or says something else (a golden is untrusted input)."""
+    if not isinstance(value, dict) or not all(isinstance(k, str) and isinstance(v, (int, float)) and
+                                              not isinstance(v, bool) and math.isfinite(v) for k, v in value.items()):
+        return None
+    return {key: float(seconds) for key, seconds in value.items()}
 
 
 PROBED_ROLES = ("oracle", *ENVELOPE_ROLES, "function")

@@ -152,8 +152,11 @@ def store_check_text(outcome: dict[str, Any]) -> str:
 
 
 def golden_created_text(summary: dict[str, Any]) -> str:
+    seconds = summary.get("create_seconds") or {}
+    phases = sorted(seconds, key=lambda p: (["pinned_s", "oracle_s", "envelope_s"] + [p]).index(p))  # run order
+    made = "; made in " + " + ".join(f"{p.removesuffix('_s')} {seconds[p]:.1f} s" for p in phases) if seconds else ""
     return (f"golden {summary['path']}: {summary['model']} {summary['dtype']} on {summary['device']}, prompts "
-            f"{summary['prompts']}, oracle {summary['oracle_dtype']}, {summary['bytes']:,} bytes")
+            f"{summary['prompts']}, oracle {summary['oracle_dtype']}, {summary['bytes']:,} bytes{made}")
 
 
 def goldens_table(entries: list[dict[str, Any]]) -> str:

@@ -27,6 +27,23 @@ def test_golden_file_is_small_self_contained_and_versioned(tiny_golden):
     # float32: the reference and the function run are one config, stored once
     assert golden.run_id("envelope:reference") == golden.run_id("function") != golden.run_id("envelope:pinned")
     assert set(golden.meta["create_seconds"]) == {"pinned_s", "oracle_s", "envelope_s"}
+    assert golden.summary()["create_seconds"] == golden.meta["create_seconds"]  # in `golden show/create --json`
+
+
+@pytest.mark.parametrize("stored", [None, "fast", {"pinned_s": "1"}, {"pinned_s": float("nan")}, {"x": True}, [1.0]])
+def test_a_golden_that_misstates_its_create_time_reads_as_not_saying(stored):
+    from evalrun.golden import create_seconds
+
+    assert create_seconds(stored) is None
+    assert create_seconds({"pinned_s": 1, "oracle_s": 2.5}) == {"pinned_s": 1.0, "oracle_s": 2.5}
+
+
+def test_create_text_names_each_phase(cli, tmp_path):
+    code, out, err = cli("golden", "create", "t", "--model", "random:tiny", "--dir", str(tmp_path), *GOLDEN_ARGS)
+    assert code == 0, err
+    assert "made in pinned " in out and " + oracle " in out and " + envelope " in out
+    code, out, err = cli("golden", "show", "t", "--dir", str(tmp_path), "--json")
+    assert code == 0 and set(json.loads(out)["create_seconds"]) == {"pinned_s", "oracle_s", "envelope_s"}
 
 
 def test_oracle_probes_its_own_top_ids_and_a_fixed_sample(tiny_golden):
