@@ -32,6 +32,7 @@ fuzz: setup
 bench: setup
 	$(BIN)/python benchmarks/capture_overhead.py --model random:smollm2
 	$(BIN)/python benchmarks/diff_speed.py
+	$(BIN)/python benchmarks/cpu_speed.py
 
 clean:
 	rm -rf $(VENV)

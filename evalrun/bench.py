@@ -36,7 +36,7 @@ class BenchRequest:
     max_new_tokens: int | None = None
     batch_size: int | None = None
     matrix_names: str | None = None
-    baselines: bool = True
+    baselines: tuple[str, ...] = BASELINES  # transformers' generate kinds to run beside (none: ())
     timeout: float = 3600
 
     def common_options(self, baseline: bool = False) -> list[str]:
@@ -80,8 +80,9 @@ class BenchRow:
     error: str | None = None
 
 
-def run_matrix(common: list[str], matrix: list[tuple[str, list[str]]], baselines: bool, on_start: Callable[[str], None],
-               timeout: float = 3600, baseline_options: list[str] | None = None) -> list[BenchRow]:
+def run_matrix(common: list[str], matrix: list[tuple[str, list[str]]], baselines: tuple[str, ...],
+               on_start: Callable[[str], None], timeout: float = 3600,
+               baseline_options: list[str] | None = None) -> list[BenchRow]:
     """Run every configuration and baseline in its own process; failures become rows with an error."""
     rows = []
     with tempfile.TemporaryDirectory() as directory:
@@ -91,7 +92,7 @@ def run_matrix(common: list[str], matrix: list[tuple[str, list[str]]], baselines
             result, error = run_json_child(["evalrun", "run", "--json", "--quiet", "--store", store, *common, *options],
                                            timeout, timeout_hint=TIMEOUT_HINT)
             rows.append(BenchRow(name, result, error))
-        for kind in BASELINES if baselines else ():
+        for kind in baselines:
             on_start(f"transformers {kind}")
             result, error = run_json_child(["evalrun.hf_baseline", "--kind", kind, *(baseline_options or [])], timeout,
                                            timeout_hint=TIMEOUT_HINT)

@@ -461,14 +461,14 @@ def bench(model, prompts, dtype, device, max_new_tokens, batch_size, matrix_name
       evalrun bench --matrix O0,O2 --compare baseline.json --fail-on tokens_per_s:5% --fail-on ttft_ms:10%
     """
     from . import bench_compare
-    from .bench import BenchRequest, run_bench
+    from .bench import BASELINES, BenchRequest, run_bench
 
     if fail_on and baseline_path is None:
         raise click.UsageError("--fail-on needs --compare BASELINE.json (an earlier `evalrun bench --json`)")
     rules = [bench_compare.parse_fail_on(text) for text in fail_on]
     baseline = bench_compare.load_baseline(baseline_path) if baseline_path else None
     request = BenchRequest(model, prompts, dtype, device, max_new_tokens, batch_size, matrix_names,
-                           not no_baselines, config_timeout)
+                           () if no_baselines else BASELINES, config_timeout)
     rows = run_bench(request, lambda name: click.echo(f"bench: {name}", err=True))
     changes = bench_compare.compare(rows, baseline, rules) if baseline is not None else None
     if chosen_format(output_format, as_json) == "json":
