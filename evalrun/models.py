@@ -297,15 +297,92 @@ def _load_directory(ref: str, directory: Path | str, device: torch.device, dtype
     if isinstance(directory, Path):
         check_directory_family(directory)
     try:
-        model = _quietly(AutoModelForCausalLM.from_pretrained, directory, dtype="auto", attn_implementation=attn)
+        model, info = _quietly(AutoModelForCausalLM.from_pretrained, directory, dtype=stored_dtype(directory),
+                               attn_implementation=attn, output_loading_info=True)
         tokenizer = load_tokenizer(directory)
     except Exception as error:  # noqa: BLE001 - any failure to read a user's model files is bad input
         first = str(error).strip().splitlines()[0][:200] if str(error).strip() else type(error).__name__
         raise ModelError(f"cannot load model from {directory}: {first}; check the files (a complete config.json, "
                          "safetensors and tokenizer)") from None
+    check_loading(directory, info)
+    if isinstance(directory, Path):
+        check_tied_head(directory, model)
     # Identity is taken from the weights as stored, before the run's dtype and device touch them.
     weights_hash = weights_identity(model)
-    return LoadedModel(ref, model.to(device=device, dtype=dtype), tokenizer, source, weights_hash)
+    return LoadedModel(ref, own_memory(model.to(device=device, dtype=dtype)), tokenizer, source, weights_hash)
+
+
+SAFETENSORS_FLOATS = {"F64": torch.float64, "F32": torch.float32, "BF16": torch.bfloat16, "F16": torch.float16}
+
+
+def stored_dtype(directory: Path | str) -> torch.dtype:
+    """The dtype the checkpoint's tensors are stored in (its safetensors headers), not config.json's `dtype`:
+    loading at the config's dtype would round float32 weights to bfloat16 before a float32 run. Mixed
+    widths load at the widest (bfloat16 with float16: float32); a hub id or no safetensors: float32."""
+    files = sorted(Path(directory).glob("*.safetensors")) if isinstance(directory, Path) else []
+    if not files:
+        return torch.float32
+    from safetensors import safe_open
+
+    found: set[torch.dtype] = set()
+    for path in files:
+        with safe_open(str(path), "pt") as handle:
+            found |= {SAFETENSORS_FLOATS[kind] for kind in (handle.get_slice(k).get_dtype() for k in handle.keys())
+                      if kind in SAFETENSORS_FLOATS}
+    if len(found) == 1:
+        return found.pop()
+    wide = found & {torch.float32, torch.float64}  # none: bfloat16 with float16, which float32 holds both of
+    return max(wide, key=lambda d: torch.finfo(d).bits) if wide else torch.float32
+
+
+def check_loading(directory: Path | str, info: dict[str, Any]) -> None:
+    """Every weight the config needs is in the files, and every tensor in the files is one the model uses:
+    a missing weight would run randomly initialised, an unused one (say biases with attention_bias false)
+    would be dropped; either way the model computed is not the checkpoint's."""
+    def named(keys: list[str]) -> str:
+        return ", ".join(sorted(keys)[:3]) + (f" (+{len(keys) - 3} more)" if len(keys) > 3 else "")
+
+    if info.get("missing_keys"):
+        raise ModelError(f"model {directory} lacks weights its config needs: {named(list(info['missing_keys']))}; "
+                         "the checkpoint is incomplete (a missing shard?) or config.json describes another model")
+    if info.get("unexpected_keys"):
+        raise ModelError(f"model {directory} holds tensors its config does not use: "
+                         f"{named(list(info['unexpected_keys']))}; fix config.json (e.g. attention_bias, mlp_bias) "
+                         "or remove them: evalrun computes the checkpoint's whole model or refuses")
+    if info.get("mismatched_keys"):
+        raise ModelError(f"model {directory} has weights of the wrong shape for its config: "
+                         f"{named([str(k[0] if isinstance(k, tuple) else k) for k in info['mismatched_keys']])}; "
+                         "fix config.json")
+
+
+def check_tied_head(directory: Path, model: torch.nn.Module) -> None:
+    """tie_word_embeddings with a stored lm_head.weight that differs from the embedding: transformers
+    ties the head to the embedding and drops the stored head without a word; refuse instead."""
+    if not getattr(model.config, "tie_word_embeddings", False):
+        return
+    from safetensors import safe_open
+
+    embedding = model.get_input_embeddings().weight
+    for path in sorted(directory.glob("*.safetensors")):
+        with safe_open(str(path), "pt") as handle:
+            if "lm_head.weight" in handle.keys():
+                head = handle.get_tensor("lm_head.weight")
+                if head.shape != embedding.shape or not torch.equal(head.to(embedding.dtype), embedding.detach().cpu()):
+                    raise ModelError(f"model {directory}: tie_word_embeddings is true but the files hold an "
+                                     "lm_head.weight that differs from the embedding; set tie_word_embeddings "
+                                     "false in config.json (or remove the stored head)")
+
+
+def own_memory(model: torch.nn.Module) -> torch.nn.Module:
+    """Weights in memory the process allocated: loaded tensors can stay backed by the mmapped file at
+    whatever offset its header left them, and a CPU matmul's bits depend on the alignment (measured:
+    one extra 4-byte tensor in the file changed the logits). `.to()` to another dtype or device copies
+    already; a tensor it left in place is cloned."""
+    with torch.no_grad():
+        for tensor in list(model.parameters()) + list(model.buffers()):
+            if tensor.device.type == "cpu":
+                tensor.data = tensor.data.clone(memory_format=torch.contiguous_format)
+    return model
 
 
 HUB_HOST = ("huggingface.co", 443)

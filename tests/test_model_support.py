@@ -4,6 +4,7 @@ refused with one line (engine/model_support.py holds the table)."""
 from __future__ import annotations
 
 import json
+import shutil
 from pathlib import Path
 
 import numpy as np
@@ -229,6 +230,69 @@ def test_run_on_a_qwen3_folder_records_its_tokens(tmp_path, cli, store_path):
     assert code == 0, err
     data = json.loads(out)
     assert len(data["results"]) == 3 and all(len(r["tokens"]) == 4 for r in data["results"])
+
+
+# ---------------------------------------------------------------- the files hold the model the config says
+
+def _edit_weights(directory: Path, edit, metadata: dict | None = None) -> Path:
+    from safetensors.torch import load_file, save_file
+
+    state = load_file(directory / "model.safetensors")
+    edit(state)
+    save_file(state, directory / "model.safetensors", metadata={"format": "pt", **(metadata or {})})
+    return directory
+
+
+@pytest.mark.parametrize("case,edit,needles", [
+    ("llama", lambda s: s.pop("model.layers.1.mlp.down_proj.weight"),
+     ["lacks weights its config needs: model.layers.1.mlp.down_proj.weight"]),
+    ("llama", lambda s: s.pop("lm_head.weight"), ["lacks weights", "lm_head.weight"]),
+    ("llama", lambda s: s.update({"model.layers.0.self_attn.v_proj.bias": torch.ones(64)}),
+     ["holds tensors its config does not use: model.layers.0.self_attn.v_proj.bias", "attention_bias"]),
+    ("llama-tied", lambda s: s.update({"lm_head.weight": s["model.embed_tokens.weight"] + 1}),
+     ["tie_word_embeddings is true but the files hold an lm_head.weight that differs"]),
+])
+def test_weights_missing_unused_or_contradicting_the_config_are_refused(tmp_path, cli, store_path, case, edit,
+                                                                        needles):
+    """Before: a missing weight ran randomly initialised (each run another model), unused tensors and a
+    stored head under tied embeddings were dropped without a word."""
+    family, overrides = CASES[case]
+    directory = _edit_weights(_checkpoint(tmp_path / "model", family, **overrides), edit)
+    result = cli("run", "--model", str(directory), "--prompts", "smoke", "--max-new-tokens", "2",
+                 "--store", str(store_path))
+    one_line_exit_2(result, *needles)
+
+
+def _digest(cli, directory: Path, store_path: Path) -> tuple[str, str]:
+    code, out, err = cli("run", "--model", str(directory), "--prompts", "smoke", "--max-new-tokens", "4",
+                         "--store", str(store_path), "--json", "--quiet")
+    assert code == 0, err
+    data = json.loads(out)
+    return data["logits_digest"], data["model"]["hash"]
+
+
+def test_the_same_weights_in_another_file_layout_compute_the_same_bits(tmp_path, cli, store_path):
+    """Tensors used to stay backed by the mmapped file, at offsets its header decides, and the CPU matmul's
+    bits depend on that alignment: header padding of 1 to 63 bytes changed the logits (a false changed)."""
+    base = _checkpoint(tmp_path / "base", "llama")
+    expected = _digest(cli, base, store_path)
+    for pad in (1, 4, 13, 60):
+        moved = tmp_path / f"pad{pad}"
+        shutil.copytree(base, moved)
+        _edit_weights(moved, lambda s: None, metadata={"padding": "x" * pad})
+        assert _digest(cli, moved, store_path) == expected, pad
+
+
+def test_config_dtype_does_not_round_float32_weights(tmp_path, cli, store_path):
+    """config.json's dtype used to decide the load dtype: 'bfloat16' rounded float32 weights before a
+    float32 run (and the float64 oracle). The stored tensors' dtype decides now."""
+    base = _checkpoint(tmp_path / "base", "llama")
+    expected = _digest(cli, base, store_path)
+    for declared in ("bfloat16", "float16"):
+        edited = tmp_path / declared
+        shutil.copytree(base, edited)
+        _edit_config(edited, dtype=declared)
+        assert _digest(cli, edited, store_path) == expected, declared
 
 
 # ---------------------------------------------------------------- bfloat16 on a GPU, within the drift envelope
