@@ -65,12 +65,26 @@ def load_baseline(path: Path) -> dict[str, dict[str, Any]]:
     if not isinstance(rows, list) or not all(isinstance(r, dict) and isinstance(r.get("config"), str) for r in rows):
         raise ConfigError(f"--compare {path}: not a bench baseline (a list of rows with a 'config' each); pass the "
                           "output of `evalrun bench --json`")
-    return {row["config"]: row for row in rows}
+    baseline: dict[str, dict[str, Any]] = {}
+    for row in rows:
+        if row["config"] in baseline:
+            raise ConfigError(f"--compare {path}: config {row['config'][:60]!r} appears twice; a baseline has one row "
+                              "per config")
+        for metric in HIGHER_IS_BETTER:
+            value = row.get(metric)
+            least = 0 if metric != "tokens_per_s" else math.ulp(0)  # an eager run compiles in 0 s; no speed is 0
+            if value is not None and not (isinstance(value, (int, float)) and not isinstance(value, bool)
+                                          and math.isfinite(value) and value >= least):
+                raise ConfigError(f"--compare {path}: config {row['config'][:60]!r} has {metric} = {str(value)[:40]}; "
+                                  "a measured figure is a finite number, at least 0 (tokens/s above 0), or absent")
+        baseline[row["config"]] = row
+    return baseline
 
 
 def _figure(row: dict[str, Any] | None, metric: str) -> float | None:
     value = (row or {}).get(metric)
-    return float(value) if isinstance(value, (int, float)) and math.isfinite(value) else None
+    usable = isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value) and value > 0
+    return float(value) if usable else None  # 0 (an eager run's compile time): no ratio to judge, reported
 
 
 def compare(rows: list[dict[str, Any]], baseline: dict[str, dict[str, Any]], rules: list[FailRule]) -> list[MetricChange]:
@@ -80,7 +94,7 @@ def compare(rows: list[dict[str, Any]], baseline: dict[str, dict[str, Any]], rul
     for row in rows:
         for rule in rules:
             before, now = _figure(baseline.get(row["config"]), rule.metric), _figure(row, rule.metric)
-            if before is None or now is None or before == 0:
+            if before is None or now is None:
                 changes.append(MetricChange(row["config"], rule.metric, before, now, None, rule.percent, "missing"))
                 continue
             change = (now - before) / abs(before) * 100 * (1 if HIGHER_IS_BETTER[rule.metric] else -1)

@@ -373,16 +373,18 @@ def build_config(
     given = {key: value for key, value in (flags or {}).items() if value is not None}
     for key in given:
         validate_key(key)
-    values = apply_layer(values, {key: _coerce(key, value) for key, value in given.items()})
-    values = apply_layer(values, dict(parse_set_option(item) for item in sets))
+    command_line = {key: _coerce(key, value) for key, value in given.items()}
+    command_line.update(parse_set_option(item) for item in sets)  # --set after the flags, one layer with them
+    values = apply_layer(values, command_line)
     return normalize(RunConfig(**values))
 
 
 def apply_layer(values: dict[str, Any], layer: dict[str, Any]) -> dict[str, Any]:
-    """Requested values with a later layer on top (a golden's request, then a preset or file, then flags,
-    then --set items). An -O level in the later layer takes back the knobs it governs from the earlier
-    ones: `golden verify G -O2` on a golden requested as eager runs -O2, not eager labelled -O2. Knobs
-    the same layer sets stay (`-O2 --compilation-mode stock`)."""
+    """Requested values with a later layer on top (a golden's request, then a preset or file, then the
+    command line: flags and --set items together). An -O level in the later layer takes back the knobs
+    it governs from the earlier ones: `golden verify G -O2` on a golden requested as eager runs -O2, not
+    eager labelled -O2. Knobs the same layer sets stay (`-O2 --compilation-mode stock`,
+    `--compilation-mode stock --set opt_level=2`)."""
     merged = dict(values)
     if layer.get("opt_level") is not None:
         for key in OPT_LEVEL_KNOBS:

@@ -89,6 +89,9 @@ def _parse_record(path: Path, number: int, line: str) -> PromptRecord:
     texts = [data["prompt"]] if has_prompt else [m[k] for m in data["messages"] for k in ("role", "content")]
     if not all(_encodable(text) for text in texts + [str(data["id"])]):
         raise PromptError(f"{where}: text that is not valid Unicode (a lone surrogate escape); fix the record")
+    if not str(data["id"]).isprintable() or len(str(data["id"])) > 200:
+        raise PromptError(f"{where}: the id {str(data['id'])[:40]!r} holds a line break, control or bidirectional "
+                          "character, or is over 200 characters; ids are names in reports: use printable text")
     limit = data.get("max_new_tokens")
     if limit is not None and (not isinstance(limit, int) or isinstance(limit, bool)
                               or not 1 <= limit <= MAX_NEW_TOKENS_LIMIT):

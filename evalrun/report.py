@@ -40,14 +40,12 @@ def markdown_cell(value: Any) -> str:
     """Text that came from a file, safe inside a Markdown table cell or list item of a PR comment:
     HTML escaped (no comments, no tags), every Markdown special escaped, line breaks and control
     characters shown as escapes, so nothing can add structure or hide text."""
-    text = str(value)
-    text = "".join(ch if ch.isprintable() else repr(ch)[1:-1] for ch in text)
-    return _MARKDOWN_SPECIALS.sub(r"\\\1", html.escape(text, quote=True))
+    return _MARKDOWN_SPECIALS.sub(r"\\\1", html.escape(printable(value), quote=True))
 
 
 def markdown_code(lines: list[str]) -> list[str]:
     """A fenced code block whose fence is longer than any backtick run inside (nothing escapes it)."""
-    body = ["".join(ch if ch.isprintable() else repr(ch)[1:-1] for ch in line) for line in lines]
+    body = [printable(line) for line in lines]
     longest = max((len(run) for line in body for run in re.findall(r"`+", line)), default=0)
     fence = "`" * max(3, longest + 1)
     return [fence, *body, fence]
@@ -66,7 +64,14 @@ def table(headers: Sequence[str], rows: Iterable[Sequence[Any]]) -> str:
 def _cell(value: Any) -> str:
     if isinstance(value, float):
         return f"{value:.4g}"
-    return "" if value is None else str(value)
+    return "" if value is None else printable(value)
+
+
+def printable(value: Any) -> str:
+    """Text that came from a file, one terminal line that shows what it holds: line breaks, control and
+    bidirectional-override characters as escapes (a prompt id cannot start a `::error::` workflow command
+    on a line of its own, or reorder what a reader sees)."""
+    return "".join(ch if ch.isprintable() else repr(ch)[1:-1] for ch in str(value))
 
 
 def snippet(text: str, width: int = 40) -> str:

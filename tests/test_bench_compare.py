@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import re
 
 import pytest
 
@@ -58,6 +59,25 @@ def test_bench_against_a_baseline_passes_or_exits_1_on_a_regression(cli, tmp_pat
 
 
 _one_line_exit_2 = one_line_exit_2
+
+
+@pytest.mark.parametrize("rows,needle", [
+    ([{"config": "O0", "tokens_per_s": 1e9}, {"config": "O0", "tokens_per_s": 1}], "appears twice"),
+    ([{"config": "O0", "tokens_per_s": -1e9}], "tokens_per_s = -1000000000.0"),
+    ([{"config": "O0", "tokens_per_s": True}], "tokens_per_s = True"),
+    ([{"config": "O0", "tokens_per_s": 0}], "tokens_per_s = 0"),
+    ([{"config": "O0", "ttft_ms": -1}], "ttft_ms = -1"),
+    ('[{"config": "O0", "tokens_per_s": NaN}]', "tokens_per_s = nan"),
+])
+def test_a_baseline_that_could_disable_the_check_is_refused(tmp_path, rows, needle):
+    """A hostile or broken baseline (duplicates, negatives, booleans, zero, NaN) must not turn a regression
+    into a pass: each is one line, exit 2."""
+    from evalrun.bench_compare import load_baseline
+
+    path = tmp_path / "baseline.json"
+    path.write_text(rows if isinstance(rows, str) else json.dumps(rows))
+    with pytest.raises(ConfigError, match=re.escape(needle)):
+        load_baseline(path)
 
 
 @pytest.mark.parametrize("options,needle", [(["--fail-on", "tokens_per_s:5%"], "--fail-on needs --compare"),

@@ -75,7 +75,9 @@ def test_bad_input_missing_gguf(cli, tiny_args):
                                          ('{"prompt": "x"}\n', ":1: missing 'id'"),
                                          ('{"id": "a"}\n', ":1: give exactly one of"),
                                          ('{"id": "a", "prompt": "x", "colour": 1}\n', "unknown keys"),
-                                         ('{"id": "a", "prompt": "x"}\n{"id": "a", "prompt": "y"}\n', "duplicate id")])
+                                         ('{"id": "a", "prompt": "x"}\n{"id": "a", "prompt": "y"}\n', "duplicate id"),
+                                         ('{"id": "a\\n::error::z", "prompt": "x"}\n', ":1: the id"),
+                                         ('{"id": "a\\u202eb", "prompt": "x"}\n', "bidirectional")])
 def test_bad_input_broken_jsonl_names_file_and_line(cli, tiny_args, write_prompts, text, needle):
     path = write_prompts(text)
     args = [a if a != "smoke" else str(path) for a in tiny_args]
@@ -197,7 +199,7 @@ def test_output_paths_are_checked_before_any_model_runs(cli, golden_factory, tmp
 
 
 def test_markdown_cannot_be_injected_through_prompt_ids(cli, write_prompts, tmp_path):
-    hostile = 'x --> <!-- hidden | col\n# Heading [link](http://e) `code`'
+    hostile = 'x --> <!-- hidden | col # Heading [link](http://e) `code`'  # line breaks: refused at load'
     path = write_prompts([{"id": hostile, "prompt": "one"}, {"id": "b", "prompt": "two"}])
     directory = tmp_path / "g"
     assert cli("golden", "create", "g", "--model", "random:tiny", "--prompts", str(path), "--max-new-tokens", "3",
@@ -215,3 +217,11 @@ def test_progress_bar_on_stderr_and_quiet_silences_it(cli, tiny_args):
     assert code == 0 and "generating" in err and "generating" not in out
     code, _, err = cli("run", *tiny_args, "--quiet")
     assert code == 0 and err == ""
+
+
+def test_text_tables_show_control_and_bidi_characters_as_escapes():
+    """A golden's prompt id (untrusted) in a text table stays on its line and shows what it holds."""
+    from evalrun.report import table
+
+    rendered = table(["prompt"], [["a\n::error::forged\u202e"]])
+    assert rendered.splitlines()[-1] == "a\\n::error::forged\\u202e" and len(rendered.splitlines()) == 3

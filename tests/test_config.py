@@ -56,6 +56,8 @@ def test_an_opt_level_given_later_takes_its_knobs_back_from_earlier_layers():
     assert same_layer.compilation_mode == "stock"
     later_set = resolve(build_config(flags={"opt_level": 3}, sets=["max_autotune=false"], base=debug), True)
     assert later_set.max_autotune is False and later_set.coordinate_descent_tuning is True
+    flag_then_set_level = resolve(build_config(flags={"compilation_mode": "stock"}, sets=["opt_level=2"]), True)
+    assert flag_then_set_level.compilation_mode == "stock"  # one command line is one layer
     preset_then_level = resolve(build_config("debug", flags={"opt_level": 1}), True)
     assert preset_then_level.compilation_mode == "piecewise"
 
