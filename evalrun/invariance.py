@@ -28,6 +28,7 @@ from .store import PromptResult, Store
 
 POSITIONS = ("first", "middle", "last")
 MAX_REPEATS = 100
+MAX_ROWS = 20_000  # batch rows one invariance decodes in all: ~10x the default set at 1,4,16 x 3 positions x 2
 Progress = Callable[[str, int], Callable[[int], None]]  # (phase, total) -> update(count)
 
 
@@ -75,10 +76,10 @@ class InvarianceReport:
 
 def parse_batch_sizes(text: str) -> list[int]:
     """'1,4,16' -> [1, 4, 16] (sorted, unique, 1 always included: the reference is the prompt alone)."""
-    try:
-        sizes = {int(item) for item in str(text).split(",") if item.strip()}
-    except ValueError:
-        raise ConfigError(f"--batch-sizes {text!r} is not a list of integers; use e.g. 1,4,16") from None
+    items = [item.strip() for item in str(text).split(",") if item.strip()]
+    if not all(item.isascii() and item.isdigit() for item in items):  # int() would take '1_000' and other digits
+        raise ConfigError(f"--batch-sizes {text!r} is not a list of integers; use e.g. 1,4,16")
+    sizes = {int(item) for item in items}
     if not sizes or any(not 1 <= size <= MAX_BATCH_SIZE for size in sizes):
         raise ConfigError(f"--batch-sizes {text!r}: give sizes from 1 to {MAX_BATCH_SIZE}, e.g. 1,4,16")
     return sorted(sizes | {1})
@@ -119,6 +120,11 @@ def measure_invariance(config: RunConfig, batch_sizes: list[int], positions: lis
     started = time.perf_counter()
     base = prepare(effective_config(config))
     cells = cells_for(batch_sizes, positions)
+    rows_computed = repeats * len(base.prompt_set.records) * sum(cell.batch_size for cell in cells)
+    if rows_computed > MAX_ROWS:
+        raise ConfigError(f"invariance: {repeats} repeat(s) x {len(base.prompt_set.records)} prompts x "
+                          f"{len(cells)} cells would decode {rows_computed:,} batch rows (limit {MAX_ROWS:,}); use "
+                          "fewer or smaller --batch-sizes, --positions or --repeats")
     runs: list[tuple[Cell, int, Run]] = []
     for cell in cells:
         prepared = _prepared_for(base, cell.batch_size)

@@ -10,21 +10,22 @@ The verdict is judged after the test body, like every evalrun verdict:
   identical  passes
   drift      passes with an `EvalrunDriftWarning` (fails with --evalrun-strict or strict=True)
   changed    fails, with the Markdown verdict as a report section
-  incomparable, an unreadable golden or bad options: an error
+  incomparable, an unreadable golden or bad options: an error (reported like a verdict, no traceback)
 Marker options besides run options: `golden_dir` (default: --evalrun-golden-dir, relative to the
 rootdir), `create` (a preset, TOML file or dict of run options: how --evalrun-update makes the
 golden), `strict`, `enforce=False` (leave the judgment to the test body).
 
-A missing golden fails its test with the command that creates it. Outside CI it is also created then
-(the test still fails: commit the golden and re-run, as pytest-regressions does); with `CI` set it is
+A missing golden fails its tests with the command that creates it. Outside CI it is also created then
+(its tests still fail: commit the golden and re-run, as pytest-regressions does); with `CI` set it is
 never created implicitly. `--evalrun-update` re-creates every golden the session's tests use, once
-each (under a lock, so xdist workers do not race), then verifies against it.
+each, then verifies against it. What the session made is kept in its own temporary folder (shared by
+xdist workers, with the lock), never beside the goldens, and not judged by file times.
 
 One process loads a model once for all the configs it verifies (`verify_golden(reuse=...)`). Each
 verification's candidate run is stored (`--evalrun-store`, default the usual store) labelled with the
-test id, so `evalrun diff` works afterwards. Under pytest-xdist each worker takes one GPU
-(`CUDA_VISIBLE_DEVICES` from `PYTEST_XDIST_WORKER`, when the machine has GPUs and the variable is not
-set already). JUnit XML gets `evalrun.*` properties per test (verdict, distance, causes, golden,
+test id, so `evalrun diff` works afterwards. With `--evalrun-gpu-per-worker`, each pytest-xdist worker
+takes one GPU (`CUDA_VISIBLE_DEVICES` from `PYTEST_XDIST_WORKER`, when the machine has GPUs and the
+variable is not set already); without it the plugin leaves the environment alone. JUnit XML gets `evalrun.*` properties per test (verdict, distance, causes, golden,
 config); on GitHub Actions the controller appends every verdict's Markdown to `$GITHUB_STEP_SUMMARY`
 and prints `::error`/`::warning` annotations; `--evalrun-comment FILE` writes the Markdown as a PR
 comment body. Goldens in the used folders that no test of the session used are listed at the end.
@@ -33,11 +34,12 @@ comment body. Goldens in the used folders that no test of the session used are l
 from __future__ import annotations
 
 import fcntl
+import hashlib
 import itertools
 import os
 import shutil
 import subprocess
-import time
+import tempfile
 import warnings
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -54,10 +56,6 @@ class EvalrunDriftWarning(UserWarning):
     """A golden verified as drift: same model, different numerics (a pass)."""
 
 
-class EvalrunIncomparable(Exception):
-    """A golden and a candidate that cannot be compared (an error, not a failure)."""
-
-
 # ---------------------------------------------------------------- options and markers
 
 def pytest_addoption(parser: pytest.Parser) -> None:
@@ -71,15 +69,35 @@ def pytest_addoption(parser: pytest.Parser) -> None:
     group.addoption("--evalrun-strict", action="store_true", help="Drift fails too.")
     group.addoption("--evalrun-comment", default=None, metavar="FILE",
                     help="Write every verdict's Markdown here (a PR comment body).")
+    group.addoption("--evalrun-gpu-per-worker", action="store_true",
+                    help="Under pytest-xdist, worker gwN sees only GPU N mod count (CUDA_VISIBLE_DEVICES).")
     parser.addini("evalrun_golden_dir", "Folder of goldens, relative to the rootdir.", default="golden")
 
 
 def pytest_configure(config: pytest.Config) -> None:
     config.addinivalue_line("markers", f"{MARKER}(name, **run_options): verify golden NAME under each combination "
                                        "of the run options (lists are parametrized); see evalrun.pytest_plugin")
-    config.stash[STATE] = SessionState(config)
-    config.pluginmanager.register(VerdictCollector(config.stash[STATE]), "evalrun-verdicts")
-    _assign_gpu()
+    state = config.stash[STATE] = SessionState(config)
+    workerinput = getattr(config, "workerinput", None)
+    if workerinput is None:  # the controller (or a run without xdist) owns the session's folder
+        _check_comment_path(config.getoption("evalrun_comment"))
+        state.marks = Path(tempfile.mkdtemp(prefix="evalrun-session-"))
+    else:
+        state.marks = Path(workerinput["evalrun_marks"]) if "evalrun_marks" in workerinput else Path(
+            tempfile.mkdtemp(prefix="evalrun-session-"))
+    config.pluginmanager.register(VerdictCollector(state), "evalrun-verdicts")
+    if config.getoption("evalrun_gpu_per_worker"):
+        _assign_gpu()
+
+
+def _check_comment_path(comment: str | None) -> None:
+    """--evalrun-comment FILE must be writable before any test runs, not found unwritable at the end."""
+    if not comment:
+        return
+    folder = Path(comment).parent
+    if not folder.is_dir() or not os.access(folder, os.W_OK):
+        raise pytest.UsageError(f"--evalrun-comment {comment}: {folder} is not a writable folder; create it or "
+                                "pass another path")
 
 
 def _assign_gpu() -> None:
@@ -94,7 +112,8 @@ def _assign_gpu() -> None:
 def gpu_count() -> int:
     """GPUs on this machine without initialising CUDA (nvidia-smi -L); EVALRUN_PYTEST_GPUS overrides."""
     if os.environ.get("EVALRUN_PYTEST_GPUS"):
-        return int(os.environ["EVALRUN_PYTEST_GPUS"])
+        value = os.environ["EVALRUN_PYTEST_GPUS"].strip()
+        return int(value) if value.isascii() and value.isdigit() else 0
     smi = shutil.which("nvidia-smi")
     if smi is None:
         return 0
@@ -115,6 +134,10 @@ def gpu_for_worker(worker: str, count: int) -> str | None:
 def configs_of(marker: pytest.Mark) -> list[dict[str, Any]]:
     """The marker's run options as one dict per test: lists (and tuples) multiply out, in order."""
     options = {k: v for k, v in marker.kwargs.items() if k not in SPECIAL_KEYS}
+    empty = [k for k, v in options.items() if isinstance(v, (list, tuple)) and not v]
+    if empty:
+        raise pytest.UsageError(f"@pytest.mark.{MARKER}: run option {empty[0]!r} is an empty list; give at least one "
+                                "value (an empty list would skip the golden check without a word)")
     keys = list(options)
     values = [v if isinstance(v, (list, tuple)) else [v] for v in options.values()]
     return [dict(zip(keys, combination)) for combination in itertools.product(*values)]
@@ -168,11 +191,10 @@ class SessionState:
 
     config: pytest.Config
     prepared: dict[tuple, Any] = field(default_factory=dict)
-    updated: set[Path] = field(default_factory=set)
+    marks: Path | None = None  # the session's folder (shared by xdist workers): what was made, and the lock
     used: set[Path] = field(default_factory=set)
     folders: set[Path] = field(default_factory=set)
     reports: list[tuple[str, str, str, str]] = field(default_factory=list)  # nodeid, verdict, title, markdown
-    started: float = field(default_factory=time.time)
 
     def check_for(self, item: pytest.Item, options: dict[str, Any]) -> GoldenCheck:
         marker = item.get_closest_marker(MARKER)
@@ -183,8 +205,12 @@ class SessionState:
                       or self.config.getini("evalrun_golden_dir"))
         if not folder.is_absolute():
             folder = self.config.rootpath / folder
+        for key in ("strict", "enforce"):
+            if not isinstance(marker.kwargs.get(key, False), bool):
+                raise pytest.UsageError(f"{item.nodeid}: @pytest.mark.{MARKER}({key}=...) takes True or False, not "
+                                        f"{marker.kwargs[key]!r}")
         return GoldenCheck(marker.args[0], folder, options, marker.kwargs.get("create"),
-                           bool(marker.kwargs.get("strict")) or self.config.getoption("evalrun_strict"),
+                           marker.kwargs.get("strict", False) or self.config.getoption("evalrun_strict"),
                            marker.kwargs.get("enforce", True))
 
     def verify(self, check: GoldenCheck, nodeid: str):
@@ -217,32 +243,49 @@ class SessionState:
     def ensure_golden(self, check: GoldenCheck) -> str | None:
         """Create or re-create the golden as the session asks; a problem message to fail with, or None."""
         update = self.config.getoption("evalrun_update")
+        made = self._made(check)
+        if made == "created" and not update:  # every test of a golden created this session fails alike
+            return self._created_message(check)
         if check.path.exists() and not update:
             return None
         if not check.path.exists() and not update and _in_ci():
             return (f"golden {check.path} does not exist, and goldens are never created implicitly when CI is set: "
                     f"create it with `{check.create_command()}` (or pytest --evalrun-update) and commit it")
-        created = self._create_once(check)
-        if update:
-            return None
-        return (f"golden {check.path} did not exist: created it now ({check.create_command()}); commit it and re-run"
-                if created else None)
+        made = self._create_once(check)
+        return None if update else self._created_message(check) if made == "created" else None
 
-    def _create_once(self, check: GoldenCheck) -> bool:
+    @staticmethod
+    def _created_message(check: GoldenCheck) -> str:
+        return f"golden {check.path} did not exist: created it now ({check.create_command()}); commit it and re-run"
+
+    def _mark(self, check: GoldenCheck) -> Path:
+        return self.marks / (hashlib.sha256(str(check.path.resolve()).encode()).hexdigest()[:32] + ".made")
+
+    def _made(self, check: GoldenCheck) -> str | None:
+        """'created' or 'updated' when this session (any worker) made the golden, else None."""
+        mark = self._mark(check)
+        return mark.read_text() if mark.exists() else None
+
+    def _create_once(self, check: GoldenCheck) -> str:
+        """Make the golden once per session, whichever worker gets here first; 'created' (it did not exist)
+        or 'updated'. The lock and the marks live in the session's own folder, not beside the goldens."""
+        from .errors import GoldenError
         from .golden import create_golden
 
-        check.directory.mkdir(parents=True, exist_ok=True)
-        with open(check.directory / ".evalrun-update.lock", "w") as lock:
+        with open(self.marks / "update.lock", "w") as lock:
             fcntl.flock(lock, fcntl.LOCK_EX)  # xdist workers: one creates, the others find it made
-            if check.path in self.updated:
-                return False
-            session_start = float(getattr(self.config, "workerinput", {}).get("evalrun_started", self.started))
-            if check.path.exists() and check.path.stat().st_mtime >= session_start:
-                self.updated.add(check.path)
-                return False
+            made = self._made(check)
+            if made:
+                return made
+            try:
+                check.directory.mkdir(parents=True, exist_ok=True)
+            except OSError as error:
+                raise GoldenError(f"cannot make the golden folder {check.directory}: {error.strerror or error}; "
+                                  "pass golden_dir= or --evalrun-golden-dir with a folder") from None
+            made = "updated" if check.path.exists() else "created"
             create_golden(check.name, _creation_config(check), check.directory, force=True)
-            self.updated.add(check.path)
-            return True
+            self._mark(check).write_text(made)
+            return made
 
 
 def _creation_config(check: GoldenCheck):
@@ -289,12 +332,14 @@ def _evalrun_golden_check(request: pytest.FixtureRequest, evalrun_config: dict[s
             item.stash[PROBLEM] = problem
             return
         verdict, run_id, store = state.verify(check, item.nodeid)
-    except EvalrunError as error:
-        raise EvalrunIncomparable(str(error)) from None
+    except EvalrunError as error:  # bad options, an unreadable golden: an error, reported like a verdict
+        _record_error(item, check, str(error))
+        pytest.fail(f"golden {check.name} [{config_id(check.options)}]: {error}", pytrace=False)
     item.stash[VERDICT] = verdict
     _record_properties(item, check, verdict, run_id, store)
     if verdict.verdict == "incomparable":
-        raise EvalrunIncomparable(f"golden {check.name}: incomparable: {'; '.join(verdict.causes)}")
+        pytest.fail(f"golden {check.name} [{config_id(check.options)}]: incomparable: {'; '.join(verdict.causes)}",
+                    pytrace=False)
 
 
 @pytest.fixture
@@ -312,6 +357,16 @@ def _record_properties(item: pytest.Item, check: GoldenCheck, verdict, run_id: s
                   ("evalrun.run", run_id or ""), ("evalrun.store", store)]
     item.user_properties.extend(properties)
     item.add_report_section("call", SECTION, verdict_report.markdown(verdict))
+
+
+def _record_error(item: pytest.Item, check: GoldenCheck, message: str) -> None:
+    """A golden that could not be checked still reaches JUnit, the step summary and the PR comment."""
+    from .report import markdown_cell
+
+    item.user_properties.extend([("evalrun.golden", check.name), ("evalrun.config", config_id(check.options)),
+                                 ("evalrun.verdict", "incomparable"), ("evalrun.causes", message)])
+    item.add_report_section("setup", SECTION, f"### ⛔ evalrun golden `{markdown_cell(check.name)}`: **incomparable**"
+                                              f"\n\n- {markdown_cell(message)}\n")
 
 
 @pytest.hookimpl(wrapper=True)
@@ -343,16 +398,16 @@ class VerdictCollector:
 
     def pytest_runtest_logreport(self, report: pytest.TestReport) -> None:
         properties = dict(report.user_properties)
-        if report.when != "call" or "evalrun.verdict" not in properties:
+        if "evalrun.verdict" not in properties or not (report.when == "call" or report.when == "setup" and report.failed):
             return
-        markdown = next((content for name, content in report.sections if name == f"Captured {SECTION} call"), "")
+        markdown = next((content for name, content in report.sections if name.startswith(f"Captured {SECTION} ")), "")
         title = f"evalrun {properties['evalrun.golden']} [{properties['evalrun.config']}]"
         self.state.reports.append((report.nodeid, properties["evalrun.verdict"], title, markdown))
 
 
 @pytest.hookimpl(optionalhook=True)  # an xdist hook: pytest without xdist does not know it
-def pytest_configure_node(node) -> None:  # xdist controller: one session start time for every worker
-    node.workerinput["evalrun_started"] = node.config.stash[STATE].started
+def pytest_configure_node(node) -> None:  # xdist controller: every worker shares the session's folder
+    node.workerinput["evalrun_marks"] = str(node.config.stash[STATE].marks)
 
 
 def pytest_sessionfinish(session: pytest.Session) -> None:
@@ -363,6 +418,13 @@ def pytest_sessionfinish(session: pytest.Session) -> None:
     if workeroutput is not None:  # an xdist worker: hand what it used to the controller
         workeroutput["evalrun_used"] = sorted(str(p) for p in state.used)
         workeroutput["evalrun_folders"] = sorted(str(p) for p in state.folders)
+
+
+@pytest.hookimpl(trylast=True)
+def pytest_unconfigure(config: pytest.Config) -> None:
+    state = config.stash.get(STATE, None)
+    if state is not None and state.marks is not None and getattr(config, "workerinput", None) is None:
+        shutil.rmtree(state.marks, ignore_errors=True)
 
 
 @pytest.hookimpl(optionalhook=True)
@@ -380,14 +442,18 @@ def pytest_terminal_summary(terminalreporter, exitstatus, config: pytest.Config)
     state = config.stash.get(STATE, None)
     if state is None or getattr(config, "workerinput", None) is not None:
         return
+    comment = config.getoption("evalrun_comment")
+    if comment and not state.reports:  # never leave an earlier session's comment behind
+        Path(comment).write_text("## evalrun: no golden was checked in this session\n", encoding="utf-8")
     if state.reports:
-        markdown = "\n".join(f"<!-- {nodeid} -->\n{body}" for nodeid, _, _, body in state.reports)
+        from .report import markdown_cell
+
+        markdown = "\n".join(f"<sub>{markdown_cell(nodeid)}</sub>\n\n{body}" for nodeid, _, _, body in state.reports)
         counts = {}
         for _, verdict, _, _ in state.reports:
             counts[verdict] = counts.get(verdict, 0) + 1
         heading = "## evalrun: " + ", ".join(f"{n} {v}" for v, n in sorted(counts.items())) + "\n\n"
         append_step_summary(heading + markdown)
-        comment = config.getoption("evalrun_comment")
         if comment:
             Path(comment).write_text(heading + markdown, encoding="utf-8")
         if on_github_actions():

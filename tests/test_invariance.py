@@ -104,6 +104,8 @@ def test_cli_markdown_names_the_summary_and_escapes_prompt_ids(cli, tiny_args):
     (("--batch-sizes", "0,4"), "--batch-sizes"), (("--batch-sizes", "x"), "--batch-sizes"),
     (("--positions", "side"), "--positions"), (("--repeats", "0"), "repeats"),
     (("--set", "batch_invariant=maybe"), "batch_invariant"),
+    (("--batch-sizes", "1_000"), "--batch-sizes"), (("--batch-sizes", "\u0663"), "--batch-sizes"),
+    (("--batch-sizes", "4096", "--repeats", "100"), "limit 20,000"),  # a time bomb, refused before any run
 ])
 def test_cli_bad_input_is_one_line_and_exit_2(cli, tiny_args, options, needle):
     one_line_exit_2(cli("invariance", *tiny_args, *options, "--quiet"), needle)

@@ -4,6 +4,7 @@ that use the marker against real goldens of random:tiny."""
 from __future__ import annotations
 
 import json
+import os
 import shutil
 import sqlite3
 import xml.etree.ElementTree as ElementTree
@@ -169,25 +170,27 @@ def test_missing_golden_under_ci_is_never_created_and_update_creates_it(pytester
     pytester.makepyfile(f'''
         import pytest
 
-        @pytest.mark.evalrun_golden("h", golden_dir={str(folder)!r}, create={TINY!r})
+        @pytest.mark.evalrun_golden("h", golden_dir={str(folder)!r}, create={TINY!r}, batch_size=[1, 2])
         def test_h(evalrun_verdict):
-            assert evalrun_verdict.verdict == "identical"
+            assert evalrun_verdict.verdict in ("identical", "drift")
     ''')
     monkeypatch.setenv("CI", "true")
     result = _run(pytester)
-    result.assert_outcomes(failed=1)
+    result.assert_outcomes(failed=2)
     result.stdout.fnmatch_lines(["*never created implicitly when CI is set*evalrun golden create h --dir*"
                                  "--set model=random:tiny*"])
     assert not (folder / "h.db").exists()
     monkeypatch.delenv("CI")
-    first = _run(pytester)  # locally: created, and the test fails once (commit it, re-run)
-    first.assert_outcomes(failed=1)
+    first = _run(pytester)  # locally: created, and every test of it fails once (commit it, re-run)
+    first.assert_outcomes(failed=2)
     first.stdout.fnmatch_lines(["*did not exist: created it now*commit it and re-run*"])
     made = (folder / "h.db").stat().st_mtime_ns
-    _run(pytester).assert_outcomes(passed=1)
+    _run(pytester).assert_outcomes(passed=2, warnings=1)
     assert (folder / "h.db").stat().st_mtime_ns == made
-    _run(pytester, "--evalrun-update").assert_outcomes(passed=1)
-    assert (folder / "h.db").stat().st_mtime_ns > made
+    os.utime(folder / "h.db", (2e9, 2e9))  # a timestamp from the future (a copy, clock skew) must not fool it
+    _run(pytester, "--evalrun-update").assert_outcomes(passed=2, warnings=1)
+    assert (folder / "h.db").stat().st_mtime_ns != int(2e9 * 1e9)
+    assert sorted(p.name for p in folder.iterdir()) == ["h.db"]  # no lock or mark left beside the goldens
 
 
 def test_xdist_workers_take_one_gpu_each_and_unused_goldens_are_listed(pytester, golden_dir, env, monkeypatch):
@@ -205,7 +208,7 @@ def test_xdist_workers_take_one_gpu_each_and_unused_goldens_are_listed(pytester,
             with open(path, "w") as handle:
                 handle.write(os.environ["CUDA_VISIBLE_DEVICES"])
     ''')
-    result = _run(pytester, "-n", "2", "--junitxml=report.xml")
+    result = _run(pytester, "-n", "2", "--junitxml=report.xml", "--evalrun-gpu-per-worker")
     result.assert_outcomes(passed=4, warnings=3)
     seen = {p.name.split("-")[1]: p.read_text() for p in env["results"].glob("gpu-*")}
     assert seen and all(gpu == str(int(worker[2:]) % 2) for worker, gpu in seen.items())
@@ -221,3 +224,50 @@ def test_the_plugin_loads_without_xdist(pytester):
     pytester.makepyfile("def test_plain():\n    pass\n")
     result = pytester.runpytest_subprocess("-p", "no:cacheprovider", "-p", "no:xdist")
     result.assert_outcomes(passed=1)
+
+
+def test_goldens_that_cannot_be_checked_are_errors_that_reach_the_summary_and_comment(pytester, golden_dir, env):
+    (golden_dir / "broken.db").write_bytes(b"not a golden")
+    pytester.makepyfile(f'''
+        import pytest
+
+        @pytest.mark.evalrun_golden("g", golden_dir={str(golden_dir)!r}, max_new_tokens=8)
+        def test_longer_than_the_golden():
+            pass
+
+        @pytest.mark.evalrun_golden("broken", golden_dir={str(golden_dir)!r})
+        def test_damaged():
+            pass
+    ''')
+    comment = env["results"] / "comment.md"
+    result = _run(pytester, f"--evalrun-comment={comment}")
+    result.assert_outcomes(errors=2)
+    assert "Traceback" not in result.stdout.str()
+    result.stdout.fnmatch_lines(["::error title=evalrun g ?max_new_tokens=8?::*incomparable",
+                                 "::error title=evalrun broken ?golden?::*incomparable"])
+    assert env["summary"].read_text().startswith("## evalrun: 2 incomparable")
+    assert comment.read_text().count("**incomparable**") == 2
+
+
+@pytest.mark.parametrize("marker,needle", [('"g", strict="no"', "strict=...) takes True or False"),
+                                           ('"g", batch_size=[]', "'batch_size' is an empty list")])
+def test_marker_mistakes_are_usage_errors(pytester, golden_dir, env, marker, needle):
+    pytester.makepyfile(f'''
+        import pytest
+
+        @pytest.mark.evalrun_golden({marker}, golden_dir={str(golden_dir)!r})
+        def test_g():
+            pass
+    ''')
+    result = _run(pytester)
+    assert needle in result.stdout.str() + result.stderr.str() and result.ret != 0
+
+
+def test_an_unwritable_comment_path_is_refused_before_any_test_and_a_stale_comment_replaced(pytester, env):
+    pytester.makepyfile("def test_plain():\n    pass\n")
+    result = _run(pytester, f"--evalrun-comment={env['results'] / 'missing' / 'c.md'}")
+    assert result.ret == pytest.ExitCode.USAGE_ERROR and "is not a writable folder" in result.stderr.str()
+    stale = env["results"] / "c.md"
+    stale.write_text("## evalrun: 1 identical (an old session)")
+    _run(pytester, f"--evalrun-comment={stale}").assert_outcomes(passed=1)
+    assert stale.read_text().startswith("## evalrun: no golden was checked")
