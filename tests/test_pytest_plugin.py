@@ -1,5 +1,10 @@
 """The pytest plugin, tested with pytest's own pytester: real pytest runs (in subprocesses) of test files
-that use the marker against real goldens of random:tiny."""
+that use the marker against real goldens of random:tiny.
+
+pytester restores sys.modules when its test ends, so a module first imported in this process after its
+snapshot is dropped again, and a later re-import of a torch module that registers operators fails in
+whatever test comes next on this worker. Hence `pytester` comes last in every signature here (the
+goldens are made before its snapshot) and nothing of evalrun runs in-process after it."""
 
 from __future__ import annotations
 
@@ -7,6 +12,8 @@ import json
 import os
 import shutil
 import sqlite3
+import subprocess
+import sys
 import xml.etree.ElementTree as ElementTree
 from pathlib import Path
 
@@ -86,7 +93,7 @@ def test_annotations_cannot_start_another_workflow_command():
     assert annotation("identical", "t", "m") is None
 
 
-def test_parametrized_configs_junit_step_summary_store_and_one_model_load(pytester, golden_dir, env, cli):
+def test_parametrized_configs_junit_step_summary_store_and_one_model_load(golden_dir, env, pytester):
     pytester.makeconftest(COUNT_LOADS)
     pytester.makepyfile(f'''
         import pytest
@@ -116,13 +123,14 @@ def test_parametrized_configs_junit_step_summary_store_and_one_model_load(pytest
         labels = [row[0] for row in db.execute("SELECT label FROM runs ORDER BY label")]
     assert labels == ["pytest:test_parametrized_configs_junit_step_summary_store_and_one_model_load.py::"
                       f"test_g[batch_size={n}]" for n in (1, 3)]
-    code, out, err = cli("diff", drift["evalrun.run"], properties["test_g[batch_size=1]"]["evalrun.run"],
-                         "--store", str(env["store"]), "--json")
-    assert code == 0, err
-    assert {"key": "batch_size", "a": 3, "b": 1} in json.loads(out)["config"]
+    done = subprocess.run([sys.executable, "-m", "evalrun", "diff", drift["evalrun.run"],
+                           properties["test_g[batch_size=1]"]["evalrun.run"], "--store", str(env["store"]), "--json"],
+                          capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr
+    assert {"key": "batch_size", "a": 3, "b": 1} in json.loads(done.stdout)["config"]
 
 
-def test_changed_fails_with_the_markdown_verdict_and_strict_fails_drift(pytester, golden_dir, env):
+def test_changed_fails_with_the_markdown_verdict_and_strict_fails_drift(golden_dir, env, pytester):
     pytester.makeconftest('''
         import evalrun.runner as runner
         import evalrun.verify as verify
@@ -165,7 +173,7 @@ def test_changed_fails_with_the_markdown_verdict_and_strict_fails_drift(pytester
     strict.stdout.fnmatch_lines(["*golden g ?batch_size=3?: drift*"])
 
 
-def test_missing_golden_under_ci_is_never_created_and_update_creates_it(pytester, env, tmp_path, monkeypatch):
+def test_missing_golden_under_ci_is_never_created_and_update_creates_it(env, tmp_path, monkeypatch, pytester):
     folder = tmp_path / "new-goldens"
     pytester.makepyfile(f'''
         import pytest
@@ -193,7 +201,7 @@ def test_missing_golden_under_ci_is_never_created_and_update_creates_it(pytester
     assert sorted(p.name for p in folder.iterdir()) == ["h.db"]  # no lock or mark left beside the goldens
 
 
-def test_xdist_workers_take_one_gpu_each_and_unused_goldens_are_listed(pytester, golden_dir, env, monkeypatch):
+def test_xdist_workers_take_one_gpu_each_and_unused_goldens_are_listed(golden_dir, env, monkeypatch, pytester):
     monkeypatch.setenv("EVALRUN_PYTEST_GPUS", "2")
     shutil.copy(golden_dir / "g.db", golden_dir / "stale.db")
     pytester.makeconftest(COUNT_LOADS)
@@ -226,7 +234,7 @@ def test_the_plugin_loads_without_xdist(pytester):
     result.assert_outcomes(passed=1)
 
 
-def test_goldens_that_cannot_be_checked_are_errors_that_reach_the_summary_and_comment(pytester, golden_dir, env):
+def test_goldens_that_cannot_be_checked_are_errors_that_reach_the_summary_and_comment(golden_dir, env, pytester):
     (golden_dir / "broken.db").write_bytes(b"not a golden")
     pytester.makepyfile(f'''
         import pytest
@@ -251,7 +259,7 @@ def test_goldens_that_cannot_be_checked_are_errors_that_reach_the_summary_and_co
 
 @pytest.mark.parametrize("marker,needle", [('"g", strict="no"', "strict=...) takes True or False"),
                                            ('"g", batch_size=[]', "'batch_size' is an empty list")])
-def test_marker_mistakes_are_usage_errors(pytester, golden_dir, env, marker, needle):
+def test_marker_mistakes_are_usage_errors(golden_dir, env, marker, needle, pytester):
     pytester.makepyfile(f'''
         import pytest
 
@@ -263,7 +271,7 @@ def test_marker_mistakes_are_usage_errors(pytester, golden_dir, env, marker, nee
     assert needle in result.stdout.str() + result.stderr.str() and result.ret != 0
 
 
-def test_an_unwritable_comment_path_is_refused_before_any_test_and_a_stale_comment_replaced(pytester, env):
+def test_an_unwritable_comment_path_is_refused_before_any_test_and_a_stale_comment_replaced(env, pytester):
     pytester.makepyfile("def test_plain():\n    pass\n")
     result = _run(pytester, f"--evalrun-comment={env['results'] / 'missing' / 'c.md'}")
     assert result.ret == pytest.ExitCode.USAGE_ERROR and "is not a writable folder" in result.stderr.str()
