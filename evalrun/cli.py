@@ -554,7 +554,7 @@ ENVIRONMENT_ERRNOS = (errno.ENOSPC, errno.EROFS, errno.EACCES, errno.EPERM, errn
 def one_line(text: str, limit: int = 500) -> str:
     """Any message as one printable line: line breaks and control characters (which a damaged file can
     put into a prompt id or a name) are shown as escapes, so stderr stays one line."""
-    flat = "".join(ch if ch.isprintable() else repr(ch)[1:-1] for ch in str(text))
+    flat = report.printable(text)
     return flat if len(flat) <= limit else flat[: limit - 1] + "…"
 
 

@@ -23,6 +23,7 @@ from typing import Any, Callable
 from .compare import digest_mismatch_steps, first_divergence
 from .config import MAX_BATCH_SIZE, RunConfig
 from .errors import ConfigError
+from .prompts import read_records, resolve_path
 from .runner import Placement, Prepared, Run, effective_config, execute, prepare, record
 from .store import PromptResult, Store
 
@@ -118,13 +119,15 @@ def measure_invariance(config: RunConfig, batch_sizes: list[int], positions: lis
     if not 1 <= repeats <= MAX_REPEATS:
         raise ConfigError(f"--repeats {repeats}: use 1 to {MAX_REPEATS}")
     started = time.perf_counter()
-    base = prepare(effective_config(config))
+    effective = effective_config(config)
     cells = cells_for(batch_sizes, positions)
-    rows_computed = repeats * len(base.prompt_set.records) * sum(cell.batch_size for cell in cells)
+    prompt_count = len(read_records(resolve_path(effective.prompts)))  # the bound, before any model loads
+    rows_computed = repeats * prompt_count * sum(cell.batch_size for cell in cells)
     if rows_computed > MAX_ROWS:
-        raise ConfigError(f"invariance: {repeats} repeat(s) x {len(base.prompt_set.records)} prompts x "
-                          f"{len(cells)} cells would decode {rows_computed:,} batch rows (limit {MAX_ROWS:,}); use "
-                          "fewer or smaller --batch-sizes, --positions or --repeats")
+        raise ConfigError(f"invariance: {repeats} repeat(s) x {prompt_count} prompts x {len(cells)} cells would "
+                          f"decode {rows_computed:,} batch rows (limit {MAX_ROWS:,}); use fewer or smaller "
+                          "--batch-sizes, --positions or --repeats")
+    base = prepare(effective)
     runs: list[tuple[Cell, int, Run]] = []
     for cell in cells:
         prepared = _prepared_for(base, cell.batch_size)

@@ -309,7 +309,7 @@ def _load_directory(ref: str, directory: Path | str, device: torch.device, dtype
         check_tied_head(directory, model)
     # Identity is taken from the weights as stored, before the run's dtype and device touch them.
     weights_hash = weights_identity(model)
-    return LoadedModel(ref, own_memory(model.to(device=device, dtype=dtype)), tokenizer, source, weights_hash)
+    return LoadedModel(ref, moved_into_own_memory(model, device, dtype), tokenizer, source, weights_hash)
 
 
 SAFETENSORS_FLOATS = {"F64": torch.float64, "F32": torch.float32, "BF16": torch.bfloat16, "F16": torch.float16}
@@ -373,14 +373,19 @@ def check_tied_head(directory: Path, model: torch.nn.Module) -> None:
                                      "false in config.json (or remove the stored head)")
 
 
-def own_memory(model: torch.nn.Module) -> torch.nn.Module:
-    """Weights in memory the process allocated: loaded tensors can stay backed by the mmapped file at
-    whatever offset its header left them, and a CPU matmul's bits depend on the alignment (measured:
-    one extra 4-byte tensor in the file changed the logits). `.to()` to another dtype or device copies
-    already; a tensor it left in place is cloned."""
+def moved_into_own_memory(model: torch.nn.Module, device: torch.device, dtype: torch.dtype) -> torch.nn.Module:
+    """The model on the run's device and dtype, every weight in memory the process allocated: loaded
+    tensors can stay backed by the mmapped file at whatever offset its header left them, and a CPU
+    matmul's bits depend on the alignment (measured: one extra 4-byte tensor in the file changed the
+    logits). `.to()` to another dtype or device copies already; a tensor it leaves in place is cloned."""
+    def tensors() -> list[torch.Tensor]:
+        return list(model.parameters()) + list(model.buffers())
+
+    mapped = {tensor.data_ptr() for tensor in tensors()}
+    model.to(device=device, dtype=dtype)
     with torch.no_grad():
-        for tensor in list(model.parameters()) + list(model.buffers()):
-            if tensor.device.type == "cpu":
+        for tensor in tensors():
+            if tensor.device.type == "cpu" and tensor.data_ptr() in mapped:
                 tensor.data = tensor.data.clone(memory_format=torch.contiguous_format)
     return model
 

@@ -41,6 +41,7 @@ import shutil
 import subprocess
 import tempfile
 import warnings
+from collections import Counter
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -144,10 +145,19 @@ def configs_of(marker: pytest.Mark) -> list[dict[str, Any]]:
 
 
 def config_id(options: dict[str, Any]) -> str:
-    parts = []
-    for key, value in options.items():
-        parts.append(f"O{value}".replace("O-O", "O").replace("OO", "O") if key == "opt_level" else f"{key}={value}")
-    return "-".join(parts) or "golden"
+    """A test id for one config: 'O2-dtype=bfloat16'; the marker's own golden config: 'golden'."""
+    return "-".join(_opt_level_id(value) if key == "opt_level" else f"{key}={value}"
+                    for key, value in options.items()) or "golden"
+
+
+def _opt_level_id(value: Any) -> str:
+    from .config import parse_opt_level
+    from .errors import ConfigError
+
+    try:
+        return f"O{parse_opt_level(value)}"
+    except ConfigError:  # shown as given; the check itself reports the bad value, as an error of its test
+        return f"opt_level={value}"
 
 
 def pytest_generate_tests(metafunc: pytest.Metafunc) -> None:
@@ -190,7 +200,7 @@ class SessionState:
     """Per process: loaded models to reuse, goldens already re-created, what was used and seen."""
 
     config: pytest.Config
-    prepared: dict[tuple, Any] = field(default_factory=dict)
+    prepared: list[Any] = field(default_factory=list)  # runner.Prepared: each model this process loaded
     marks: Path | None = None  # the session's folder (shared by xdist workers): what was made, and the lock
     used: set[Path] = field(default_factory=set)
     folders: set[Path] = field(default_factory=set)
@@ -217,15 +227,16 @@ class SessionState:
         """The verdict, the stored candidate run's id and the store; the model is loaded once per process
         for every config that shares it."""
         from .golden import open_golden
-        from .runner import effective_config, prepare, record
+        from .runner import effective_config, prepare, record, shares_model
         from .store import Store, default_store_path
         from .verify import candidate_config, verify_golden
 
         golden = open_golden(check.name, check.directory)
         config = effective_config(candidate_config(golden, None, check.options, ()))
-        key = (config.model, config.device, config.dtype, config.attn_implementation, config.prompts,
-               config.max_new_tokens)
-        self.prepared[key] = prepare(config, reuse=self.prepared.get(key))
+        loaded = next((prepared for prepared in self.prepared if shares_model(config, prepared)), None)
+        if loaded is None:
+            loaded = prepare(config)
+            self.prepared.append(loaded)
         store_path = self.config.getoption("evalrun_store") or default_store_path()
         store = Store(store_path)
         recorded = []
@@ -235,7 +246,7 @@ class SessionState:
                 recorded.append(record(store, run.header, lambda: run, label=f"pytest:{nodeid}"))
 
         try:
-            verdict = verify_golden(golden, config, check.strict, observe=observe, reuse=self.prepared[key])
+            verdict = verify_golden(golden, config, check.strict, observe=observe, reuse=loaded)
         finally:
             store.close()
         return verdict, (recorded[0].run_id if recorded else None), str(store_path)
@@ -443,24 +454,21 @@ def pytest_terminal_summary(terminalreporter, exitstatus, config: pytest.Config)
     if state is None or getattr(config, "workerinput", None) is not None:
         return
     comment = config.getoption("evalrun_comment")
-    if comment and not state.reports:  # never leave an earlier session's comment behind
-        Path(comment).write_text("## evalrun: no golden was checked in this session\n", encoding="utf-8")
     if state.reports:
         from .report import markdown_cell
 
-        markdown = "\n".join(f"<sub>{markdown_cell(nodeid)}</sub>\n\n{body}" for nodeid, _, _, body in state.reports)
-        counts = {}
-        for _, verdict, _, _ in state.reports:
-            counts[verdict] = counts.get(verdict, 0) + 1
-        heading = "## evalrun: " + ", ".join(f"{n} {v}" for v, n in sorted(counts.items())) + "\n\n"
-        append_step_summary(heading + markdown)
-        if comment:
-            Path(comment).write_text(heading + markdown, encoding="utf-8")
-        if on_github_actions():
-            for nodeid, verdict, title, _ in state.reports:
-                line = annotation(verdict, title, f"{nodeid}: {verdict}")
-                if line:
-                    terminalreporter.write_line(line)
+        counts = Counter(verdict for _, verdict, _, _ in state.reports)
+        text = ("## evalrun: " + ", ".join(f"{n} {v}" for v, n in sorted(counts.items())) + "\n\n"
+                + "\n".join(f"<sub>{markdown_cell(nodeid)}</sub>\n\n{body}" for nodeid, _, _, body in state.reports))
+        append_step_summary(text)
+    else:  # the comment still gets written: never leave an earlier session's comment behind
+        text = "## evalrun: no golden was checked in this session\n"
+    if comment:
+        Path(comment).write_text(text, encoding="utf-8")
+    for nodeid, verdict, title, _ in state.reports if on_github_actions() else ():
+        line = annotation(verdict, title, f"{nodeid}: {verdict}")
+        if line:
+            terminalreporter.write_line(line)
     unused = unused_goldens(state.folders, state.used)
     if unused:
         terminalreporter.write_sep("-", "evalrun")

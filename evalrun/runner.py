@@ -100,7 +100,8 @@ def build_header(config: EffectiveConfig, applied: dict[str, Any], loaded: Loade
             "prompt_set": prompt_set.as_dict(), "applied_flags": applied}
 
 
-def _shares_model(config: EffectiveConfig, other: Prepared) -> bool:
+def shares_model(config: EffectiveConfig, other: Prepared) -> bool:
+    """Whether `other`'s loaded model and prompt set serve `config` too (what `prepare(reuse=...)` shares)."""
     keys = ("model", "device", "dtype", "attn_implementation", "prompts")
     return all(getattr(config, k) == getattr(other.config, k) for k in keys)
 
@@ -116,7 +117,7 @@ def prepare(config: RunConfig | EffectiveConfig, reuse: Prepared | None = None) 
     baseline_backend_flags()  # read the environment's own flags before the config changes any
     applied = apply_numerics_flags(effective)  # before anything initialises CUDA
     started = time.perf_counter()
-    if reuse is not None and _shares_model(effective, reuse):
+    if reuse is not None and shares_model(effective, reuse):
         loaded, prompt_set = reuse.loaded, reuse.prompt_set
     else:
         loaded = load_model(effective.model, effective.device, effective.dtype, effective.attn_implementation)
