@@ -109,17 +109,19 @@ def test_static_workspaces_keep_each_batch_result(cli, tiny_args):
 
 
 def test_first_request_without_warmup_carries_the_compile(cli, tiny_args):
+    """Without warm-up the measured batches compile (first_request is the first measured batch); with
+    warm-up nothing compiles while measured. Asserted on Dynamo's counters, not on timings: timed tests
+    flake on a loaded machine (a 3x margin failed on a 2-core CI runner), the benchmarks report times."""
     code, out, err = cli("run", *tiny_args, "--compilation-mode", "trace-once", "--set", "warmup=0", "--json", "--quiet")
-    timings = json.loads(out)["timings"]
     assert code == 0, err
-    assert timings["warmup_s"] < 0.01 and timings["compile_s"] > 0
+    cold = json.loads(out)
+    assert cold["timings"]["warmup_s"] < 0.01 and cold["evidence"]["compile_s"] > 0
+    assert cold["evidence"]["recompiles_after_warmup"] > 0  # the compile landed in the measured requests
     code, out, err = cli("run", *tiny_args, "--compilation-mode", "trace-once", "--json", "--quiet")
-    warm = json.loads(out)["timings"]
-    # A factor of 3 against the warm run's median: Inductor's cache can serve the compiled graph (tracing and
-    # loading remain), and a loaded machine slows the warm side too (10x flaked under load).
-    assert timings["ttft_ms"]["first_request"] > 3 * warm["ttft_ms"]["p50"]
-    # With warm-up, first_request is still the cold first request (the warm-up's), not a warm one.
-    assert warm["ttft_ms"]["first_request"] > 3 * warm["ttft_ms"]["p50"]
+    assert code == 0, err
+    warm = json.loads(out)
+    assert warm["timings"]["warmup_s"] > 0 and warm["evidence"]["recompiles_after_warmup"] == 0
+    assert warm["evidence"]["dynamo_graphs"] > 0
 
 
 def test_bench_measures_side_by_side_with_baselines(cli):
