@@ -104,11 +104,19 @@ OPT_LEVEL_KNOBS = ("compilation_mode", "cudagraph_mode", *INDUCTOR_KNOBS)  # wha
 
 # The hashed factors, in the order bisect walks them: compilation before CUDA graphs before Inductor
 # knobs before precision flags before shapes (torch's bisector: backends before subsystems).
-NUMERICS_FACTORS = ("device", "dtype", "compilation_mode", "cudagraph_mode", *INDUCTOR_KNOBS, "attn_implementation",
+NUMERICS_FACTORS = ("engine", "device", "tensor_parallel", "dtype", "compilation_mode", "cudagraph_mode", *INDUCTOR_KNOBS, "attn_implementation",
                     "tf32", "deterministic", "batch_invariant", "batch_size", "prefill_buckets", "batch_buckets")
 WORKLOAD_FACTORS = ("model", "prompts", "max_new_tokens", "top_k", "temperature", "seed")
 # Knobs added after runs and goldens were first stored: a stored config without one ran at this value.
-OPTIONAL_STORED = {"batch_invariant": False}
+OPTIONAL_STORED = {"batch_invariant": False, "engine": "evalrun", "tensor_parallel": 1}
+# Factors added after config hashes were first stored: left out of the hash at these values, so every
+# hash stored before them (runs, goldens, bisect records) still names the same config.
+HASHED_ONLY_WHEN_SET = {"engine": "evalrun", "tensor_parallel": 1}
+# What computes the logits: evalrun's own engine (every execution mode), transformers' forward, or a
+# running OpenAI-compatible server (`openai:URL`).
+ENGINES = ("evalrun", "transformers")
+OPENAI_ENGINE_PREFIX = "openai:"
+MAX_TENSOR_PARALLEL = 64
 
 
 @dataclass
@@ -117,6 +125,8 @@ class RunConfig:
 
     model: str = "smollm2-135m"
     prompts: str = "default"
+    engine: str = "evalrun"  # evalrun | transformers | openai:URL (ENGINES)
+    tensor_parallel: int = 1  # ranks the projections are split across (torch.distributed)
     opt_level: int | None = None
     compilation_mode: str | None = None
     cudagraph_mode: str | None = None
@@ -152,6 +162,8 @@ class EffectiveConfig:
 
     model: str
     prompts: str
+    engine: str
+    tensor_parallel: int
     opt_level: int
     compilation_mode: CompilationMode
     cudagraph_mode: CUDAGraphMode
@@ -201,7 +213,9 @@ class EffectiveConfig:
         return {key: _plain(getattr(self, key)) for key in NUMERICS_FACTORS}
 
     def compute_hash(self) -> str:
-        return hash_value(self.factors())
+        factors = {key: value for key, value in self.factors().items()
+                   if key not in HASHED_ONLY_WHEN_SET or value != HASHED_ONLY_WHEN_SET[key]}
+        return hash_value(factors)
 
     def replace(self, **changes: Any) -> "EffectiveConfig":
         return dataclasses.replace(self, **changes)
@@ -407,6 +421,7 @@ def normalize(config: RunConfig) -> RunConfig:
     if config.dtype is not None:
         config.dtype = _choice("dtype", config.dtype, DTYPES, DTYPE_ALIASES)
     config.attn_implementation = _choice("attn_implementation", config.attn_implementation, ATTENTION_IMPLEMENTATIONS)
+    config.engine = parse_engine(config.engine)
     if not KEEP_LOGITS_PATTERN.fullmatch(str(config.keep_logits)):
         raise ConfigError(f"keep_logits={config.keep_logits!r} is not valid; use none, all, or prompt ids with "
                           "optional steps, e.g. zh-deploy@0-15,code-fib")
@@ -414,7 +429,7 @@ def normalize(config: RunConfig) -> RunConfig:
     if not (device in ("auto", "cpu", "cuda") or (device.startswith("cuda:") and device[5:].isdigit())):
         raise ConfigError(f"device={device!r} is not valid; use auto, cpu, cuda or cuda:N")
     bounds = (("batch_size", 1, MAX_BATCH_SIZE), ("max_new_tokens", 1, MAX_NEW_TOKENS_LIMIT), ("top_k", 2, MAX_TOP_K),
-              ("warmup", 0, 100), ("seed", 0, (1 << 63) - 1))
+              ("warmup", 0, 100), ("seed", 0, (1 << 63) - 1), ("tensor_parallel", 1, MAX_TENSOR_PARALLEL))
     for key, low, high in bounds:
         value = getattr(config, key)
         if not low <= value <= high:
@@ -427,6 +442,19 @@ def normalize(config: RunConfig) -> RunConfig:
             raise ConfigError(f"{key}={buckets} is not valid; give 1 to 64 sizes from 1 to {MAX_BUCKET}, e.g. 16,32,64")
         setattr(config, key, sorted(set(buckets)))
     return config
+
+
+def parse_engine(value: Any) -> str:
+    """'evalrun', 'transformers' or 'openai:http://HOST:PORT/v1' (checked here for form only)."""
+    text = str(value).strip()
+    if text in ENGINES:
+        return text
+    if text.startswith(OPENAI_ENGINE_PREFIX):
+        url = text[len(OPENAI_ENGINE_PREFIX):]
+        if re.fullmatch(r"https?://[^\s/]+(/\S*)?", url):
+            return OPENAI_ENGINE_PREFIX + url.rstrip("/")
+        raise ConfigError(f"engine={text[:80]!r} has no usable URL; use openai:http://HOST:PORT/v1")
+    raise ConfigError(f"engine={text[:80]!r} is not valid; use evalrun, transformers or openai:http://HOST:PORT/v1")
 
 
 def keep_logits_steps(keep_logits: str, prompt_id: str, steps: int) -> list[int]:
@@ -507,5 +535,9 @@ def validate(config: EffectiveConfig, cuda_available: bool, gpu_count: int | Non
     if config.cudagraph_mode.requires_piecewise_compilation() and config.compilation_mode is not CompilationMode.PIECEWISE:
         raise ConfigError(f"cudagraph_mode={config.cudagraph_mode} wraps compiled pieces and needs --compilation-mode "
                           "piecewise; use it, or --cudagraph-mode full / full-decode-only / none")
+    if config.engine != "evalrun":
+        raise ConfigError(f"engine={config.engine[:80]!r} is not implemented yet (issues #14, #15); use --engine evalrun")
+    if config.tensor_parallel != 1:
+        raise ConfigError(f"tensor_parallel={config.tensor_parallel} is not implemented yet (issue #17); use 1")
     if config.dtype == "float16" and not config.on_gpu:
         raise ConfigError("dtype float16 is not supported on CPU here; use float32 or bfloat16")
