@@ -196,6 +196,9 @@ def to_results(prepared: Prepared, batch_index: int, indices: list[int], output:
         if output.probe_values is not None:
             arrays["probe_ids"] = output.probe_ids[row, :steps]
             arrays["probe_values"] = output.probe_values[row, :steps]
+        if output.routing_experts is not None:  # MoE models: [steps, L, k] experts (int16), [steps, L] margins
+            arrays["routing_experts"] = output.routing_experts[row, :steps].astype(np.int16)
+            arrays["routing_margins"] = output.routing_margins[row, :steps]
         tokens = arrays["tokens"]
         eos_hits = np.flatnonzero(tokens == eos) if eos is not None else np.array([])
         eos_step = int(eos_hits[0]) if eos_hits.size else -1

@@ -35,7 +35,8 @@ ACTIVATIONS = ("silu", "swish", "gelu", "gelu_pytorch_tanh", "relu")
 # `proportional` is another family's; those are refused.
 ROPE_TYPES = ("default", "linear", "llama3", "yarn")
 # What each family's transformers class is: the checkpoint's `architectures` must name it.
-ARCHITECTURES = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM"}
+ARCHITECTURES = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM",
+                 "qwen3_moe": "Qwen3MoeForCausalLM"}
 NO_ENGINE_FIX = "evalrun has no engine for that yet (issue #14); use a checkpoint that does not need it"
 
 
@@ -76,6 +77,14 @@ def _rope(value: Any) -> bool:
 
 def _full_attention_only(value: Any) -> bool:
     return value is None or (isinstance(value, list) and all(kind == "full_attention" for kind in value))
+
+
+def _non_negative_int(value: Any) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool) and value >= 0
+
+
+def _layer_indices(value: Any) -> bool:
+    return isinstance(value, list) and all(_non_negative_int(index) for index in value)
 
 
 def implemented(accepts: Callable[[Any], bool] = _any, accepted: str = "any value") -> Rule:
@@ -162,8 +171,24 @@ QWEN3: dict[str, Rule] = {  # q/k RMSNorm per head is part of the architecture (
     "attention_bias": implemented(_one_of(True, False), "true or false"),
 }
 
-FAMILIES: dict[str, dict[str, Rule]] = {"llama": LLAMA, "qwen2": QWEN2, "qwen3": QWEN3}
-FAMILY_NAMES = {"llama": "Llama", "qwen2": "Qwen2/2.5", "qwen3": "Qwen3"}
+# Qwen3 with mixture-of-experts feed-forwards (engine/moe.py). Which layers are MoE
+# (decoder_sparse_step, mlp_only_layers, num_experts) is read from the modules transformers built,
+# so every value that transformers computes is computed; the router is a softmax over the experts.
+QWEN3_MOE: dict[str, Rule] = {
+    **QWEN3,
+    "num_local_experts": implemented(_non_negative_int, "a non-negative integer (0: every layer dense)"),
+    "num_experts": implemented(_non_negative_int, "a non-negative integer (0: every layer dense)"),
+    "num_experts_per_tok": implemented(_positive_int, "a positive integer (at most num_experts)"),
+    "moe_intermediate_size": SHAPE,
+    "norm_topk_prob": implemented(_one_of(True, False), "true or false"),
+    "decoder_sparse_step": implemented(_positive_int, "a positive integer"),
+    "mlp_only_layers": implemented(lambda v: v is None or _layer_indices(v), "a list of layer indices"),
+    "output_router_logits": inert("outputs, not values"),
+    "router_aux_loss_coef": inert("a training loss only"),
+}
+
+FAMILIES: dict[str, dict[str, Rule]] = {"llama": LLAMA, "qwen2": QWEN2, "qwen3": QWEN3, "qwen3_moe": QWEN3_MOE}
+FAMILY_NAMES = {"llama": "Llama", "qwen2": "Qwen2/2.5", "qwen3": "Qwen3", "qwen3_moe": "Qwen3-MoE"}
 
 
 def supported_families() -> str:

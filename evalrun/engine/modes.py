@@ -6,7 +6,7 @@ Compilation modes (vLLM's names in brackets)
   trace-once  torch.compile(fullgraph=True, dynamic=False) per shape bucket;   [DYNAMO_TRACE_ONCE]
               a recompile after warm-up is a fallback
   piecewise   regional: the pieces (prologue: embedding, rotary, mask; norm +   [VLLM_COMPILE]
-              projections + rotary; output projection + MLP; head) compiled once,
+              projections + rotary; output projection + MLP or MoE; head) compiled once,
               the layer pieces shared by every layer; attention with its KV-cache
               write runs between them
 CUDA graph modes
@@ -39,6 +39,7 @@ from typing import Any, Callable
 import torch
 
 from ..config import CompilationMode, CUDAGraphMode, EffectiveConfig
+from . import moe
 from .generate import BatchSpec, Workspace, decode_step, prefill_step
 from .transformer import (StatePieces, Transformer, head, mlp_block, output_projection, post_attention, pre_attention,
                           prologue)
@@ -110,6 +111,7 @@ class ExecutionMode:
         view.prologue = self._compile(prologue, f"{tag}_prologue", graphs, True, False)
         view.pre_attention = self._compile(pre_attention, f"{tag}_pre", graphs, True, False)
         view.post_attention = self._compile(post_attention, f"{tag}_post", graphs, True, False)
+        view.moe_post_attention = self._compile(moe.post_attention, f"{tag}_moe_post", graphs, True, False)
         view.head = self._compile(head, f"{tag}_head", graphs, True, False)
         return view
 

@@ -16,7 +16,7 @@ keeps CUDA's SDPA on its fused memory-efficient kernel (one launch per layer) wh
 a mask falls back to the unfused math path.
 
 Families: Llama (optional attention and MLP biases), Qwen2/2.5 (q/k/v biases) and Qwen3 (RMSNorm of
-each query and key head before rotary); every config field is checked first (`model_support`), so a
+each query and key head before rotary), Qwen3-MoE (its MoE layers run engine/moe.py); every config field is checked first (`model_support`), so a
 config asking for what this forward does not compute is refused, never run as another model.
 """
 
@@ -39,14 +39,15 @@ class LayerWeights:
     qkv: torch.Tensor  # [(H+2G)*D, hidden]: q, k and v projections stacked
     o: torch.Tensor  # [hidden, H*D]
     post_norm: torch.Tensor  # [hidden]
-    gate_up: torch.Tensor  # [2*inter, hidden]: gate and up projections stacked
-    down: torch.Tensor  # [hidden, inter]
+    gate_up: torch.Tensor | None  # [2*inter, hidden]: gate and up projections stacked (None in an MoE layer)
+    down: torch.Tensor | None  # [hidden, inter]
     qkv_bias: torch.Tensor | None = None  # [(H+2G)*D]
     o_bias: torch.Tensor | None = None  # [hidden]
     gate_up_bias: torch.Tensor | None = None  # [2*inter]
     down_bias: torch.Tensor | None = None  # [hidden]
     q_norm: torch.Tensor | None = None  # [D], Qwen3's per-head query RMSNorm
     k_norm: torch.Tensor | None = None  # [D], Qwen3's per-head key RMSNorm
+    moe: "moe.MoEWeights | None" = None  # the experts and router of an MoE layer (engine/moe.py)
 
 
 def stack_rows(module_weights: list[torch.nn.Parameter]) -> torch.Tensor:
@@ -79,6 +80,7 @@ class KVCache:
     def __init__(self, layers: int, batch: int, heads: int, slots: int, head_dim: int,
                  dtype: torch.dtype, device: torch.device):
         self.kv = torch.zeros((layers, 2, batch, heads, slots, head_dim), dtype=dtype, device=device)
+        self.routing: "moe.RoutingState | None" = None  # MoE models: each MoE layer's last routing
 
     @property
     def slots(self) -> int:
@@ -101,10 +103,16 @@ class Transformer:
         self.embed = inner.embed_tokens.weight  # [V, hidden]
         self.final_norm = inner.norm.weight
         self.lm_head = hf_model.lm_head.weight  # [V, hidden]
-        self.layers = [self._layer(layer) for layer in inner.layers]
+        self.layers = self._layers(inner.layers)
         rotary_embedding = inner.rotary_emb
         # The pieces the forward calls; an execution mode may replace them with compiled versions.
         self.prologue, self.pre_attention, self.post_attention, self.head = prologue, pre_attention, post_attention, head
+        from . import moe  # imported here: moe builds on this module's pieces
+        self.moe = moe  # an MoE layer's feed-forward: moe.run_layer_mlp, its piece moe_post_attention
+        self.moe_post_attention = moe.post_attention
+        moe_layers = [w.moe for w in self.layers if w.moe is not None]
+        # (L, k): the routing each step captures, for MoE models only
+        self.routing_shape = (len(moe_layers), moe_layers[0].top_k) if moe_layers else None
         self.dtype = self.embed.dtype
         # [D/2]; rotary angles in fp32 (fp64 for an fp64 model)
         self.inv_freq = rotary_embedding.inv_freq.to(torch.promote_types(self.dtype, torch.float32))
@@ -112,22 +120,38 @@ class Transformer:
         self.device = self.embed.device
         self.vocab_size = self.lm_head.shape[0]
 
+    @classmethod
+    def _layers(cls, layers: torch.nn.ModuleList) -> list[LayerWeights]:
+        from . import moe
+        weights, slots = [], 0
+        for layer in layers:
+            experts = moe.layer_weights(layer.mlp, slots)
+            slots += experts is not None
+            weights.append(cls._layer(layer, experts))
+        return weights
+
     @staticmethod
-    def _layer(layer: torch.nn.Module) -> LayerWeights:
+    def _layer(layer: torch.nn.Module, experts: "moe.MoEWeights | None" = None) -> LayerWeights:
         attention, mlp = layer.self_attn, layer.mlp
         qkv_projections = [attention.q_proj, attention.k_proj, attention.v_proj]
         qkv = stack_rows([p.weight for p in qkv_projections])
-        gate_up = stack_rows([mlp.gate_proj.weight, mlp.up_proj.weight])
+        dense = experts is None
+        gate_up = stack_rows([mlp.gate_proj.weight, mlp.up_proj.weight]) if dense else None
         norms = [getattr(attention, name, None) for name in ("q_norm", "k_norm")]
         return LayerWeights(layer.input_layernorm.weight, qkv, attention.o_proj.weight,
-                            layer.post_attention_layernorm.weight, gate_up, mlp.down_proj.weight,
+                            layer.post_attention_layernorm.weight, gate_up, mlp.down_proj.weight if dense else None,
                             qkv_bias=_stacked_biases(qkv_projections), o_bias=attention.o_proj.bias,
-                            gate_up_bias=_stacked_biases([mlp.gate_proj, mlp.up_proj]), down_bias=mlp.down_proj.bias,
+                            gate_up_bias=_stacked_biases([mlp.gate_proj, mlp.up_proj]) if dense else None,
+                            down_bias=mlp.down_proj.bias if dense else None,
                             q_norm=None if norms[0] is None else norms[0].weight,
-                            k_norm=None if norms[1] is None else norms[1].weight)
+                            k_norm=None if norms[1] is None else norms[1].weight, moe=experts)
 
     def new_cache(self, batch: int, slots: int) -> KVCache:
-        return KVCache(len(self.layers), batch, self.kv_heads, slots, self.head_dim, self.dtype, self.device)
+        cache = KVCache(len(self.layers), batch, self.kv_heads, slots, self.head_dim, self.dtype, self.device)
+        if self.routing_shape is not None:
+            from .moe import RoutingState
+            cache.routing = RoutingState(batch, *self.routing_shape, self.device)
+        return cache
 
     # ------------------------------------------------------------ forward
 
@@ -147,6 +171,9 @@ class Transformer:
         for index, w in enumerate(self.layers):
             q, kv = self.pre_attention(x, cos, sin, w.input_norm, w.qkv, *shape, w.qkv_bias, w.q_norm, w.k_norm)
             attended = self.attend(index, q, kv, slots, mask, cache)
+            if w.moe is not None:
+                x = self.moe.run_layer_mlp(self, x, attended, w, cache)
+                continue
             x = self.post_attention(x, attended, w.o, w.post_norm, w.gate_up, w.down, self.eps, self.activation,
                                     w.o_bias, w.gate_up_bias, w.down_bias)
         return self.head(x[:, -1], self.final_norm, self.lm_head, self.eps)
@@ -166,8 +193,11 @@ class Transformer:
             q, kv = p.pre_attention(x, cos, sin, w.input_norm, w.qkv, *shape, w.qkv_bias, w.q_norm, w.k_norm)
             x = p.output_projection(x, self.attend(index, q, kv, slots, mask, cache), w.o, w.o_bias)
             states.append(x)
-            x = p.mlp_block(x, w.post_norm, w.gate_up, w.down, self.eps, self.activation, w.gate_up_bias,
-                            w.down_bias)
+            if w.moe is not None:  # eager: the MoE block is not among the compiled state pieces yet
+                x = self.moe.layer_mlp_block(x, w, self.eps, self.activation)
+            else:
+                x = p.mlp_block(x, w.post_norm, w.gate_up, w.down, self.eps, self.activation, w.gate_up_bias,
+                                w.down_bias)
             states.append(x)
         return states + [p.head(x, self.final_norm, self.lm_head, self.eps)]
 

@@ -1,0 +1,148 @@
+"""Qwen3-MoE in evalrun's engine (engine/moe.py): it matches transformers over a greedy decode, in every
+CPU execution mode, and each step's routing (chosen experts, router margin) is captured."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+from evalrun.engine.driver import generate_batch
+from evalrun.engine.generate import BatchSpec
+from evalrun.engine.model_support import check_config
+from evalrun.engine.transformer import Transformer
+from evalrun.errors import UnsupportedModelError
+from evalrun.models import byte_tokenizer, load_model
+from test_model_support import MAX_ABS_LOGITS, STEPS, TINY, _hf_greedy, _randomize
+
+MOE = dict(num_experts=8, num_experts_per_tok=2, moe_intermediate_size=32, norm_topk_prob=True)
+PROMPT = "The engine must compute this model and no other"
+
+
+def moe_config(**overrides):
+    from transformers import Qwen3MoeConfig
+
+    return Qwen3MoeConfig(**{**TINY, **MOE, "head_dim": 32, "architectures": ["Qwen3MoeForCausalLM"], **overrides})
+
+
+def moe_checkpoint(directory: Path, seed: int = 0, **overrides) -> Path:
+    """A tiny random Qwen3-MoE checkpoint saved by transformers (router, experts, norms all random)."""
+    from transformers import AutoModelForCausalLM
+
+    torch.manual_seed(seed)
+    model = AutoModelForCausalLM.from_config(moe_config(**overrides))
+    _randomize(model, seed)
+    model.save_pretrained(directory)
+    byte_tokenizer().save_pretrained(directory)
+    return directory
+
+
+CASES = {
+    "qwen3-moe": {},
+    "qwen3-moe-unnormalized-top3": {"norm_topk_prob": False, "num_experts_per_tok": 3},
+    "qwen3-moe-sparse-step-2": {"decoder_sparse_step": 2, "num_hidden_layers": 3},
+    "qwen3-moe-mlp-only-layer-0": {"mlp_only_layers": [0]},
+}
+
+
+@pytest.mark.parametrize("case", list(CASES))
+def test_qwen3_moe_matches_transformers_over_a_32_token_greedy_decode(tmp_path, case):
+    loaded = load_model(str(moe_checkpoint(tmp_path / case, **CASES[case])), "cpu", "float32")
+    assert loaded.model.config.model_type == "qwen3_moe"
+    ids = loaded.tokenizer(PROMPT)["input_ids"]
+    transformer = Transformer(loaded.model, "sdpa")
+    out = generate_batch(transformer, BatchSpec([ids], STEPS, pad_id=0, keep_logits=True))
+    expected_tokens, expected_logits = _hf_greedy(loaded.model, ids, STEPS)
+    difference = float(np.abs(out.logits[0].view(np.float32) - expected_logits).max())
+    print(f"{case}: max abs logits difference {difference:.2e}")
+    assert out.tokens[0].tolist() == expected_tokens
+    assert difference < MAX_ABS_LOGITS, difference
+    assert np.abs(expected_logits).max() > 0.1
+    dense_layers = sum(w.moe is None for w in transformer.layers)
+    assert dense_layers == {"qwen3-moe-sparse-step-2": 2, "qwen3-moe-mlp-only-layer-0": 1}.get(case, 0)
+
+
+@pytest.fixture(scope="module")
+def moe_model(tmp_path_factory):
+    return load_model(str(moe_checkpoint(tmp_path_factory.mktemp("moe") / "ckpt")), "cpu", "float32")
+
+
+def _generate(loaded, compilation: str, steps: int = 12):
+    from evalrun.config import CompilationMode
+    from evalrun.engine.modes import ExecutionMode, allow_recompiles_for
+
+    transformer = Transformer(loaded.model, "sdpa")
+    mode = ExecutionMode(transformer, CompilationMode(compilation))
+    if mode.static:
+        torch._dynamo.reset()
+        allow_recompiles_for(mode.prefill_buckets, mode.batch_buckets)
+    prompts = [loaded.tokenizer(PROMPT)["input_ids"], loaded.tokenizer("Routing")["input_ids"]]
+    mode.plan(max(len(p) for p in prompts), steps)
+    spec = BatchSpec(prompts, steps, pad_id=0)
+    generate_batch(transformer, spec, mode)  # warm-up: compiles
+    mode.start_measuring()
+    return generate_batch(transformer, spec, mode), mode.evidence()
+
+
+def test_routing_is_captured_per_step_and_moe_layer(moe_model):
+    out, _ = _generate(moe_model, "none")
+    assert out.routing_experts.shape == (2, 12, 2, 2) and out.routing_margins.shape == (2, 12, 2)
+    experts = out.routing_experts
+    assert ((experts >= 0) & (experts < 8)).all()
+    assert (experts[..., 0] != experts[..., 1]).all()  # k distinct experts
+    assert (out.routing_margins >= 0).all() and (out.routing_margins > 0).any()
+    assert len({tuple(row) for row in experts.reshape(-1, 2).tolist()}) > 1  # routing varies by token
+
+
+def test_routing_matches_transformers_router_choice(moe_model):
+    """The captured experts and margin are the router's: recomputed from transformers' router logits."""
+    model, steps = moe_model.model, 6
+    ids = moe_model.tokenizer(PROMPT)["input_ids"]
+    out = generate_batch(Transformer(model, "sdpa"), BatchSpec([ids], steps, pad_id=0))
+    sequence = ids + out.tokens[0].tolist()
+    with torch.no_grad():
+        router_logits = model(torch.tensor([sequence]), output_router_logits=True).router_logits  # L x [S, E]
+    for layer, logits in enumerate(router_logits):
+        probs = torch.softmax(logits.float(), dim=-1)[len(ids) - 1:len(ids) - 1 + steps]  # the step tokens
+        values, chosen = torch.topk(probs, 3, dim=-1)
+        assert out.routing_experts[0, :, layer].tolist() == chosen[:, :2].tolist()
+        np.testing.assert_allclose(out.routing_margins[0, :, layer], (values[:, 1] - values[:, 2]).numpy(), atol=1e-6)
+
+
+def test_dense_models_capture_no_routing(tmp_path):
+    from evalrun.models import load_model as load
+
+    loaded = load("random:tiny", "cpu", "float32")
+    out = generate_batch(Transformer(loaded.model), BatchSpec([[5, 6, 7]], 3, pad_id=0))
+    assert out.routing_experts is None and out.routing_margins is None
+
+
+@pytest.mark.parametrize("compilation", ["trace-once", "piecewise"])
+def test_compiled_modes_give_eagers_tokens_and_routing(moe_model, compilation):
+    eager, _ = _generate(moe_model, "none")
+    compiled, evidence = _generate(moe_model, compilation)
+    assert evidence["dynamo_graphs"] > 0 and evidence["fallbacks"] == [], evidence["fallbacks"]
+    assert compiled.tokens.tolist() == eager.tokens.tolist()
+    assert compiled.routing_experts.tolist() == eager.routing_experts.tolist()
+    np.testing.assert_allclose(compiled.routing_margins, eager.routing_margins, atol=1e-5)
+
+
+@pytest.mark.parametrize("overrides,needle", [
+    ({"num_experts_per_tok": 0}, "'num_experts_per_tok' = 0"),
+    ({"use_sliding_window": True, "sliding_window": 8}, "'use_sliding_window' = True"),
+    ({"norm_topk_prob": "yes"}, "'norm_topk_prob' = 'yes'"),
+    ({"mlp_only_layers": "all"}, "'mlp_only_layers' = 'all'"),
+    ({"router_jitter_noise": 0.1}, "'router_jitter_noise' = 0.1 is not a field evalrun knows for Qwen3-MoE"),
+])
+def test_moe_configs_the_engine_does_not_compute_are_refused(overrides, needle):
+    config = moe_config().to_dict()
+    config.update(overrides)
+    with pytest.raises(UnsupportedModelError, match="evalrun") as error:
+        check_config(config)
+    assert needle in str(error.value)
+
+
+def test_every_field_of_the_qwen3_moe_config_has_a_rule():
+    assert check_config(moe_config().to_dict()) == "qwen3_moe"
