@@ -38,7 +38,8 @@ def run_options(command: Callable) -> Callable:
     """The RUN OPTIONS of DESIGN.md, defined once for every command that runs a model."""
     options = [
         click.option("--config", "config_source", metavar="PRESET|FILE.toml", help="Preset name or TOML file."),
-        click.option("--model", help="smollm2-135m (default), random:tiny, random:smollm2, random:llama3-8b, DIR, FILE.gguf."),
+        click.option("--model", help="smollm2-135m (default), random:tiny|smollm2|llama3-8b|qwen3-8b|qwen3-moe, "
+                                        "DIR, FILE.gguf."),
         click.option("--prompts", metavar="FILE.jsonl", help="Prompt set: default, smoke, or a JSONL file."),
         click.option("--engine", metavar="E", help="evalrun (default) | transformers | openai:http://HOST:PORT/v1."),
         click.option("--tensor-parallel", type=int, metavar="N", help="Split the model across N ranks (torchrun)."),

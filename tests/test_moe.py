@@ -3,6 +3,7 @@ CPU execution mode, and each step's routing (chosen experts, router margin) is c
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 import numpy as np
@@ -15,6 +16,7 @@ from evalrun.engine.model_support import check_config
 from evalrun.engine.transformer import Transformer
 from evalrun.errors import UnsupportedModelError
 from evalrun.models import byte_tokenizer, load_model
+from evalrun.store import Store
 from test_model_support import MAX_ABS_LOGITS, STEPS, TINY, _hf_greedy, _randomize
 
 MOE = dict(num_experts=8, num_experts_per_tok=2, moe_intermediate_size=32, norm_topk_prob=True)
@@ -146,3 +148,85 @@ def test_moe_configs_the_engine_does_not_compute_are_refused(overrides, needle):
 
 def test_every_field_of_the_qwen3_moe_config_has_a_rule():
     assert check_config(moe_config().to_dict()) == "qwen3_moe"
+
+
+@pytest.mark.parametrize("shape,family,billions", [("qwen3-8b", "qwen3", 8.19), ("qwen3-moe", "qwen3_moe", 15.6)])
+def test_random_presets_have_their_shape_and_pass_the_engines_field_audit(shape, family, billions):
+    """Built on the meta device (no memory): the family, the parameter count, every config field accepted."""
+    from evalrun.models import _random_module
+
+    model = _random_module(shape, torch.device("meta"))
+    assert check_config(model.config.to_dict()) == family
+    assert sum(p.numel() for p in model.parameters()) / 1e9 == pytest.approx(billions, abs=0.05)
+
+
+def test_seeded_fill_scales_expert_matrices_by_their_fan_in():
+    from evalrun.models import fill_seeded
+
+    model = moe_checkpoint_module()
+    fill_seeded(model, 0)
+    experts = model.model.layers[0].mlp.experts
+    for tensor in (experts.gate_up_proj, experts.down_proj):  # [E, out, in]: std 1/sqrt(in)
+        assert float(tensor.detach().std()) == pytest.approx(tensor.shape[-1] ** -0.5, rel=0.1)
+
+
+def moe_checkpoint_module():
+    from transformers import AutoModelForCausalLM
+
+    return AutoModelForCausalLM.from_config(moe_config())
+
+
+# ---------------------------------------------------------------- on the GPU (the lead runs these on the H200)
+
+@pytest.mark.gpu
+def test_qwen3_moe_in_bfloat16_on_cuda_stays_within_transformers_bfloat16_envelope(tmp_path):
+    """Along the float64 greedy path, the engine's bfloat16 logits are within 3x the error of transformers'
+    own bfloat16 forward against its float64 forward (the rule of test_model_support's dense families)."""
+    from transformers import AutoModelForCausalLM
+
+    from evalrun.compare import bits_to_float
+    from test_model_support import ENVELOPE_MULTIPLIER, _relative_rms
+
+    directory = moe_checkpoint(tmp_path / "moe")
+    reference_model = AutoModelForCausalLM.from_pretrained(directory, dtype=torch.float64).cuda().eval()
+    hf_bf16 = AutoModelForCausalLM.from_pretrained(directory, dtype=torch.bfloat16).cuda().eval()
+    loaded = load_model(str(directory), "cuda", "bfloat16")
+    ids = loaded.tokenizer(PROMPT)["input_ids"]
+    tokens = list(ids)
+    with torch.no_grad():
+        for _ in range(STEPS):
+            tokens.append(int(reference_model(torch.tensor([tokens], device="cuda")).logits[0, -1].argmax()))
+        sequence = torch.tensor([tokens], device="cuda")
+        span = slice(len(ids) - 1, len(tokens) - 1)
+        reference = reference_model(sequence).logits[0, span].cpu().numpy()
+        theirs = hf_bf16(sequence).logits[0, span].double().cpu().numpy()
+    forced = [np.array(tokens[len(ids):], dtype=np.int64)]
+    out = generate_batch(Transformer(loaded.model, "sdpa"),
+                         BatchSpec([ids], STEPS, pad_id=0, keep_logits=True, forced_tokens=forced))
+    ours_error = _relative_rms(bits_to_float(out.logits[0], "bfloat16"), reference)
+    their_error = _relative_rms(theirs, reference)
+    print(f"qwen3-moe: engine bf16 {ours_error:.3g}, transformers bf16 {their_error:.3g} "
+          f"(ratio {ours_error / their_error:.2f})")
+    assert 0 < their_error and ours_error <= ENVELOPE_MULTIPLIER * their_error, (ours_error, their_error)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("opt", ["-O1", "-O2"])
+def test_qwen3_moe_runs_compiled_with_cuda_graphs_and_verifies_against_an_eager_golden(cli, golden_factory,
+                                                                                       tmp_path, store_path, opt):
+    """Piecewise compile and CUDA graphs (full decode capture at -O2) run the MoE block without a fallback,
+    capture routing, and a bfloat16 -O0 golden verifies them as identical or drift, never changed."""
+    directory = moe_checkpoint(tmp_path / "moe")
+    code, out, err = cli("run", "--model", str(directory), "--prompts", "smoke", "--max-new-tokens", "16",
+                         "--device", "cuda", "--dtype", "bfloat16", opt, "--strict-config", "--store",
+                         str(store_path), "--json", "--quiet")
+    assert code == 0, err
+    run = json.loads(out)
+    assert run["evidence"]["fallbacks"] == [] and run["evidence"]["dynamo_graphs"] > 0
+    if opt == "-O2":
+        assert run["evidence"]["cudagraph_replays"] > 0
+    results = Store(store_path).load_results(run["run_id"])
+    assert all(r.arrays["routing_experts"].shape == (16, 2, 2) for r in results)
+    golden = golden_factory("--device", "cuda", "--dtype", "bfloat16", "-O0", model=str(directory), tokens=16)
+    code, out, err = cli("golden", "verify", "g", "--dir", str(golden), opt, "--format", "json", "--quiet")
+    assert json.loads(out)["verdict"] in ("identical", "drift"), out
