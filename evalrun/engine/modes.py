@@ -39,10 +39,9 @@ from typing import Any, Callable
 import torch
 
 from ..config import CompilationMode, CUDAGraphMode, EffectiveConfig
-from . import moe
 from .generate import BatchSpec, Workspace, decode_step, prefill_step
-from .transformer import (StatePieces, Transformer, head, mlp_block, output_projection, post_attention, pre_attention,
-                          prologue)
+from .transformer import (StatePieces, Transformer, head, mlp_block, moe_post_attention, output_projection,
+                          post_attention, pre_attention, prologue)
 
 DEFAULT_PREFILL_BUCKETS = (16, 32, 64, 128, 256, 512, 1024, 2048)
 DEFAULT_BATCH_BUCKETS = (1, 2, 4, 8, 16, 32)
@@ -111,7 +110,7 @@ class ExecutionMode:
         view.prologue = self._compile(prologue, f"{tag}_prologue", graphs, True, False)
         view.pre_attention = self._compile(pre_attention, f"{tag}_pre", graphs, True, False)
         view.post_attention = self._compile(post_attention, f"{tag}_post", graphs, True, False)
-        view.moe_post_attention = self._compile(moe.post_attention, f"{tag}_moe_post", graphs, True, False)
+        view.moe_post_attention = self._compile(moe_post_attention, f"{tag}_moe_post", graphs, True, False)
         view.head = self._compile(head, f"{tag}_head", graphs, True, False)
         return view
 

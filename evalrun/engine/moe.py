@@ -21,12 +21,12 @@ Shapes: B batch, T tokens, N = B*T, E experts, k experts per token, I expert inn
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any
+from typing import Callable
 
 import torch
 import torch.nn.functional as F
 
-from .transformer import activate, output_projection, rms_norm
+Activation = Callable[[torch.Tensor], torch.Tensor]  # the feed-forward activation, elementwise
 
 
 @dataclass
@@ -81,64 +81,39 @@ def route(x: torch.Tensor, router: torch.Tensor, top_k: int, normalize: bool,
 
 
 def experts_gathered(x: torch.Tensor, experts: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor,
-                     activation: str) -> torch.Tensor:
+                     act: Activation) -> torch.Tensor:
     """x [N, hidden], experts [N, k] -> each token's chosen experts' outputs [N, k, hidden]."""
     gate, up = torch.einsum("nh,nkih->nki", x, gate_up[experts]).chunk(2, dim=-1)  # [N, k, I] each
-    return torch.einsum("nki,nkhi->nkh", activate(gate, activation) * up, down[experts])
+    return torch.einsum("nki,nkhi->nkh", act(gate) * up, down[experts])
 
 
 def experts_dense(x: torch.Tensor, experts: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor,
-                  activation: str) -> torch.Tensor:
+                  act: Activation) -> torch.Tensor:
     """x [N, hidden], experts [N, k] -> the same [N, k, hidden], computed by every expert on every token."""
     gate, up = torch.matmul(x, gate_up.transpose(1, 2)).chunk(2, dim=-1)  # [E, N, I] each
-    every = torch.matmul(activate(gate, activation) * up, down.transpose(1, 2)).transpose(0, 1)  # [N, E, hidden]
+    every = torch.matmul(act(gate) * up, down.transpose(1, 2)).transpose(0, 1)  # [N, E, hidden]
     return every.gather(1, experts[..., None].expand(-1, -1, x.shape[-1]))  # [N, k, hidden]
 
 
-def sparse_mlp(x: torch.Tensor, router: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor, activation: str,
+def sparse_mlp(x: torch.Tensor, router: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor, act: Activation,
                top_k: int, normalize: bool) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """x [N, hidden] (normed) -> out [N, hidden], experts [N, k], margin [N]."""
     weights, experts, margin = route(x, router, top_k, normalize)
     compute = experts_gathered if x.shape[0] * top_k < gate_up.shape[0] else experts_dense  # static shapes
-    outputs = compute(x, experts, gate_up, down, activation)  # [N, k, hidden]
+    outputs = compute(x, experts, gate_up, down, act)  # [N, k, hidden]
     return (outputs * weights[..., None]).sum(dim=1), experts, margin
 
 
-def mlp_block(x: torch.Tensor, post_norm: torch.Tensor, router: torch.Tensor, gate_up: torch.Tensor,
-              down: torch.Tensor, eps: float, activation: str, top_k: int, normalize: bool,
+def mlp_block(x: torch.Tensor, normed: torch.Tensor, router: torch.Tensor, gate_up: torch.Tensor,
+              down: torch.Tensor, act: Activation, top_k: int, normalize: bool,
               ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """The MoE sub-block with its residual: x [B, T, hidden] -> x [B, T, hidden], and the routing of
-    each row's last token: experts [B, k], margin [B]."""
+    """The MoE sub-block's residual update: x, normed (x after the layer's post-attention norm) [B, T, hidden]
+    -> x + experts(normed) [B, T, hidden], and the routing of each row's last token: experts [B, k], margin [B].
+
+    (engine.transformer.moe_post_attention applies the norm and the attention output first: this module
+    builds on no other, so the transformer can import it.)"""
     batch, tokens, hidden = x.shape
-    out, experts, margin = sparse_mlp(rms_norm(x, post_norm, eps).reshape(-1, hidden), router, gate_up, down,
-                                      activation, top_k, normalize)
+    out, experts, margin = sparse_mlp(normed.reshape(-1, hidden), router, gate_up, down, act, top_k, normalize)
     last = tokens - 1
     return (x + out.view(batch, tokens, hidden), experts.view(batch, tokens, top_k)[:, last],
             margin.view(batch, tokens)[:, last])
-
-
-def post_attention(x: torch.Tensor, attended: torch.Tensor, wo: torch.Tensor, post_norm: torch.Tensor,
-                   router: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor, eps: float, activation: str,
-                   top_k: int, normalize: bool, bo: torch.Tensor | None = None,
-                   ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """transformer.post_attention for an MoE layer: x [B, T, hidden], attended [B, H, T, D] -> x, experts
-    [B, k], margin [B]. One piece (compiled on its own in piecewise mode, shared by every MoE layer)."""
-    return mlp_block(output_projection(x, attended, wo, bo), post_norm, router, gate_up, down, eps, activation,
-                     top_k, normalize)
-
-
-def run_layer_mlp(transformer: Any, x: torch.Tensor, attended: torch.Tensor, w: Any, cache: Any) -> torch.Tensor:
-    """An MoE layer's post-attention part in `Transformer.forward`: the piece, then its routing recorded."""
-    m = w.moe
-    x, experts, margin = transformer.moe_post_attention(x, attended, w.o, w.post_norm, m.router, m.gate_up, m.down,
-                                                        transformer.eps, transformer.activation, m.top_k, m.normalize,
-                                                        w.o_bias)
-    if cache.routing is not None:
-        cache.routing.record(m.slot, experts, margin)
-    return x
-
-
-def layer_mlp_block(x: torch.Tensor, w: Any, eps: float, activation: str) -> torch.Tensor:
-    """An MoE layer's MLP sub-block in `Transformer.forward_states` (the layer stage of bisect): x -> x."""
-    m = w.moe
-    return mlp_block(x, w.post_norm, m.router, m.gate_up, m.down, eps, activation, m.top_k, m.normalize)[0]

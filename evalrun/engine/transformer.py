@@ -16,8 +16,9 @@ keeps CUDA's SDPA on its fused memory-efficient kernel (one launch per layer) wh
 a mask falls back to the unfused math path.
 
 Families: Llama (optional attention and MLP biases), Qwen2/2.5 (q/k/v biases) and Qwen3 (RMSNorm of
-each query and key head before rotary), Qwen3-MoE (its MoE layers run engine/moe.py); every config field is checked first (`model_support`), so a
+each query and key head before rotary); every config field is checked first (`model_support`), so a
 config asking for what this forward does not compute is refused, never run as another model.
+Qwen3-MoE: its MoE layers' feed-forward runs in engine/moe.py (`moe_post_attention` is their piece).
 """
 
 from __future__ import annotations
@@ -28,6 +29,7 @@ from typing import Callable
 import torch
 import torch.nn.functional as F
 
+from . import moe
 from .model_support import FAMILIES, check_config
 
 SUPPORTED_ARCHITECTURES = tuple(FAMILIES)
@@ -107,9 +109,7 @@ class Transformer:
         rotary_embedding = inner.rotary_emb
         # The pieces the forward calls; an execution mode may replace them with compiled versions.
         self.prologue, self.pre_attention, self.post_attention, self.head = prologue, pre_attention, post_attention, head
-        from . import moe  # imported here: moe builds on this module's pieces
-        self.moe = moe  # an MoE layer's feed-forward: moe.run_layer_mlp, its piece moe_post_attention
-        self.moe_post_attention = moe.post_attention
+        self.moe_post_attention = moe_post_attention  # an MoE layer's piece (engine/moe.py)
         moe_layers = [w.moe for w in self.layers if w.moe is not None]
         # (L, k): the routing each step captures, for MoE models only
         self.routing_shape = (len(moe_layers), moe_layers[0].top_k) if moe_layers else None
@@ -122,7 +122,6 @@ class Transformer:
 
     @classmethod
     def _layers(cls, layers: torch.nn.ModuleList) -> list[LayerWeights]:
-        from . import moe
         weights, slots = [], 0
         for layer in layers:
             experts = moe.layer_weights(layer.mlp, slots)
@@ -149,8 +148,7 @@ class Transformer:
     def new_cache(self, batch: int, slots: int) -> KVCache:
         cache = KVCache(len(self.layers), batch, self.kv_heads, slots, self.head_dim, self.dtype, self.device)
         if self.routing_shape is not None:
-            from .moe import RoutingState
-            cache.routing = RoutingState(batch, *self.routing_shape, self.device)
+            cache.routing = moe.RoutingState(batch, *self.routing_shape, self.device)
         return cache
 
     # ------------------------------------------------------------ forward
@@ -172,7 +170,10 @@ class Transformer:
             q, kv = self.pre_attention(x, cos, sin, w.input_norm, w.qkv, *shape, w.qkv_bias, w.q_norm, w.k_norm)
             attended = self.attend(index, q, kv, slots, mask, cache)
             if w.moe is not None:
-                x = self.moe.run_layer_mlp(self, x, attended, w, cache)
+                m = w.moe
+                x, experts, margin = self.moe_post_attention(x, attended, w.o, w.post_norm, m.router, m.gate_up, m.down,
+                                                             self.eps, self.activation, m.top_k, m.normalize, w.o_bias)
+                cache.routing.record(m.slot, experts, margin)
                 continue
             x = self.post_attention(x, attended, w.o, w.post_norm, w.gate_up, w.down, self.eps, self.activation,
                                     w.o_bias, w.gate_up_bias, w.down_bias)
@@ -194,7 +195,9 @@ class Transformer:
             x = p.output_projection(x, self.attend(index, q, kv, slots, mask, cache), w.o, w.o_bias)
             states.append(x)
             if w.moe is not None:  # eager: the MoE block is not among the compiled state pieces yet
-                x = self.moe.layer_mlp_block(x, w, self.eps, self.activation)
+                m = w.moe
+                x = moe.mlp_block(x, rms_norm(x, w.post_norm, self.eps), m.router, m.gate_up, m.down,
+                                  lambda t: activate(t, self.activation), m.top_k, m.normalize)[0]
             else:
                 x = p.mlp_block(x, w.post_norm, w.gate_up, w.down, self.eps, self.activation, w.gate_up_bias,
                                 w.down_bias)
@@ -297,6 +300,17 @@ def mlp_block(x: torch.Tensor, post_norm: torch.Tensor, gate_up: torch.Tensor, d
     b_gate_up [2*inter] and b_down [hidden] are its biases where the config has them."""
     gate, up = F.linear(rms_norm(x, post_norm, eps), gate_up, b_gate_up).chunk(2, dim=-1)
     return x + F.linear(activate(gate, activation) * up, down, b_down)
+
+
+def moe_post_attention(x: torch.Tensor, attended: torch.Tensor, wo: torch.Tensor, post_norm: torch.Tensor,
+                       router: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor, eps: float, activation: str,
+                       top_k: int, normalize: bool, bo: torch.Tensor | None = None,
+                       ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """post_attention of an MoE layer (engine/moe.py): x [B, T, hidden], attended [B, H, T, D] -> x, and
+    the routing of each row's last token: experts [B, k], margin [B]. One piece (piecewise mode compiles it)."""
+    x = output_projection(x, attended, wo, bo)
+    return moe.mlp_block(x, rms_norm(x, post_norm, eps), router, gate_up, down, lambda t: activate(t, activation),
+                         top_k, normalize)
 
 
 def head(last: torch.Tensor, final_norm: torch.Tensor, lm_head: torch.Tensor, eps: float) -> torch.Tensor:
