@@ -230,3 +230,22 @@ def test_qwen3_moe_runs_compiled_with_cuda_graphs_and_verifies_against_an_eager_
     golden = golden_factory("--device", "cuda", "--dtype", "bfloat16", "-O0", model=str(directory), tokens=16)
     code, out, err = cli("golden", "verify", "g", "--dir", str(golden), opt, "--format", "json", "--quiet")
     assert json.loads(out)["verdict"] in ("identical", "drift"), out
+
+
+def test_random_moe_preset_loads_and_generates_at_a_small_scale(monkeypatch):
+    """The random:qwen3-moe path (config, device build, seeded fill of expert tensors, SmolLM2's tokenizer,
+    the engine) on a scaled-down copy of its shape: the real one needs a GPU."""
+    from evalrun import models
+
+    small = dict(models.RANDOM_SHAPES["qwen3-moe"], hidden_size=64, moe_intermediate_size=32, num_experts=16,
+                 num_experts_per_tok=4, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+                 head_dim=16, vocab_size=49152)
+    monkeypatch.setitem(models.RANDOM_SHAPES, "qwen3-moe", small)
+    loaded = load_model("random:qwen3-moe", "cpu", "float32")
+    assert loaded.model.config.model_type == "qwen3_moe" and loaded.source["shape"] == "qwen3-moe"
+    again = load_model("random:qwen3-moe", "cpu", "float32")
+    assert loaded.weights_hash == again.weights_hash
+    ids = loaded.tokenizer("Seeded experts")["input_ids"]
+    outs = [generate_batch(Transformer(m.model), BatchSpec([ids], 4, pad_id=0)) for m in (loaded, again)]
+    assert outs[0].tokens.tolist() == outs[1].tokens.tolist()  # seeded: the same model twice
+    assert outs[0].routing_experts.shape == (1, 4, 2, 4)
