@@ -249,3 +249,16 @@ def test_random_moe_preset_loads_and_generates_at_a_small_scale(monkeypatch):
     outs = [generate_batch(Transformer(m.model), BatchSpec([ids], 4, pad_id=0)) for m in (loaded, again)]
     assert outs[0].tokens.tolist() == outs[1].tokens.tolist()  # seeded: the same model twice
     assert outs[0].routing_experts.shape == (1, 4, 2, 4)
+
+
+def test_forward_states_of_an_moe_model_end_in_the_forwards_logits(moe_model):
+    """bisect's layer stage runs MoE layers too: the last state's last-token logits are the forward's."""
+    transformer = Transformer(moe_model.model, "sdpa")
+    ids = torch.tensor([moe_model.tokenizer(PROMPT)["input_ids"]])
+    positions, count = torch.arange(ids.shape[1])[None], ids.shape[1]
+    key_valid = torch.ones(1, count, dtype=torch.bool)
+    with torch.no_grad():
+        states = transformer.forward_states(ids, positions, positions[0], key_valid, transformer.new_cache(1, count))
+        logits = transformer.forward(ids, positions, positions[0], key_valid, transformer.new_cache(1, count))
+    assert len(states) == 2 * 2 + 1
+    torch.testing.assert_close(states[-1][:, -1], logits, rtol=0, atol=1e-5)
