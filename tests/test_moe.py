@@ -262,3 +262,20 @@ def test_forward_states_of_an_moe_model_end_in_the_forwards_logits(moe_model):
         logits = transformer.forward(ids, positions, positions[0], key_valid, transformer.new_cache(1, count))
     assert len(states) == 2 * 2 + 1
     torch.testing.assert_close(states[-1][:, -1], logits, rtol=0, atol=1e-5)
+
+
+@pytest.mark.parametrize("kind,magnitude", [("scale", 0.01), ("sign_flip", 0.0), ("int8", 0.0), ("router", 0.5)])
+def test_each_fault_in_an_moe_layer_changes_the_logits(moe_model, kind, magnitude):
+    from evalrun.engine.faults import Fault, apply
+
+    ids = moe_model.tokenizer(PROMPT)["input_ids"]
+
+    def logits(fault=None):
+        transformer = Transformer(moe_model.model, "sdpa")
+        if fault is not None:
+            apply(transformer, fault)
+        return generate_batch(transformer, BatchSpec([ids], 4, pad_id=0, keep_logits=True)).logits
+
+    clean = logits()
+    assert not np.array_equal(clean, logits(Fault(kind, magnitude, layer=1)))
+    assert np.array_equal(clean, logits())  # the fault lives in the engine's own copy, never in the model

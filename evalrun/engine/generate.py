@@ -222,7 +222,7 @@ class Workspace:
     def allocate(cls, model: Transformer, batch: int, slots: int, steps: int, spec: BatchSpec) -> "Workspace":
         device = model.device
         buffers = CaptureBuffers.allocate(batch, steps, model.vocab_size, spec, model.dtype, device,
-                                          model.routing_shape)
+                                          getattr(model, "routing_shape", None))  # MoE models only
         zeros = lambda *shape: torch.zeros(*shape, dtype=torch.int64, device=device)  # noqa: E731
         return cls(model.new_cache(batch, slots), buffers, torch.zeros(batch, slots, dtype=torch.bool, device=device),
                    zeros(batch), zeros(batch), zeros(1), zeros(1), zeros(batch),
