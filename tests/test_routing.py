@@ -74,12 +74,23 @@ def test_verify_names_a_planted_routing_flip_with_its_router_margin(golden_facto
     assert verdict.verdict == "changed", verdict.causes
     routing = [cause for cause in verdict.causes if cause.startswith("routing:")]
     assert len(routing) == 1 and "routing flip at step" in routing[0] and "router margin" in routing[0], routing
+    assert "not a near-tie" in routing[0]  # doubling a router logit moves far more than anything did before
     flips = [p.routing for p in verdict.prompts if p.routing is not None]
     assert flips and all(f.layer == 1 for f in flips)  # layer 0 is untouched: only the faulted layer flips first
     assert all(f.experts_a != f.experts_b and f.margin_a >= 0 for f in flips)
     from evalrun.verdict_report import render
     assert "routing flip at step" in render(verdict, "text")
     assert json.loads(render(verdict, "json"))["prompts"][0]["routing"] is not None or len(flips) < len(verdict.prompts)
+
+
+def test_routing_flips_of_a_dtype_change_are_near_ties_and_the_verdict_is_drift(golden_factory, moe_dir):
+    """float32 golden, bfloat16 candidate: numerics alone differ; any routing flip sits at a near-tie."""
+    golden = open_golden("g", golden_factory(model=str(moe_dir), tokens=STEPS))
+    verdict = verify_golden(golden, candidate_config(golden, None, {"dtype": "bfloat16"}, ()))
+    assert verdict.verdict == "drift", verdict.causes
+    flips = [p.routing for p in verdict.prompts if p.routing is not None]
+    assert all(f.near_tie for f in flips), [f.describe() for f in flips]
+    assert all(("at near-ties" in c) for c in verdict.causes if c.startswith("routing:"))
 
 
 def test_diff_names_a_planted_routing_flip(cli, moe_dir, store_path):
