@@ -24,7 +24,6 @@ Shapes: B rows (padded to a batch bucket when static), P padded prompt length, S
 
 from __future__ import annotations
 
-import copy
 from typing import Any, Callable
 
 import torch
@@ -241,11 +240,3 @@ class TransformersEngine:
                          "(those calls ran without graphs)")
         return found
 
-
-def with_module(engine: TransformersEngine, config: EffectiveConfig,
-                edit: Callable[[torch.nn.Module], None]) -> TransformersEngine:
-    """A new engine over a private copy of `engine`'s module with `edit` applied to the copy (faults.py
-    plants faults this way: the loaded module other runs share is never touched)."""
-    module = copy.deepcopy(engine.model)
-    edit(module)
-    return TransformersEngine(module, config)
