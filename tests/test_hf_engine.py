@@ -192,6 +192,7 @@ def test_verify_with_transformers_catches_a_change_planted_in_it(evalrun_golden)
     verdict = verify_golden(golden, config, hook=hook)
     assert verdict.verdict == "changed" and verdict.exit_code == 1, verdict.causes
     assert any("execution check failed" in cause for cause in verdict.causes), verdict.causes
+    assert "forced_s" in verdict.timings  # tokens left the golden's path: transformers re-ran along it, forced
 
 
 def test_diff_names_the_engine(cli, tiny_args):
