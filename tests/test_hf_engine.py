@@ -55,6 +55,8 @@ def test_random_tiny_runs_from_the_cli_and_the_engine_is_in_the_fingerprint(cli,
     assert data["config"]["engine"] == "transformers" and data["evidence"]["engine"] == "transformers"
     assert data["evidence"]["kv_cache"] == "DynamicCache" and data["evidence"]["fallbacks"] == []
     assert all(len(r["tokens"]) == 6 for r in data["results"])
+    code, out, err = cli("run", *tiny_args, "--engine", "transformers", "--quiet")
+    assert code == 0 and "engine=transformers" in out.splitlines()[0], (out, err)
     code, out, err = cli("fingerprint", "--model", "random:tiny", "--prompts", "smoke", "--json")
     assert code == 0, err
     default_hash = json.loads(out)["config_hash"]
@@ -217,3 +219,20 @@ def test_bisect_names_the_engine_as_the_culprit(store_path):
     assert result.culprit.kind == "knob" and [k.name for k in result.culprit_knobs] == ["engine"]
     assert result.layer.summary.startswith("not run: per-layer states are observed in evalrun's own forward only")
     assert result.compiler.status == "not run"
+
+
+@pytest.mark.gpu
+def test_a_bfloat16_golden_of_evalruns_engine_verifies_through_transformers_at_O2(tmp_path):
+    """On the GPU in bfloat16: -O2 under transformers (trace-once over a static cache, CUDA graphs) against
+    a golden evalrun's engine made eagerly is numerics only: identical or drift, never changed."""
+    from evalrun.golden import create_golden, open_golden
+    from evalrun.verify import candidate_config, verify_golden
+
+    flags = {"model": "random:tiny", "prompts": "smoke", "max_new_tokens": 16, "device": "cuda", "dtype": "bfloat16",
+             "opt_level": 0}
+    create_golden("g", build_config(flags=flags), tmp_path)
+    golden = open_golden("g", tmp_path)
+    verdict = verify_golden(golden, candidate_config(golden, None, {"engine": "transformers", "opt_level": 2}, ()))
+    assert verdict.candidate_config["compilation_mode"] == "trace-once"
+    assert verdict.candidate_config["cudagraph_mode"] == "full"
+    assert verdict.verdict in ("identical", "drift"), verdict.causes
