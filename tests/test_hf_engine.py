@@ -211,6 +211,7 @@ def test_diff_names_the_engine(cli, tiny_args):
 
 def test_bisect_names_the_engine_as_the_culprit(store_path):
     from evalrun.bisect import BisectRequest, run_bisect
+    from evalrun.bisect_report import render
 
     flags = {"model": "random:tiny", "prompts": "smoke", "max_new_tokens": 4}
     result = run_bisect(BisectRequest("engine=evalrun", "engine=transformers,batch_size=3", flags=flags,
@@ -219,6 +220,8 @@ def test_bisect_names_the_engine_as_the_culprit(store_path):
     assert result.culprit.kind == "knob" and [k.name for k in result.culprit_knobs] == ["engine"]
     assert result.layer.summary.startswith("not run: per-layer states are observed in evalrun's own forward only")
     assert result.compiler.status == "not run"
+    text = render(result, "text")
+    assert "stage 3, layer: not run: per-layer states" in text and "the culprit runs --engine transformers" in text
 
 
 @pytest.mark.gpu
