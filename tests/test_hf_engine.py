@@ -86,26 +86,56 @@ def test_forced_decoding_feeds_the_given_tokens_and_records_the_models_choice():
         assert np.array_equal(f.arrays["digests"], h.arrays["digests"])  # fed its own path: the free run's bits
 
 
-def test_a_family_evalruns_engine_does_not_run_runs_under_transformers(tmp_path, cli, store_path):
-    from transformers import GPT2Config, GPT2LMHeadModel
+def _foreign_model(kind: str) -> torch.nn.Module:
+    """A tiny random model of a family evalrun's engine does not run: GPT-2 (Conv1D, learned positions)
+    or GPT-NeoX (partial rotary, parallel residual)."""
+    from transformers import GPT2Config, GPT2LMHeadModel, GPTNeoXConfig, GPTNeoXForCausalLM
 
+    torch.manual_seed(0)
+    if kind == "gpt2":
+        model = GPT2LMHeadModel(GPT2Config(vocab_size=320, n_positions=256, n_embd=64, n_layer=2, n_head=4,
+                                           bos_token_id=1, eos_token_id=2))
+    else:
+        model = GPTNeoXForCausalLM(GPTNeoXConfig(vocab_size=320, max_position_embeddings=256, hidden_size=64,
+                                                 num_hidden_layers=2, num_attention_heads=4, intermediate_size=128,
+                                                 bos_token_id=1, eos_token_id=2))
+    _randomize(model, 0)
+    return model.eval()
+
+
+@pytest.mark.parametrize("kind", ["gpt2", "gpt_neox"])
+def test_a_family_evalruns_engine_does_not_run_runs_under_transformers(tmp_path, cli, store_path, kind):
     from evalrun.models import byte_tokenizer
 
-    directory = tmp_path / "gpt2"
-    torch.manual_seed(0)
-    model = GPT2LMHeadModel(GPT2Config(vocab_size=320, n_positions=256, n_embd=64, n_layer=2, n_head=4,
-                                       bos_token_id=1, eos_token_id=2))
-    _randomize(model, 0)
+    directory = tmp_path / kind
+    model = _foreign_model(kind)
     model.save_pretrained(directory)
     byte_tokenizer().save_pretrained(directory)
     refused = cli("run", "--model", str(directory), "--prompts", "smoke", "--store", str(store_path))
-    one_line_exit_2(refused, "model_type 'gpt2' is not a family evalrun's engine runs", "--engine transformers")
-    run = _run(str(directory), "transformers", max_new_tokens=16)
+    one_line_exit_2(refused, f"model_type '{kind}' is not a family evalrun's engine runs", "--engine transformers")
+    run = _run(str(directory), "transformers", max_new_tokens=16, batch_size=3)  # a padded batch, too
     for result, ids in zip(run.results, prepare(build_config(flags={"model": str(directory), "prompts": "smoke",
                                                                     "engine": "transformers"})).prompt_set.token_ids):
-        tokens, logits = _hf_greedy(model.eval(), list(ids), 16)  # transformers' forward over the whole sequence
+        tokens, logits = _hf_greedy(model, list(ids), 16)  # transformers' forward over the whole sequence
         assert result.arrays["tokens"].tolist() == tokens
         assert float(np.abs(result.arrays["logits"].view(np.float32) - logits).max()) < MAX_ABS_LOGITS
+
+
+@pytest.mark.parametrize("kind", ["gpt2", "gpt_neox"])
+def test_faults_plant_in_a_private_copy_of_a_transformers_module(kind):
+    import copy
+
+    from evalrun.engine.faults import Fault, apply_to_module
+
+    model = _foreign_model(kind)
+    faulted = copy.deepcopy(model)
+    apply_to_module(faulted, Fault("sign_flip"))
+    ids = torch.tensor([[5, 6, 7, 8]])
+    with torch.no_grad():
+        assert not torch.equal(model(ids).logits, faulted(ids).logits)
+        assert torch.equal(model(ids).logits, _foreign_model(kind)(ids).logits)  # the original is untouched
+    with pytest.raises(ValueError, match="evalrun's engine only"):
+        apply_to_module(faulted, Fault("swap_layers"))
 
 
 def test_unsupported_architecture_message_names_the_transformers_engine(tmp_path, cli, store_path):
