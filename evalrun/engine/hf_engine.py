@@ -24,6 +24,7 @@ Shapes: B rows (padded to a batch bucket when static), P padded prompt length, S
 
 from __future__ import annotations
 
+import inspect
 from typing import Any, Callable
 
 import torch
@@ -42,6 +43,18 @@ def hf_forward(model: torch.nn.Module, tokens: torch.Tensor, positions: torch.Te
     return output.logits[:, -1]
 
 
+def hf_forward_all_positions(model: torch.nn.Module, tokens: torch.Tensor, positions: torch.Tensor,
+                             mask: torch.Tensor, cache: Any) -> torch.Tensor:
+    """`hf_forward` for the few models whose forward has no `logits_to_keep` (the head runs on every position)."""
+    output = model(input_ids=tokens, attention_mask=mask, position_ids=positions, cache=cache, use_cache=True)
+    return output.logits[:, -1]
+
+
+def forward_for(model: torch.nn.Module) -> Callable[..., torch.Tensor]:
+    accepts = "logits_to_keep" in inspect.signature(type(model).forward).parameters
+    return hf_forward if accepts else hf_forward_all_positions
+
+
 class TransformersEngine:
     """The transformers engine in one execution mode (the engine seam: engine.engines.Engine)."""
 
@@ -57,6 +70,7 @@ class TransformersEngine:
         self.inductor_graphs = self.cudagraph_mode.has_full_cudagraphs()
         self.calls_to_warm = 2 if self.inductor_graphs else 1  # graph trees record a path on its second call
         self.fallbacks: list[str] = []
+        self.eager_forward = forward_for(model)
         self.caches: dict[tuple[int, int], Any] = {}
         self.plan_slots: int | None = None
         self.plan_steps: int | None = None
@@ -72,9 +86,9 @@ class TransformersEngine:
 
     def _forward(self, tag: str, options: dict[str, Any], graphs: bool) -> Callable[..., torch.Tensor]:
         if not self.compilation_mode.is_compiled():
-            return hf_forward
+            return self.eager_forward
         fullgraph, dynamic = (True, False) if self.compilation_mode is CompilationMode.TRACE_ONCE else (False, None)
-        compiled = torch.compile(_clone(hf_forward, f"hf_{tag}_{self.compilation_mode.value.replace('-', '_')}"),
+        compiled = torch.compile(_clone(self.eager_forward, f"hf_{tag}_{self.compilation_mode.value.replace('-', '_')}"),
                                  fullgraph=fullgraph, dynamic=dynamic,
                                  options=dict(options, **{"triton.cudagraphs": graphs}))
         return self._guarded(compiled)
@@ -87,12 +101,12 @@ class TransformersEngine:
             try:
                 return state["function"](*args)
             except (torch._dynamo.exc.Unsupported, torch._dynamo.exc.BackendCompilerFailed) as error:
-                if state["function"] is hf_forward:
+                if state["function"] is self.eager_forward:
                     raise
                 self.fallbacks.append(f"compilation_mode={self.compilation_mode} of transformers' forward failed, "
                                       f"ran eagerly: {str(error).splitlines()[0][:200]}")
-                state["function"] = hf_forward
-                return hf_forward(*args)
+                state["function"] = self.eager_forward
+                return self.eager_forward(*args)
 
         return call
 
@@ -135,7 +149,7 @@ class TransformersEngine:
 
         probe = DynamicCache(config=self.model.config)
         token = torch.zeros(batch, 1, dtype=torch.int64, device=self.device)
-        self.model(input_ids=token, position_ids=token, cache=probe, use_cache=True, logits_to_keep=1)
+        self.model(input_ids=token, position_ids=token, cache=probe, use_cache=True)
         keys = [layer.keys for layer in probe.layers]
         values = [layer.values for layer in probe.layers]
         for layer, k, v in zip(cache.layers, keys, values):
