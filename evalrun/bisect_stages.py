@@ -270,8 +270,8 @@ def layer_points(names: list[tuple[str, int, str]], good: list[torch.Tensor], ba
 def layer_stage(prober: Prober, culprit: EffectiveConfig, prompt_index: int) -> LayerReport:
     good_prepared = prober.good_prepared
     record = prober.store.load_results(prober.good_record.id, names=("tokens",))[prompt_index]
-    outside = [f"{who} runs --engine {config.engine}" for who, config in (("GOOD", prober.good), ("the culprit", culprit))
-               if config.engine != "evalrun"]
+    sides = (("GOOD", prober.good), ("the culprit", culprit))
+    outside = [f"{who} runs --engine {config.engine}" for who, config in sides if config.engine != "evalrun"]
     if outside:  # per-sub-block states exist only in evalrun's own forward (Transformer.forward_states)
         return LayerReport(record.prompt_id, 0, "", {}, [], None, None,
                            "not run: per-layer states are observed in evalrun's own forward only, and "

@@ -25,6 +25,10 @@ def _run(model: str, engine: str, **flags) -> Run:
     return execute(prepare(config), timed=False)
 
 
+def _tokens(run: Run) -> list[list[int]]:
+    return [r.arrays["tokens"].tolist() for r in run.results]
+
+
 def _logits(run: Run) -> list[np.ndarray]:
     return [r.arrays["logits"].view(np.float32) for r in run.results]
 
@@ -174,7 +178,7 @@ def test_trace_once_compiles_transformers_forward_with_a_static_cache_and_the_sa
     evidence = compiled.evidence
     assert evidence["kv_cache"] == "StaticCache" and evidence["fallbacks"] == []
     assert evidence["dynamo_graphs"] >= 2 and evidence["recompiles_after_warmup"] == 0  # prefill and decode shapes
-    assert [r.arrays["tokens"].tolist() for r in eager.results] == [r.arrays["tokens"].tolist() for r in compiled.results]
+    assert _tokens(eager) == _tokens(compiled)
 
 
 @pytest.mark.gpu
@@ -186,7 +190,7 @@ def test_static_cache_compile_with_cuda_graphs_on_the_gpu(graphs):
     compiled = _run("random:tiny", "transformers", compilation_mode="trace-once", cudagraph_mode=graphs, **flags)
     evidence = compiled.evidence
     assert evidence["fallbacks"] == [] and evidence["cudagraphs"], evidence
-    assert [r.arrays["tokens"].tolist() for r in eager.results] == [r.arrays["tokens"].tolist() for r in compiled.results]
+    assert _tokens(eager) == _tokens(compiled)
 
 
 # ---------------------------------------------------------------- across engines: golden verify, diff, bisect

@@ -88,7 +88,8 @@ class TransformersEngine:
         if not self.compilation_mode.is_compiled():
             return self.eager_forward
         fullgraph, dynamic = (True, False) if self.compilation_mode is CompilationMode.TRACE_ONCE else (False, None)
-        compiled = torch.compile(_clone(self.eager_forward, f"hf_{tag}_{self.compilation_mode.value.replace('-', '_')}"),
+        name = f"hf_{tag}_{self.compilation_mode.value.replace('-', '_')}"
+        compiled = torch.compile(_clone(self.eager_forward, name),
                                  fullgraph=fullgraph, dynamic=dynamic,
                                  options=dict(options, **{"triton.cudagraphs": graphs}))
         return self._guarded(compiled)
