@@ -273,3 +273,13 @@ def test_a_bfloat16_golden_of_evalruns_engine_verifies_through_transformers_at_O
     assert verdict.candidate_config["compilation_mode"] == "trace-once"
     assert verdict.candidate_config["cudagraph_mode"] == "full"
     assert verdict.verdict in ("identical", "drift"), verdict.causes
+
+
+def test_bench_puts_both_engines_side_by_side(cli):
+    code, out, err = cli("bench", "--model", "random:tiny", "--prompts", "smoke", "--max-new-tokens", "4",
+                         "--matrix", "O0,O0@transformers", "--no-baselines", "--json")
+    assert code == 0, err
+    rows = json.loads(out)
+    assert [row["config"] for row in rows] == ["O0", "O0@transformers"]
+    assert all(row["error"] is None and row["fallbacks"] == [] and row["tokens_per_s"] > 0 for row in rows)
+    one_line_exit_2(cli("bench", "--model", "random:tiny", "--matrix", "O0@nope"), "engine='nope' is not valid")
