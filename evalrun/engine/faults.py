@@ -11,6 +11,8 @@ and `benchmarks/calibrate.py` plant a fault through the `hook` argument of `crea
 
 Faults live in the engine's own copy of the affected tensors (the Hugging Face module is never
 touched), so a fault planted in one prepared run never leaks into another that shares the weights.
+Under --engine transformers the engine is built over a private deep copy of the module instead, with the
+fault in the copy's weights (`apply_to_module`: scale, sign_flip, int8 of one MLP output projection).
 Kinds (`layer` defaults to the middle layer):
   scale          one MLP tensor (down projection) x (1 + magnitude), rounded to the run dtype
   int8           every projection of one layer fake-quantized to int8 (symmetric, per output row)
