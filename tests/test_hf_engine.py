@@ -190,6 +190,9 @@ def test_static_cache_compile_with_cuda_graphs_on_the_gpu(graphs):
     compiled = _run("random:tiny", "transformers", compilation_mode="trace-once", cudagraph_mode=graphs, **flags)
     evidence = compiled.evidence
     assert evidence["fallbacks"] == [] and evidence["cudagraphs"], evidence
+    assert evidence["cudagraph_launches_per_decode_step"] >= 1, evidence
+    assert eager.evidence["cudagraph_launches_per_decode_step"] == 0
+    assert evidence["kernel_launches_per_decode_step"] < eager.evidence["kernel_launches_per_decode_step"]
     assert _tokens(eager) == _tokens(compiled)
 
 

@@ -74,6 +74,8 @@ class TransformersEngine:
         self.caches: dict[tuple[int, int], Any] = {}
         self.plan_slots: int | None = None
         self.plan_steps: int | None = None
+        self.next_decode: tuple | None = None  # inputs of one more decode step of the last batch
+        self.launches: tuple[int, int] | None = None  # per decode step: (all launches, CUDA graph launches)
         if self.compilation_mode.is_compiled():
             torch._dynamo.reset()  # never reuse another config's compiled code
             allow_recompiles_for(self.prefill_buckets, self.batch_buckets)
@@ -197,6 +199,9 @@ class TransformersEngine:
             step.fill_(index)
             token = capture_step(logits, step, buffers, spec.top_k, spec.temperature, seeds, spec.capture)
             clock.mark()
+        if spec.steps > 1:  # the inputs of one more decode step (one cache slot is left): what start_measuring profiles
+            self.next_decode = (token[:, None], (padded.lengths + spec.steps - 1)[:, None], mask, cache,
+                                padded_length + spec.steps)
         return buffers.to_host(len(prompts), spec.steps, clock.elapsed_ms(), padded_length)
 
     def _buffers(self, spec: BatchSpec, batch: int, steps: int, logits: torch.Tensor) -> CaptureBuffers:
@@ -214,8 +219,38 @@ class TransformersEngine:
     # ------------------------------------------------------------ evidence
 
     def start_measuring(self) -> None:
-        """Called after warm-up: compile counts from here describe the measured run."""
+        """Called after warm-up: compile counts from here describe the measured run. On a GPU one decode step
+        runs under the profiler first (the profiler changes state Dynamo guards on: a compile it causes
+        belongs to warm-up)."""
+        if self.device.type == "cuda" and self.next_decode is not None:
+            self.launches = self._count_launches()
         self.measuring = _dynamo_snapshot()
+
+    def _count_launches(self) -> tuple[int, int]:
+        """(kernel and graph launches, CUDA graph launches) the host issues for one decode step.
+
+        The profiler changes state Dynamo guards on, so its first calls may compile (and graph trees record)
+        a variant of their own: those run first, unprofiled, each rewinding the cache to where it was."""
+        from torch.profiler import ProfilerActivity, profile
+
+        tokens, positions, mask, cache, length = self.next_decode
+        width = mask.shape[1] if self.static else length
+
+        def step() -> None:
+            self._new_step()
+            self.decode_forward(self.model, tokens, positions, mask[:, :width], cache)
+            _rewind(cache, length - 1)
+            torch.cuda.synchronize()
+
+        activities = [ProfilerActivity.CPU, ProfilerActivity.CUDA]
+        with profile(activities=activities):
+            for _ in range(self.calls_to_warm + 1):
+                step()
+        with profile(activities=activities) as profiler:
+            step()
+        names = [event.name for event in profiler.events()]
+        launches = ("cudaLaunchKernel", "cuLaunchKernel", "cudaLaunchKernelExC", "cuLaunchKernelEx", "cudaGraphLaunch")
+        return sum(name in launches for name in names), names.count("cudaGraphLaunch")
 
     def evidence(self) -> dict[str, Any]:
         now, start, measured = _dynamo_snapshot(), self.started, self.measuring
@@ -234,6 +269,8 @@ class TransformersEngine:
             "recompiles_after_warmup": now["graphs"] - measured["graphs"],
             "compile_s": now["compile_s"] - start["compile_s"],
             "inductor_cudagraph_skips": now["cudagraph_skips"] - start["cudagraph_skips"],
+            "kernel_launches_per_decode_step": self.launches[0] if self.launches else None,
+            "cudagraph_launches_per_decode_step": self.launches[1] if self.launches else None,
             "prefill_buckets": self.prefill_buckets if self.static else None,
             "batch_buckets": self.batch_buckets if self.static else None,
         }
@@ -250,8 +287,20 @@ class TransformersEngine:
             found.append(f"graph break ({entry['count']}x): {entry['reason']}")
         if compilation is CompilationMode.TRACE_ONCE and evidence["recompiles_after_warmup"]:
             found.append(f"trace-once recompiled {evidence['recompiles_after_warmup']}x after warm-up")
+        if self.inductor_graphs and evidence["cudagraph_launches_per_decode_step"] == 0:
+            found.append(f"cudagraph_mode={self.cudagraph_mode} but a decode step launched no CUDA graph")
         if self.inductor_graphs and evidence["inductor_cudagraph_skips"]:
             found.append(f"Inductor skipped CUDA graphs {evidence['inductor_cudagraph_skips']}x "
                          "(those calls ran without graphs)")
         return found
 
+
+def _rewind(cache: Any, length: int) -> None:
+    """Put a cache back to holding `length` tokens (a static cache's counters in place: their addresses stay)."""
+    from transformers import StaticCache
+
+    if isinstance(cache, StaticCache):
+        for layer in cache.layers:
+            layer.cumulative_length.fill_(length)
+    elif int(cache.get_seq_length()) > length:
+        cache.crop(length - int(cache.get_seq_length()))  # a negative count: tokens to remove
