@@ -43,7 +43,7 @@ def _assert_same_tokens_close_logits(ours: Run, theirs: Run, tolerance: float) -
 
 
 @pytest.mark.parametrize("family,overrides", [("llama", {}), ("qwen2", {}), ("qwen3", {"head_dim": 32})])
-def test_families_both_engines_run_give_the_same_tokens_and_logits_to_float32_rounding(tmp_path, family, overrides):
+def test_families_give_the_same_tokens_and_float32_logits_under_both_engines(tmp_path, family, overrides):
     directory = str(_checkpoint(tmp_path / family, family, **overrides))
     ours, theirs = _run(directory, "evalrun"), _run(directory, "transformers")
     worst = _assert_same_tokens_close_logits(ours, theirs, MAX_ABS_LOGITS)
