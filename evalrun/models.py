@@ -307,10 +307,10 @@ def check_directory_family(directory: Path) -> None:
 
 
 def _load_directory(ref: str, directory: Path | str, device: torch.device, dtype: torch.dtype, attn: str,
-                    source: dict[str, Any]) -> LoadedModel:
+                    source: dict[str, Any], check_family: bool = True) -> LoadedModel:
     from transformers import AutoModelForCausalLM
 
-    if isinstance(directory, Path):
+    if isinstance(directory, Path) and check_family:
         check_directory_family(directory)
     try:
         model, info = _quietly(AutoModelForCausalLM.from_pretrained, directory, dtype=stored_dtype(directory),
@@ -430,8 +430,10 @@ def _hub_reference(ref: str) -> str:
     return ref
 
 
-def load_model(ref: str, device: str, dtype: str, attn_implementation: str = "sdpa", seed: int = 0) -> LoadedModel:
-    """Resolve `ref` and load it onto `device` in `dtype` ('float32', 'bfloat16', 'float16', 'float64')."""
+def load_model(ref: str, device: str, dtype: str, attn_implementation: str = "sdpa", seed: int = 0,
+               engine: str = "evalrun") -> LoadedModel:
+    """Resolve `ref` and load it onto `device` in `dtype` ('float32', 'bfloat16', 'float16', 'float64').
+    A folder's family is checked before its weights are read when `engine` computes families itself."""
     torch_device = torch.device(device)
     torch_dtype = getattr(torch, dtype)
     if ref.startswith("random:"):
@@ -457,7 +459,8 @@ def load_model(ref: str, device: str, dtype: str, attn_implementation: str = "sd
             raise ModelError(f"unknown model {ref!r}; use smollm2-135m, "
                              + ", ".join(f"random:{name}" for name in RANDOM_SHAPES)
                              + ", a Hugging Face directory, or a .gguf file")
-        loaded = _load_directory(ref, directory, torch_device, torch_dtype, attn_implementation, source)
+        loaded = _load_directory(ref, directory, torch_device, torch_dtype, attn_implementation, source,
+                                 check_family=engine == "evalrun")
     loaded.model.config._attn_implementation = attn_implementation
     loaded.model.eval()
     loaded.model.requires_grad_(False)

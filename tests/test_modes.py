@@ -160,8 +160,8 @@ def test_inductor_graph_modes_warm_each_shape_twice(monkeypatch):
     mode = prepared.execution_mode()
     batches = runner.plan_batches(prepared.prompt_set, prepared.config)
     shapes = len(runner.warmup_batches(batches, prepared, mode))
-    calls, real = [], runner.generate_batch
-    monkeypatch.setattr(runner, "generate_batch", lambda *args, **kw: calls.append(1) or real(*args, **kw))
+    calls, real = [], mode.generate
+    monkeypatch.setattr(mode, "generate", lambda *args, **kw: calls.append(1) or real(*args, **kw))
     runner.execute(prepared)
     assert len(calls) == shapes + len(batches)
     calls.clear()

@@ -11,6 +11,8 @@ and `benchmarks/calibrate.py` plant a fault through the `hook` argument of `crea
 
 Faults live in the engine's own copy of the affected tensors (the Hugging Face module is never
 touched), so a fault planted in one prepared run never leaks into another that shares the weights.
+Under --engine transformers the engine is built over a private deep copy of the module instead, with the
+fault in the copy's weights (`apply_to_module`: scale, sign_flip, int8 of one MLP output projection).
 Kinds (`layer` defaults to the middle layer):
   scale          one MLP tensor (down projection) x (1 + magnitude), rounded to the run dtype
   int8           every projection of one layer fake-quantized to int8 (symmetric, per output row)
@@ -27,6 +29,7 @@ projection; int8: the router and every expert too).
 
 from __future__ import annotations
 
+import copy
 import dataclasses
 from dataclasses import dataclass
 from typing import Any, Callable
@@ -144,9 +147,45 @@ def apply(transformer: Transformer, fault: Fault) -> None:
         transformer.layers[index], transformer.layers[index + 1] = transformer.layers[index + 1], transformer.layers[index]
 
 
+# The MLP output projection of one decoder layer, by family naming (Llama/Qwen, GPT-2, OPT, GPT-NeoX).
+HF_DOWN_PROJECTIONS = ("mlp.down_proj.weight", "mlp.c_proj.weight", "fc2.weight", "mlp.dense_4h_to_h.weight")
+HF_KINDS = ("scale", "sign_flip", "int8")
+
+
+def apply_to_module(module: torch.nn.Module, fault: Fault) -> None:
+    """Plant `fault` in a private copy of a transformers module (--engine transformers): the MLP output
+    projection of one decoder layer scaled, sign-flipped or fake-quantized (int8: that projection only)."""
+    if fault.kind not in HF_KINDS:
+        raise ValueError(f"fault {fault.kind} is planted in evalrun's engine only; for --engine transformers use "
+                         f"one of {HF_KINDS}")
+    names = sorted({name.rsplit(".", 1)[0] for name, _ in module.named_parameters()
+                    if any(name.endswith(suffix) for suffix in HF_DOWN_PROJECTIONS)},
+                   key=lambda name: [int(part) if part.isdigit() else part for part in name.split(".")])
+    if not names:
+        raise ValueError(f"no MLP output projection ({', '.join(HF_DOWN_PROJECTIONS)}) in {type(module).__name__}")
+    index = fault.layer if fault.layer is not None else len(names) // 2
+    projection = module.get_submodule(names[index])
+    change = {"scale": lambda w: _scaled(w, 1 + fault.magnitude), "sign_flip": _sign_flipped,
+              "int8": _fake_int8}[fault.kind]
+    weight = projection.weight
+    # GPT-2's Conv1D stores [in, out]: flip an output channel either way (its first row or first column)
+    changed = change(weight.T).T if type(projection).__name__ == "Conv1D" else change(weight)
+    projection.weight = torch.nn.Parameter(changed.detach().clone(), requires_grad=False)
+
+
 def plant(prepared: Any, fault: Fault) -> None:
     """Plant `fault` in a runner.Prepared: its execution mode is built here, on a faulted Transformer,
-    so compiled pieces and CUDA graphs see the fault too."""
+    so compiled pieces and CUDA graphs see the fault too. Under --engine transformers the engine is
+    built over a faulted private copy of the module."""
+    if prepared.config.engine == "transformers":
+        from .hf_engine import TransformersEngine
+
+        module = copy.deepcopy(prepared.loaded.model)
+        apply_to_module(module, fault)
+        prepared.mode = TransformersEngine(module, prepared.config)
+        return
+    if prepared.config.engine != "evalrun":
+        raise ValueError(f"faults are not planted in engine {prepared.config.engine}")
     transformer = Transformer(prepared.loaded.model, prepared.config.attn_implementation)
     apply(transformer, fault)
     prepared.mode = build_execution_mode(transformer, prepared.config)

@@ -207,7 +207,8 @@ def check_architecture(config: Mapping[str, Any]) -> str:
     model_type = config.get("model_type")
     if model_type not in FAMILIES:
         raise UnsupportedModelError(f"model_type {_shown(model_type)} is not a family evalrun's engine runs; "
-                                    f"supported: {supported_families()}")
+                                    f"supported: {supported_families()}; any other causal LM that transformers loads runs "
+                                    "through transformers' own forward with --engine transformers")
     architectures = config.get("architectures")
     if architectures not in (None, [], [ARCHITECTURES[model_type]]):
         raise UnsupportedModelError(f"architectures {_shown(architectures)} is not {ARCHITECTURES[model_type]}, "

@@ -39,7 +39,7 @@ from typing import Any, Callable
 import torch
 
 from ..config import CompilationMode, CUDAGraphMode, EffectiveConfig
-from .generate import BatchSpec, Workspace, decode_step, prefill_step
+from .generate import BatchOutput, BatchSpec, Workspace, decode_step, prefill_step
 from .transformer import (StatePieces, Transformer, head, mlp_block, moe_post_attention, output_projection,
                           post_attention, pre_attention, prologue)
 
@@ -143,6 +143,12 @@ class ExecutionMode:
                 return eager(*args)
 
         return call
+
+    def generate(self, spec: BatchSpec) -> BatchOutput:
+        """One batch in this mode (the engine seam's call: engine.engines.Engine)."""
+        from .driver import generate_batch  # the driver builds on the modes
+
+        return generate_batch(self.transformer, spec, self)
 
     # ------------------------------------------------------------ shapes and workspaces
 
