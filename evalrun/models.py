@@ -5,7 +5,8 @@ References:
   random:tiny       a tiny Llama with seeded weights and a byte-level tokenizer (fast tests)
   random:smollm2    SmolLM2-135M's shape, seeded weights, SmolLM2's tokenizer
   random:llama3-8b  Llama-3-8B's shape, seeded weights, SmolLM2's tokenizer
-  PATH/             a local Hugging Face model directory (Llama, Qwen2/2.5 or Qwen3: engine/model_support.py)
+  PATH/             a local Hugging Face model directory (Llama, Qwen2/2.5, Qwen3, Mistral, Phi-3, Gemma 2,
+                    Gemma 3 text: engine/model_support.py)
   PATH.gguf         a GGUF file (loaded with transformers' GGUF support)
   owner/name        a hub id, where the machine has a network
 
@@ -30,7 +31,7 @@ import numpy as np
 import torch
 
 from .engine.mixing import GOLDEN_GAMMA, logical_shift_right, splitmix64
-from .engine.model_support import check_architecture
+from .engine.model_support import HF_EAGER_ONLY, check_architecture
 from .errors import ModelError
 from .hashing import hash_bytes, hash_value
 
@@ -275,27 +276,27 @@ def decoder_for(record: Any):
 CONFIG_JSON_LIMIT = 4 << 20  # bytes; a config.json is a few kB
 
 
-def check_directory_family(directory: Path) -> None:
+def check_directory_family(directory: Path) -> str | None:
     """Refuse, before any weight is read, a model folder whose config.json names a family evalrun's
-    engine does not run (one line naming the families it runs). A config.json that is missing or not
-    JSON is left to the loader, whose message says so."""
+    engine does not run (one line naming the families it runs); return the family. A config.json that
+    is missing or not JSON is left to the loader, whose message says so."""
     path = directory / "config.json"
     try:
         if path.stat().st_size > CONFIG_JSON_LIMIT:
             raise ModelError(f"{path} is larger than {CONFIG_JSON_LIMIT >> 20} MiB; it is not a model config")
         config = json.loads(path.read_text(encoding="utf-8"))
     except (OSError, ValueError, RecursionError):
-        return
-    if isinstance(config, dict):
-        check_architecture(config)
+        return None
+    return check_architecture(config) if isinstance(config, dict) else None
 
 
 def _load_directory(ref: str, directory: Path | str, device: torch.device, dtype: torch.dtype, attn: str,
                     source: dict[str, Any]) -> LoadedModel:
     from transformers import AutoModelForCausalLM
 
-    if isinstance(directory, Path):
-        check_directory_family(directory)
+    family = check_directory_family(directory) if isinstance(directory, Path) else None
+    if family in HF_EAGER_ONLY:  # transformers has no SDPA path for it (and refuses to load one)
+        attn = "eager"
     try:
         model, info = _quietly(AutoModelForCausalLM.from_pretrained, directory, dtype=stored_dtype(directory),
                                attn_implementation=attn, output_loading_info=True)
@@ -441,7 +442,8 @@ def load_model(ref: str, device: str, dtype: str, attn_implementation: str = "sd
             raise ModelError(f"unknown model {ref!r}; use smollm2-135m, random:tiny, random:smollm2, "
                              "random:llama3-8b, a Hugging Face directory, or a .gguf file")
         loaded = _load_directory(ref, directory, torch_device, torch_dtype, attn_implementation, source)
-    loaded.model.config._attn_implementation = attn_implementation
+    if loaded.model.config.model_type not in HF_EAGER_ONLY:  # SDPA would drop Gemma 2's soft-capping
+        loaded.model.config._attn_implementation = attn_implementation
     loaded.model.eval()
     loaded.model.requires_grad_(False)
     return loaded

@@ -14,7 +14,7 @@ import torch
 from conftest import one_line_exit_2
 from evalrun.engine.driver import generate_batch
 from evalrun.engine.generate import BatchSpec
-from evalrun.engine.model_support import FAMILIES, check_config
+from evalrun.engine.model_support import ARCHITECTURES, FAMILIES, check_config
 from evalrun.engine.transformer import Transformer
 from evalrun.errors import UnsupportedModelError
 from evalrun.models import byte_tokenizer, load_model
@@ -27,6 +27,15 @@ LLAMA3_ROPE = {"rope_type": "llama3", "rope_theta": 10000.0, "factor": 8.0, "low
                "high_freq_factor": 4.0, "original_max_position_embeddings": 64}
 YARN_ROPE = {"rope_type": "yarn", "rope_theta": 10000.0, "factor": 4.0, "original_max_position_embeddings": 64}
 LINEAR_ROPE = {"rope_type": "linear", "rope_theta": 10000.0, "factor": 2.0}
+# The prompt below is 48 tokens and the decode 32 more: a window of 8 hides most of the context.
+WINDOW = 8
+# Gemma with every special switched on: head_dim != hidden/heads, a query scalar that is not head_dim,
+# caps small enough that tanh bends the scores and logits, sliding and full layers alternating.
+GEMMA = {"head_dim": 16, "query_pre_attn_scalar": 24, "sliding_window": WINDOW, "attn_logit_softcapping": 2.0,
+         "final_logit_softcapping": 5.0, "num_hidden_layers": 3,
+         "layer_types": ["sliding_attention", "full_attention", "sliding_attention"]}
+GEMMA3_ROPE = {"sliding_attention": {"rope_type": "default", "rope_theta": 10000.0},
+               "full_attention": {"rope_type": "linear", "rope_theta": 1000000.0, "factor": 8.0}}
 
 # (family, config overrides): each switches on one feature the engine implements (or one inert field).
 CASES = {
@@ -47,15 +56,28 @@ CASES = {
     "qwen2-tied-yarn": ("qwen2", {"tie_word_embeddings": True, "rope_parameters": YARN_ROPE}),
     "qwen3": ("qwen3", {"head_dim": 32}),
     "qwen3-attention-bias-gelu": ("qwen3", {"attention_bias": True, "hidden_act": "gelu_pytorch_tanh"}),
+    "mistral": ("mistral", {"sliding_window": None}),
+    "mistral-sliding-window": ("mistral", {"sliding_window": WINDOW}),
+    "phi3": ("phi3", {}),
+    "phi3-sliding-window-gelu": ("phi3", {"sliding_window": WINDOW, "hidden_act": "gelu_pytorch_tanh"}),
+    "gemma2": ("gemma2", GEMMA),
+    "gemma2-defaults-attention-bias": ("gemma2", {"head_dim": 16, "attention_bias": True, "tie_word_embeddings": False,
+                                                  "sliding_window": WINDOW}),
+    "gemma3": ("gemma3_text", {**GEMMA, "attn_logit_softcapping": None, "rope_parameters": GEMMA3_ROPE}),
+    "gemma3-defaults": ("gemma3_text", {"head_dim": 16, "sliding_window": WINDOW, "num_hidden_layers": 3,
+                                        "sliding_window_pattern": 2}),
 }
+# transformers' SDPA path ignores soft-capping: Gemma's reference forward is its eager attention.
+HF_ATTENTION = {"gemma2": "eager", "gemma3_text": "eager"}
 
 
 def _config(family: str, **overrides):
-    from transformers import LlamaConfig, Qwen2Config, Qwen3Config
+    from transformers import (Gemma2Config, Gemma3TextConfig, LlamaConfig, MistralConfig, Phi3Config, Qwen2Config,
+                              Qwen3Config)
 
-    classes = {"llama": LlamaConfig, "qwen2": Qwen2Config, "qwen3": Qwen3Config}
-    architectures = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM"}
-    return classes[family](**{**TINY, "architectures": [architectures[family]], **overrides})
+    classes = {"llama": LlamaConfig, "qwen2": Qwen2Config, "qwen3": Qwen3Config, "mistral": MistralConfig,
+               "phi3": Phi3Config, "gemma2": Gemma2Config, "gemma3_text": Gemma3TextConfig}
+    return classes[family](**{**TINY, "architectures": [ARCHITECTURES[family]], **overrides})
 
 
 @torch.no_grad()
@@ -94,14 +116,23 @@ def _hf_greedy(model: torch.nn.Module, ids: list[int], steps: int) -> tuple[list
     return tokens[len(ids):], np.stack(logits)
 
 
+def _hf_reference(directory: Path, family: str, dtype: torch.dtype, device: str = "cpu") -> torch.nn.Module:
+    """transformers' own model of the checkpoint, with the attention that computes every feature of it."""
+    from transformers import AutoModelForCausalLM
+
+    return AutoModelForCausalLM.from_pretrained(directory, dtype=dtype, attn_implementation=HF_ATTENTION.get(
+        family, "sdpa")).to(device).eval()
+
+
 @pytest.mark.parametrize("case", list(CASES))
 def test_engine_matches_transformers_over_a_32_token_greedy_decode(tmp_path, case):
     family, overrides = CASES[case]
-    loaded = load_model(str(_checkpoint(tmp_path / case, family, **overrides)), "cpu", "float32")
+    directory = _checkpoint(tmp_path / case, family, **overrides)
+    loaded = load_model(str(directory), "cpu", "float32")
     assert loaded.model.config.model_type == family
     ids = loaded.tokenizer("The engine must compute this model and no other")["input_ids"]
     out = generate_batch(Transformer(loaded.model, "sdpa"), BatchSpec([ids], STEPS, pad_id=0, keep_logits=True))
-    expected_tokens, expected_logits = _hf_greedy(loaded.model, ids, STEPS)
+    expected_tokens, expected_logits = _hf_greedy(_hf_reference(directory, family, torch.float32), ids, STEPS)
     ours = out.logits[0].view(np.float32)  # [steps, V]
     difference = float(np.abs(ours - expected_logits).max())
     print(f"{case}: max abs logits difference {difference:.2e}")
@@ -208,13 +239,15 @@ def test_run_refuses_an_unsupported_config_with_one_line(tmp_path, cli, store_pa
     assert not store_path.exists() or "run" not in result[1]
 
 
-@pytest.mark.parametrize("model_type", ["mistral", "gpt2", "made_up_family"])
+@pytest.mark.parametrize("model_type", ["mixtral", "gemma3", "gpt2", "made_up_family"])
 def test_run_on_an_unsupported_architecture_names_the_supported_families(tmp_path, cli, store_path, model_type):
     directory = _edit_config(_checkpoint(tmp_path / "model", "llama"), model_type=model_type,
                              architectures=["SomethingForCausalLM"])
     result = cli("run", "--model", str(directory), "--prompts", "smoke", "--store", str(store_path))
     one_line_exit_2(result, f"model_type '{model_type}' is not a family evalrun's engine runs",
-                    "Llama (model_type 'llama')", "Qwen2/2.5 (model_type 'qwen2')", "Qwen3 (model_type 'qwen3')")
+                    "Llama (model_type 'llama')", "Qwen2/2.5 (model_type 'qwen2')", "Qwen3 (model_type 'qwen3')",
+                    "Mistral (model_type 'mistral')", "Phi-3 (model_type 'phi3')", "Gemma 2 (model_type 'gemma2')",
+                    "Gemma 3 text (model_type 'gemma3_text')")
 
 
 def test_run_refuses_architectures_that_do_not_match_the_model_type(tmp_path, cli, store_path):
@@ -310,14 +343,12 @@ def _relative_rms(values: np.ndarray, reference: np.ndarray) -> float:
 def test_engine_in_bfloat16_on_cuda_stays_within_transformers_bfloat16_envelope(tmp_path, case):
     """Along one path (float64 greedy tokens), the engine's bfloat16 logits are within 3x the error that
     transformers' own bfloat16 forward makes against its float64 forward: drift, not another model."""
-    from transformers import AutoModelForCausalLM
-
     from evalrun.compare import bits_to_float
 
     family, overrides = CASES[case]
     directory = _checkpoint(tmp_path / case, family, **overrides)
-    reference_model = AutoModelForCausalLM.from_pretrained(directory, dtype=torch.float64).cuda().eval()
-    hf_bf16 = AutoModelForCausalLM.from_pretrained(directory, dtype=torch.bfloat16).cuda().eval()
+    reference_model = _hf_reference(directory, family, torch.float64, "cuda")
+    hf_bf16 = _hf_reference(directory, family, torch.bfloat16, "cuda")
     loaded = load_model(str(directory), "cuda", "bfloat16")
     ids = loaded.tokenizer("The engine must compute this model and no other")["input_ids"]
     tokens = list(ids)
