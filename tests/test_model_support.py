@@ -30,9 +30,11 @@ LINEAR_ROPE = {"rope_type": "linear", "rope_theta": 10000.0, "factor": 2.0}
 # The prompt below is 48 tokens and the decode 32 more: a window of 8 hides most of the context.
 WINDOW = 8
 # Gemma with every special switched on: head_dim != hidden/heads, a query scalar that is not head_dim,
-# caps small enough that tanh bends the scores and logits, sliding and full layers alternating.
+# caps small enough that tanh bends the scores and logits (|logits| < 10 here: not saturated, no ties),
+# sliding and full layers alternating. Untied: a random tied head over sqrt(hidden)-scaled embeddings
+# only repeats the input token (logits ~100, margins ~60).
 GEMMA = {"head_dim": 16, "query_pre_attn_scalar": 24, "sliding_window": WINDOW, "attn_logit_softcapping": 2.0,
-         "final_logit_softcapping": 5.0, "num_hidden_layers": 3,
+         "final_logit_softcapping": 5.0, "num_hidden_layers": 3, "tie_word_embeddings": False,
          "layer_types": ["sliding_attention", "full_attention", "sliding_attention"]}
 GEMMA3_ROPE = {"sliding_attention": {"rope_type": "default", "rope_theta": 10000.0},
                "full_attention": {"rope_type": "linear", "rope_theta": 1000000.0, "factor": 8.0}}
@@ -61,7 +63,7 @@ CASES = {
     "phi3": ("phi3", {}),
     "phi3-sliding-window-gelu": ("phi3", {"sliding_window": WINDOW, "hidden_act": "gelu_pytorch_tanh"}),
     "gemma2": ("gemma2", GEMMA),
-    "gemma2-defaults-attention-bias": ("gemma2", {"head_dim": 16, "attention_bias": True, "tie_word_embeddings": False,
+    "gemma2-tied-attention-bias": ("gemma2", {"head_dim": 16, "attention_bias": True,
                                                   "sliding_window": WINDOW}),
     "gemma3": ("gemma3_text", {**GEMMA, "attn_logit_softcapping": None, "rope_parameters": GEMMA3_ROPE}),
     "gemma3-defaults": ("gemma3_text", {"head_dim": 16, "sliding_window": WINDOW, "num_hidden_layers": 3,
@@ -146,6 +148,9 @@ def test_engine_matches_transformers_over_a_32_token_greedy_decode(tmp_path, cas
     ("llama-attention-bias", lambda s: s.update({k: v + 1 for k, v in s.items() if "v_proj.bias" in k})),
     ("qwen2", lambda s: s.update({k: v + 1 for k, v in s.items() if "q_proj.bias" in k})),
     ("qwen3", lambda s: s.update({k: v * 2 for k, v in s.items() if "k_norm" in k})),
+    ("gemma2", lambda s: s.update({k: v * 2 for k, v in s.items() if "post_feedforward_layernorm" in k})),
+    ("gemma2", lambda s: s.update({k: v * 2 for k, v in s.items() if "post_attention_layernorm" in k})),
+    ("gemma3", lambda s: s.update({k: v * 2 for k, v in s.items() if "q_norm" in k})),
 ])
 def test_each_implemented_feature_changes_the_engines_logits(tmp_path, case, switch):
     """The features are really computed: editing only their weights changes the engine's logits."""
@@ -164,6 +169,62 @@ def test_each_implemented_feature_changes_the_engines_logits(tmp_path, case, swi
     switch(state)
     save_file(state, directory / "model.safetensors", metadata={"format": "pt"})
     assert not np.array_equal(before, logits())
+
+
+LONG_PROMPT = "The engine must compute this model and no other"  # 48 byte tokens: longer than WINDOW
+
+
+@pytest.mark.parametrize("case,fields", [
+    ("mistral-sliding-window", {"sliding_window": None}),
+    ("phi3-sliding-window-gelu", {"sliding_window": None}),
+    ("gemma2", {"sliding_window": 4096}),
+    ("gemma2", {"layer_types": ["full_attention"] * 3}),
+    ("gemma2", {"attn_logit_softcapping": None}),
+    ("gemma2", {"final_logit_softcapping": None}),
+    ("gemma2", {"query_pre_attn_scalar": 16}),
+    ("gemma3", {"rope_parameters": {**GEMMA3_ROPE, "sliding_attention": {"rope_type": "default", "rope_theta": 1e6}}}),
+])
+def test_each_config_feature_changes_the_engines_logits(tmp_path, case, fields):
+    """The window, the caps, the query scalar and Gemma 3's local rotary take effect on the tested prompt:
+    switching one off in config.json changes the engine's logits (so matching transformers with it on
+    says something)."""
+    family, overrides = CASES[case]
+    directory = _checkpoint(tmp_path / case, family, **overrides)
+
+    def logits() -> np.ndarray:
+        loaded = load_model(str(directory), "cpu", "float32")
+        ids = loaded.tokenizer(LONG_PROMPT)["input_ids"]
+        return generate_batch(Transformer(loaded.model), BatchSpec([ids], 2, pad_id=0, keep_logits=True)).logits
+
+    before = logits()
+    _edit_config(directory, **fields)
+    assert not np.array_equal(before, logits())
+
+
+@pytest.mark.parametrize("case,mode", [("gemma2", "trace-once"), ("gemma3", "piecewise"),
+                                       ("mistral-sliding-window", "piecewise")])
+def test_compiled_modes_give_the_eager_tokens_for_a_new_family(tmp_path, case, mode):
+    """The compiled modes run the new pieces (two masks and rotaries, caps, sandwich norms) without a graph
+    break or fallback, and decode the same tokens as eager on a left-padded batch whose window bites."""
+    from evalrun.config import CompilationMode
+    from evalrun.engine.modes import ExecutionMode, allow_recompiles_for
+
+    family, overrides = CASES[case]
+    loaded = load_model(str(_checkpoint(tmp_path / case, family, **overrides)), "cpu", "float32")
+    prompts = [loaded.tokenizer(LONG_PROMPT)["input_ids"], loaded.tokenizer("A shorter one")["input_ids"]]
+    spec = BatchSpec(prompts, 12, pad_id=0, keep_logits=True)
+    transformer = Transformer(loaded.model)
+    eager = generate_batch(transformer, spec)
+    torch._dynamo.reset()
+    compiled_mode = ExecutionMode(transformer, CompilationMode(mode), prefill_buckets=(64,), batch_buckets=(2,))
+    allow_recompiles_for(compiled_mode.prefill_buckets, compiled_mode.batch_buckets)
+    generate_batch(transformer, spec, compiled_mode)  # warm-up: compiles every shape
+    compiled_mode.start_measuring()
+    compiled = generate_batch(transformer, spec, compiled_mode)
+    evidence = compiled_mode.evidence()
+    assert evidence["dynamo_graphs"] > 0 and evidence["fallbacks"] == [], evidence
+    assert compiled.tokens.tolist() == eager.tokens.tolist()
+    assert np.abs(compiled.logits.view(np.float32) - eager.logits.view(np.float32)).max() < MAX_ABS_LOGITS
 
 
 def test_every_field_of_every_supported_familys_config_has_a_rule():
@@ -191,6 +252,25 @@ REFUSED = [
      "'use_sliding_window' = True"),
     ("qwen3", {"layer_types": ["full_attention", "sliding_attention"], "sliding_window": 8}, "'layer_types'"),
     ("qwen2", {"mlp_bias": True}, "'mlp_bias' = True is not a field evalrun knows for Qwen2/2.5"),
+    ("mistral", {"sliding_window": 0}, "'sliding_window' = 0 is not supported for Mistral"),
+    ("mistral", {"sliding_window": 4.5}, "'sliding_window' = 4.5"),
+    ("mistral", {"attention_bias": True}, "'attention_bias' = True is not a field evalrun knows for Mistral"),
+    ("phi3", {"rope_parameters": {"rope_type": "longrope", "rope_theta": 1e4, "short_factor": [1.0] * 8,
+                                  "long_factor": [2.0] * 8, "partial_rotary_factor": 1.0}}, "Phi-3's longrope"),
+    ("phi3", {"rope_parameters": {"rope_type": "default", "rope_theta": 1e4, "partial_rotary_factor": 0.5}},
+     "partial_rotary_factor"),
+    ("phi3", {"sliding_window": -1}, "'sliding_window' = -1"),
+    ("gemma2", {"hidden_activation": "gelu_new"}, "'hidden_activation' = 'gelu_new'"),
+    ("gemma2", {"attn_logit_softcapping": -50.0}, "'attn_logit_softcapping' = -50.0"),
+    ("gemma2", {"final_logit_softcapping": "30"}, "'final_logit_softcapping' = '30'"),
+    ("gemma2", {"query_pre_attn_scalar": 0}, "'query_pre_attn_scalar' = 0"),
+    ("gemma2", {"sliding_window": None}, "'sliding_window' = None"),
+    ("gemma2", {"layer_types": ["full_attention", "chunked_attention"]}, "'layer_types'"),
+    ("gemma2", {"use_bidirectional_attention": True}, "'use_bidirectional_attention' = True"),
+    ("gemma3_text", {"attn_logit_softcapping": 50.0}, "'attn_logit_softcapping' = 50.0 is not supported for Gemma 3"),
+    ("gemma3_text", {"rope_parameters": {**GEMMA3_ROPE, "full_attention": {"rope_type": "dynamic", "factor": 2.0,
+                                                                           "rope_theta": 1e6}}}, "'rope_parameters'"),
+    ("gemma3_text", {"rope_parameters": {"rope_type": "default", "rope_theta": 1e4}}, "'rope_parameters'"),
 ]
 
 
@@ -254,6 +334,21 @@ def test_run_refuses_architectures_that_do_not_match_the_model_type(tmp_path, cl
     directory = _edit_config(_checkpoint(tmp_path / "model", "llama"), architectures=["MistralForCausalLM"])
     result = cli("run", "--model", str(directory), "--prompts", "smoke", "--store", str(store_path))
     one_line_exit_2(result, "architectures ['MistralForCausalLM'] is not LlamaForCausalLM")
+
+
+@pytest.mark.parametrize("case,fields,needles", [
+    ("gemma3", {"attn_logit_softcapping": 50.0}, ["'attn_logit_softcapping' = 50.0", "remove it from config.json"]),
+    ("phi3", {"rope_scaling": {"rope_type": "default", "partial_rotary_factor": 0.5}},
+     ["'rope_parameters'", "partial_rotary_factor 1"]),
+    ("mistral", {"sliding_window": 0}, ["'sliding_window' = 0", "a positive integer, or null"]),
+])
+def test_run_refuses_an_unsupported_value_of_a_new_familys_field_with_one_line(tmp_path, cli, store_path, case,
+                                                                               fields, needles):
+    family, overrides = CASES[case]
+    directory = _edit_config(_checkpoint(tmp_path / "model", family, **overrides), **fields)
+    result = cli("run", "--model", str(directory), "--prompts", "smoke", "--max-new-tokens", "2",
+                 "--store", str(store_path))
+    one_line_exit_2(result, *needles)
 
 
 def test_run_on_a_qwen3_folder_records_its_tokens(tmp_path, cli, store_path):
