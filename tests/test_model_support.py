@@ -351,8 +351,11 @@ def test_run_refuses_an_unsupported_value_of_a_new_familys_field_with_one_line(t
     one_line_exit_2(result, *needles)
 
 
-def test_run_on_a_qwen3_folder_records_its_tokens(tmp_path, cli, store_path):
-    directory = _checkpoint(tmp_path / "qwen3", "qwen3", head_dim=32)
+@pytest.mark.parametrize("case", ["qwen3", "gemma2"])
+def test_run_on_a_model_folder_records_its_tokens(tmp_path, cli, store_path, case):
+    """Through the CLI (Gemma 2: transformers loads it with eager attention, having no SDPA path)."""
+    family, overrides = CASES[case]
+    directory = _checkpoint(tmp_path / case, family, **overrides)
     code, out, err = cli("run", "--model", str(directory), "--prompts", "smoke", "--max-new-tokens", "4",
                          "--store", str(store_path), "--json", "--quiet")
     assert code == 0, err

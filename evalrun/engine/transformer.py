@@ -135,8 +135,10 @@ class Transformer:
         self.variant = _variant(config, family, inner, self.dtype)
         # Each layer's attention kind: the config's layer_types (Gemma; Qwen's are all full, model_support
         # checks), else every layer sliding where the family has a window (Mistral, Phi-3).
-        kinds = getattr(config, "layer_types", None) or [SLIDING if self.variant.sliding_window else FULL] * len(self.layers)
+        default_kind = SLIDING if self.variant.sliding_window else FULL
+        kinds = getattr(config, "layer_types", None) or [default_kind] * len(self.layers)
         self.layer_kinds = tuple(kinds)
+        self.kinds_used = tuple(sorted(set(kinds)))  # the masks and rotaries the prologue builds
         wide = torch.promote_types(self.dtype, torch.float32)  # rotary angles in fp32 (fp64 for an fp64 model)
         # [D/2]: the rotary of full layers (and of every layer, except where Gemma 3 gives sliding layers their own)
         global_rotary = f"{FULL}_inv_freq" if hasattr(rotary_embedding, f"{FULL}_inv_freq") else "inv_freq"
@@ -186,8 +188,9 @@ class Transformer:
 
     def _positional(self, prologue: Callable, tokens: torch.Tensor, positions: torch.Tensor, slots: torch.Tensor,
                     key_valid: torch.Tensor) -> tuple[torch.Tensor, dict[str, tuple[torch.Tensor, ...]]]:
+        """`prologue` (eager or compiled) over this model: x and {attention kind: (cos, sin, mask)}."""
         return prologue(tokens, positions, slots, key_valid, self.embed, self.inv_freq, self.rope_scale,
-                        self.heads // self.kv_heads, self.variant, self.local_rotary, tuple(sorted(set(self.layer_kinds))))
+                        self.heads // self.kv_heads, self.variant, self.local_rotary, self.kinds_used)
 
     def forward(self, tokens: torch.Tensor, positions: torch.Tensor, slots: torch.Tensor,
                 key_valid: torch.Tensor, cache: KVCache) -> torch.Tensor:
