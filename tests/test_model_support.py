@@ -201,6 +201,21 @@ def test_each_config_feature_changes_the_engines_logits(tmp_path, case, fields):
     assert not np.array_equal(before, logits())
 
 
+@pytest.mark.parametrize("case", ["mistral-sliding-window", "gemma3"])
+def test_a_left_padded_row_decodes_as_it_does_alone_under_a_sliding_window(tmp_path, case):
+    """The window counts a row's own tokens, not the padding before them: the short prompt, padded to the
+    long one's length in a batch, gives the tokens and logits it gives alone (checked against transformers
+    above)."""
+    family, overrides = CASES[case]
+    loaded = load_model(str(_checkpoint(tmp_path / case, family, **overrides)), "cpu", "float32")
+    long, short = (loaded.tokenizer(text)["input_ids"] for text in (LONG_PROMPT, "A shorter prompt, 24 tokens"))
+    transformer = Transformer(loaded.model)
+    batch = generate_batch(transformer, BatchSpec([long, short], STEPS, pad_id=0, keep_logits=True))
+    alone = generate_batch(transformer, BatchSpec([short], STEPS, pad_id=0, keep_logits=True))
+    assert batch.tokens[1].tolist() == alone.tokens[0].tolist()
+    assert np.abs(batch.logits[1].view(np.float32) - alone.logits[0].view(np.float32)).max() < MAX_ABS_LOGITS
+
+
 @pytest.mark.parametrize("case,mode", [("gemma2", "trace-once"), ("gemma3", "piecewise"),
                                        ("mistral-sliding-window", "piecewise")])
 def test_compiled_modes_give_the_eager_tokens_for_a_new_family(tmp_path, case, mode):
