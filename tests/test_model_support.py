@@ -201,6 +201,23 @@ def test_each_config_feature_changes_the_engines_logits(tmp_path, case, fields):
     assert not np.array_equal(before, logits())
 
 
+@pytest.mark.parametrize("case", ["gemma2", "gemma3"])
+def test_forward_states_follow_the_forward_for_a_gemma(tmp_path, case):
+    """bisect's layer stage runs the same Gemma: its last state through the head gives forward's logits."""
+    family, overrides = CASES[case]
+    transformer = Transformer(load_model(str(_checkpoint(tmp_path / case, family, **overrides)), "cpu",
+                                         "float32").model)
+    ids = list(range(3, 3 + 2 * WINDOW))
+    tokens, positions, valid = torch.tensor([ids]), torch.arange(len(ids))[None], torch.ones(1, len(ids), dtype=torch.bool)
+    logits = transformer.forward(tokens, positions, positions[0], valid, transformer.new_cache(1, len(ids)))
+    states = transformer.forward_states(tokens, positions, positions[0], valid, transformer.new_cache(1, len(ids)))
+    assert len(states) == 2 * len(transformer.layers) + 1
+    last = transformer.head(states[-2][:, -1], transformer.final_norm, transformer.lm_head, transformer.eps,
+                            transformer.variant)
+    assert torch.equal(last, logits)
+    assert torch.allclose(states[-1][:, -1], logits, atol=1e-5)
+
+
 @pytest.mark.parametrize("case", ["mistral-sliding-window", "gemma3"])
 def test_a_left_padded_row_decodes_as_it_does_alone_under_a_sliding_window(tmp_path, case):
     """The window counts a row's own tokens, not the padding before them: the short prompt, padded to the

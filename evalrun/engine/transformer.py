@@ -221,7 +221,7 @@ class Transformer:
             q, kv = p.pre_attention(x, cos, sin, w.input_norm, w.qkv, *shape, w.qkv_bias, w.q_norm, w.k_norm,
                                     variant)
             x = p.output_projection(x, self.attend(index, q, kv, slots, mask, cache), w.o, w.o_bias, w.attn_out_norm,
-                                    variant)
+                                    self.eps, variant)
             states.append(x)
             x = p.mlp_block(x, w.post_norm, w.gate_up, w.down, self.eps, self.activation, w.gate_up_bias,
                             w.down_bias, w.mlp_out_norm, variant)
@@ -284,15 +284,21 @@ def rotary(positions: torch.Tensor, inv_freq: torch.Tensor, scale: float,
     return (angles.cos() * scale).to(dtype)[:, None], (angles.sin() * scale).to(dtype)[:, None]
 
 
-def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, offset: bool = False) -> torch.Tensor:
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     """Llama RMSNorm as transformers computes it: normalise in fp32 (PyTorch's fused kernel accumulates
-    in fp32 and rounds once to x's dtype), then scale in the model dtype.
-
-    offset (Gemma): normalise and scale by (1 + weight) both in fp32 (fp64 for an fp64 model), round once."""
-    if offset:
-        wide = torch.promote_types(x.dtype, torch.float32)
-        return F.rms_norm(x.to(wide), x.shape[-1:], 1.0 + weight.to(wide), eps).to(x.dtype)
+    in fp32 and rounds once to x's dtype), then scale in the model dtype."""
     return weight * F.rms_norm(x, x.shape[-1:], eps=eps)
+
+
+def offset_rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """Gemma's RMSNorm: normalise and scale by (1 + weight) both in fp32 (fp64 for an fp64 model), round once."""
+    wide = torch.promote_types(x.dtype, torch.float32)
+    return F.rms_norm(x.to(wide), x.shape[-1:], 1.0 + weight.to(wide), eps).to(x.dtype)
+
+
+def norm(x: torch.Tensor, weight: torch.Tensor, eps: float, variant: Variant) -> torch.Tensor:
+    """The family's RMSNorm of x [..., n] with weight [n]."""
+    return offset_rms_norm(x, weight, eps) if variant.norm_offset else rms_norm(x, weight, eps)
 
 
 def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
@@ -311,11 +317,10 @@ def pre_attention(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, input_n
     bqkv [(H+2G)*D]: the q/k/v biases (Qwen2, Llama's attention_bias); q_norm, k_norm [D]: Qwen3's and
     Gemma 3's RMSNorm of each query and key head, applied before rotary."""
     batch, tokens, _ = x.shape
-    offset = variant.norm_offset
-    qkv = F.linear(rms_norm(x, input_norm, eps, offset), wqkv, bqkv).view(batch, tokens, heads + 2 * kv_heads, head_dim)
+    qkv = F.linear(norm(x, input_norm, eps, variant), wqkv, bqkv).view(batch, tokens, heads + 2 * kv_heads, head_dim)
     q, k, v = qkv.transpose(1, 2).split([heads, kv_heads, kv_heads], dim=1)
     if q_norm is not None:
-        q, k = rms_norm(q, q_norm, eps, offset), rms_norm(k, k_norm, eps, offset)
+        q, k = norm(q, q_norm, eps, variant), norm(k, k_norm, eps, variant)
     return apply_rotary(q, cos, sin), torch.stack((apply_rotary(k, cos, sin), v))
 
 
@@ -325,18 +330,18 @@ def post_attention(x: torch.Tensor, attended: torch.Tensor, wo: torch.Tensor, po
                    b_down: torch.Tensor | None = None, attn_out_norm: torch.Tensor | None = None,
                    mlp_out_norm: torch.Tensor | None = None, variant: Variant = LLAMA_VARIANT) -> torch.Tensor:
     """x [B, T, hidden], attended [B, H, T, D] -> x after the output projection and the MLP."""
-    projected = output_projection(x, attended, wo, bo, attn_out_norm, variant, eps)
+    projected = output_projection(x, attended, wo, bo, attn_out_norm, eps, variant)
     return mlp_block(projected, post_norm, gate_up, down, eps, activation, b_gate_up, b_down, mlp_out_norm, variant)
 
 
 def output_projection(x: torch.Tensor, attended: torch.Tensor, wo: torch.Tensor, bo: torch.Tensor | None = None,
-                      out_norm: torch.Tensor | None = None, variant: Variant = LLAMA_VARIANT,
-                      eps: float = 0.0) -> torch.Tensor:
+                      out_norm: torch.Tensor | None = None, eps: float | None = None,
+                      variant: Variant = LLAMA_VARIANT) -> torch.Tensor:
     """The attention sub-block's end: x [B, T, hidden] + the output projection of attended [B, H, T, D]
     (bo [hidden]: its bias, where the config has one; out_norm [hidden]: Gemma's norm of it before the add)."""
     batch, tokens, _ = x.shape
     out = F.linear(attended.transpose(1, 2).reshape(batch, tokens, -1), wo, bo)
-    return x + (out if out_norm is None else rms_norm(out, out_norm, eps, variant.norm_offset))
+    return x + (out if out_norm is None else norm(out, out_norm, eps, variant))
 
 
 def activate(x: torch.Tensor, name: str) -> torch.Tensor:
@@ -359,9 +364,9 @@ def mlp_block(x: torch.Tensor, post_norm: torch.Tensor, gate_up: torch.Tensor, d
     """The MLP sub-block with its residual: x [B, T, hidden] -> x + down(act(gate) * up) of norm(x);
     b_gate_up [2*inter] and b_down [hidden] are its biases where the config has them; out_norm [hidden]:
     Gemma's norm of the MLP output before the add."""
-    gate, up = F.linear(rms_norm(x, post_norm, eps, variant.norm_offset), gate_up, b_gate_up).chunk(2, dim=-1)
+    gate, up = F.linear(norm(x, post_norm, eps, variant), gate_up, b_gate_up).chunk(2, dim=-1)
     out = F.linear(activate(gate, activation) * up, down, b_down)
-    return x + (out if out_norm is None else rms_norm(out, out_norm, eps, variant.norm_offset))
+    return x + (out if out_norm is None else norm(out, out_norm, eps, variant))
 
 
 def softcap(x: torch.Tensor, cap: float) -> torch.Tensor:
@@ -372,7 +377,7 @@ def softcap(x: torch.Tensor, cap: float) -> torch.Tensor:
 def head(last: torch.Tensor, final_norm: torch.Tensor, lm_head: torch.Tensor, eps: float,
          variant: Variant = LLAMA_VARIANT) -> torch.Tensor:
     """last [B, hidden] -> logits [B, V] (soft-capped where the family caps them)."""
-    logits = F.linear(rms_norm(last, final_norm, eps, variant.norm_offset), lm_head)
+    logits = F.linear(norm(last, final_norm, eps, variant), lm_head)
     return logits if variant.final_softcap is None else softcap(logits, variant.final_softcap)
 
 
