@@ -201,6 +201,21 @@ def test_each_config_feature_changes_the_engines_logits(tmp_path, case, fields):
     assert not np.array_equal(before, logits())
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+def test_gemmas_offset_rms_norm_matches_transformers_bit_for_bit(dtype):
+    from transformers.models.gemma2.modeling_gemma2 import Gemma2RMSNorm
+
+    from evalrun.engine.transformer import offset_rms_norm
+
+    generator = torch.Generator().manual_seed(1)
+    reference = Gemma2RMSNorm(96, eps=1e-6)
+    with torch.no_grad():
+        reference.weight.copy_(0.3 * torch.randn(96, generator=generator))
+        reference = reference.to(dtype)
+        x = (torch.randn(2, 5, 96, generator=generator) * 4).to(dtype)
+        assert torch.equal(offset_rms_norm(x, reference.weight, 1e-6), reference(x))
+
+
 @pytest.mark.parametrize("case", ["gemma2", "gemma3"])
 def test_forward_states_follow_the_forward_for_a_gemma(tmp_path, case):
     """bisect's layer stage runs the same Gemma: its last state through the head gives forward's logits."""
