@@ -8,7 +8,8 @@ References:
   random:qwen3-8b   Qwen3-8B's shape (Qwen3: q/k norms), seeded weights, SmolLM2's tokenizer
   random:qwen3-moe  Qwen3-30B-A3B's layer shape (128 experts, top-8) at half its depth (24 layers,
                     15.6B parameters: 31 GB in bfloat16), seeded weights, SmolLM2's tokenizer
-  PATH/             a local Hugging Face model directory (Llama, Qwen2/2.5 or Qwen3: engine/model_support.py)
+  PATH/             a local Hugging Face model directory (Llama, Qwen2/2.5, Qwen3, Qwen3-MoE, Mistral, Phi-3, Gemma 2,
+                    Gemma 3 text: engine/model_support.py)
   PATH.gguf         a GGUF file (loaded with transformers' GGUF support)
   owner/name        a hub id, where the machine has a network
 
@@ -33,7 +34,7 @@ import numpy as np
 import torch
 
 from .engine.mixing import GOLDEN_GAMMA, logical_shift_right, splitmix64
-from .engine.model_support import check_architecture
+from .engine.model_support import HF_EAGER_ONLY, check_architecture
 from .errors import ModelError
 from .hashing import hash_bytes, hash_value
 
@@ -291,27 +292,27 @@ def decoder_for(record: Any):
 CONFIG_JSON_LIMIT = 4 << 20  # bytes; a config.json is a few kB
 
 
-def check_directory_family(directory: Path) -> None:
+def check_directory_family(directory: Path) -> str | None:
     """Refuse, before any weight is read, a model folder whose config.json names a family evalrun's
-    engine does not run (one line naming the families it runs). A config.json that is missing or not
-    JSON is left to the loader, whose message says so."""
+    engine does not run (one line naming the families it runs); return the family. A config.json that
+    is missing or not JSON is left to the loader, whose message says so."""
     path = directory / "config.json"
     try:
         if path.stat().st_size > CONFIG_JSON_LIMIT:
             raise ModelError(f"{path} is larger than {CONFIG_JSON_LIMIT >> 20} MiB; it is not a model config")
         config = json.loads(path.read_text(encoding="utf-8"))
     except (OSError, ValueError, RecursionError):
-        return
-    if isinstance(config, dict):
-        check_architecture(config)
+        return None
+    return check_architecture(config) if isinstance(config, dict) else None
 
 
 def _load_directory(ref: str, directory: Path | str, device: torch.device, dtype: torch.dtype, attn: str,
                     source: dict[str, Any], check_family: bool = True) -> LoadedModel:
     from transformers import AutoModelForCausalLM
 
-    if isinstance(directory, Path) and check_family:
-        check_directory_family(directory)
+    family = check_directory_family(directory) if isinstance(directory, Path) and check_family else None
+    if family in HF_EAGER_ONLY:  # transformers has no SDPA path for it (and refuses to load one)
+        attn = "eager"
     try:
         model, info = _quietly(AutoModelForCausalLM.from_pretrained, directory, dtype=stored_dtype(directory),
                                attn_implementation=attn, output_loading_info=True)
@@ -461,7 +462,8 @@ def load_model(ref: str, device: str, dtype: str, attn_implementation: str = "sd
                              + ", a Hugging Face directory, or a .gguf file")
         loaded = _load_directory(ref, directory, torch_device, torch_dtype, attn_implementation, source,
                                  check_family=engine == "evalrun")
-    loaded.model.config._attn_implementation = attn_implementation
+    if loaded.model.config.model_type not in HF_EAGER_ONLY:  # SDPA would drop Gemma 2's soft-capping
+        loaded.model.config._attn_implementation = attn_implementation
     loaded.model.eval()
     loaded.model.requires_grad_(False)
     return loaded

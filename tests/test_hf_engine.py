@@ -146,7 +146,7 @@ def test_unsupported_architecture_message_names_the_transformers_engine(tmp_path
     directory = _edit_config(_checkpoint(tmp_path / "model", "llama"), model_type="made_up_family",
                              architectures=["SomethingForCausalLM"])
     one_line_exit_2(cli("run", "--model", str(directory), "--prompts", "smoke", "--store", str(store_path)),
-                    "Llama (model_type 'llama')", "Qwen3 (model_type 'qwen3')", "--engine transformers")
+                    "Llama (llama)", "Qwen3 (qwen3)", "--engine transformers")
 
 
 # ---------------------------------------------------------------- execution modes
