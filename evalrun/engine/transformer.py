@@ -174,9 +174,10 @@ class Transformer:
         # Phi-3 stores q/k/v and gate/up fused already (stack_rows takes one matrix as it is).
         qkv_projections = ([attention.qkv_proj] if hasattr(attention, "qkv_proj")
                            else [attention.q_proj, attention.k_proj, attention.v_proj])
-        gate_up_projections = [mlp.gate_up_proj] if hasattr(mlp, "gate_up_proj") else [mlp.gate_proj, mlp.up_proj]
+        dense = experts is None  # an MoE layer's experts and router are in `experts` (engine/moe.py)
+        gate_up_projections = ([] if not dense else [mlp.gate_up_proj] if hasattr(mlp, "gate_up_proj")
+                               else [mlp.gate_proj, mlp.up_proj])
         qkv = stack_rows([p.weight for p in qkv_projections])
-        dense = experts is None
         gate_up = stack_rows([p.weight for p in gate_up_projections]) if dense else None
         norms = [getattr(attention, name, None) for name in ("q_norm", "k_norm")]
         # Gemma's four norms per layer: its post_attention_layernorm normalises the attention output, and
