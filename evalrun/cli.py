@@ -116,6 +116,25 @@ def phase_progress(quiet: bool):
     return start
 
 
+def shard_option(command: Callable) -> Callable:
+    return click.option("--shard", "shard_text", metavar="I/N", default=None,
+                        help="Run part I of N of the prompt set (whole batches; CI matrix jobs, Slurm arrays); "
+                             "join the stores with `evalrun store merge`. Under torchrun the ranks split it.")(command)
+
+
+def parsed_shard(text: str | None):
+    from .distributed import parse_shard
+
+    return parse_shard(text) if text is not None else None
+
+
+def leader() -> bool:
+    """Whether this process prints and writes: always, except on ranks > 0 under torchrun."""
+    from .distributed import world
+
+    return world().leader
+
+
 def store_option(command: Callable) -> Callable:
     return click.option("--store", "store_path", type=click.Path(path_type=Path), default=None,
                         help="Store file (default: $EVALRUN_STORE or store/evalrun.db).")(command)
@@ -151,21 +170,29 @@ def cli() -> None:
 
 @cli.command()
 @run_options
+@shard_option
 @store_option
 @click.option("--label", help="A note stored with the run.")
 @output_options("text", "json")
 @quiet_option
-def run(store_path, label, output_format, as_json, quiet, **kwargs) -> None:
+def run(store_path, label, output_format, as_json, quiet, shard_text, **kwargs) -> None:
     """Run the prompt set, capture every step's logits, store the run.
+
+    Under `torchrun --nproc-per-node N -m evalrun run ...` the ranks split the prompt set (rank 0 stores
+    one run), or the model with --tensor-parallel N.
 
     \b
     Example:
       evalrun run --model random:tiny --prompts smoke --max-new-tokens 8 --json
+      torchrun --nproc-per-node 2 -m evalrun run --model random:tiny --tensor-parallel 2
     """
-    from .runner import execute_run
+    from .sharding import execute_sharded_run
 
-    config = config_from(kwargs)
-    outcome = execute_run(config, open_store(store_path), label=label, progress_factory=progress_factory(quiet))
+    config, shard = config_from(kwargs), parsed_shard(shard_text)
+    store = open_store(store_path) if leader() else None
+    outcome = execute_sharded_run(config, store, label=label, progress_factory=progress_factory(quiet), shard=shard)
+    if not leader():
+        return
     if chosen_format(output_format, as_json) == "json":
         click.echo(report.to_json(report.run_json(outcome)))
     else:
@@ -589,7 +616,7 @@ def exit_code_of(error: BaseException) -> int:
         _say(f"evalrun: error: {_first_line(error)}")
         return EXIT_UNUSABLE
     if isinstance(error, click.exceptions.Abort | KeyboardInterrupt):
-        _say("evalrun: interrupted")
+        _say(f"evalrun: interrupted{': ' + _first_line(error) if str(error) else ''}")
         return EXIT_UNUSABLE
     if isinstance(error, click.exceptions.ClickException):
         _say(f"evalrun: error: {error.format_message()}; see evalrun --help")
@@ -626,8 +653,11 @@ def main(argv: list[str] | None = None) -> None:
     for stream in (sys.stdout, sys.stderr):  # text from a damaged file must never fail to print
         if hasattr(stream, "reconfigure"):
             stream.reconfigure(errors="backslashreplace")
+    from .distributed import leave
+
     try:
         cli.main(args=argv, prog_name="evalrun", standalone_mode=False)
+        leave()  # under torchrun: leave the process group so the launcher sees a clean exit
     except (Exception, KeyboardInterrupt) as error:  # noqa: BLE001 - the one place errors become exit codes
         sys.exit(exit_code_of(error))
     sys.exit(0)

@@ -14,6 +14,7 @@ from typing import Any, Callable
 import numpy as np
 import torch
 
+from . import distributed
 from .compile_cache import cache_counters, cache_evidence, use_evalrun_cache
 from .config import EffectiveConfig, RunConfig, keep_logits_steps, resolve, validate
 from .engine.driver import generate_batch
@@ -56,6 +57,11 @@ class Prepared:
     def execution_mode(self) -> ExecutionMode:
         if self.mode is None:
             transformer = Transformer(self.loaded.model, self.config.attn_implementation)
+            if self.config.tensor_parallel > 1:  # this rank's share of the projections (config.validate checked the world)
+                from .engine.tensor_parallel import shard
+
+                here = distributed.world()
+                shard(transformer, here.rank, here.size, distributed.model_group())
             self.mode = build_execution_mode(transformer, self.config)
         return self.mode
 
@@ -116,6 +122,7 @@ def prepare(config: RunConfig | EffectiveConfig, reuse: Prepared | None = None) 
     effective = config if isinstance(config, EffectiveConfig) else effective_config(config)
     baseline_backend_flags()  # read the environment's own flags before the config changes any
     applied = apply_numerics_flags(effective)  # before anything initialises CUDA
+    distributed.join(effective.device)  # under torchrun: the process group, this rank's GPU
     started = time.perf_counter()
     if reuse is not None and shares_model(effective, reuse):
         loaded, prompt_set = reuse.loaded, reuse.prompt_set
@@ -308,6 +315,9 @@ def record(store: Store | None, header: dict[str, Any], produce: Callable[[], Ru
         run = produce()
         store.finish_run(run_id, run.results, {"timings": run.timings, "evidence": run.evidence,
                                                "batches": run.plan}, run.tokens_digest, run.logits_digest)
+    except KeyboardInterrupt as error:  # Ctrl-C, or a torchrun rank gone (distributed.RankInterrupted)
+        store.fail_run(run_id, f"interrupted: {str(error)[:500]}", status="interrupted")
+        raise
     except BaseException as error:
         store.fail_run(run_id, f"{type(error).__name__}: {str(error)[:500]}")
         raise

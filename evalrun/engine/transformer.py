@@ -111,6 +111,7 @@ class Transformer:
         self.rope_scale = float(getattr(rotary_embedding, "attention_scaling", 1.0))
         self.device = self.embed.device
         self.vocab_size = self.lm_head.shape[0]
+        self.reduce: Callable | None = None  # tensor parallelism (tensor_parallel.py): sums row-parallel outputs
 
     @staticmethod
     def _layer(layer: torch.nn.Module) -> LayerWeights:
@@ -148,7 +149,7 @@ class Transformer:
             q, kv = self.pre_attention(x, cos, sin, w.input_norm, w.qkv, *shape, w.qkv_bias, w.q_norm, w.k_norm)
             attended = self.attend(index, q, kv, slots, mask, cache)
             x = self.post_attention(x, attended, w.o, w.post_norm, w.gate_up, w.down, self.eps, self.activation,
-                                    w.o_bias, w.gate_up_bias, w.down_bias)
+                                    w.o_bias, w.gate_up_bias, w.down_bias, self.reduce)
         return self.head(x[:, -1], self.final_norm, self.lm_head, self.eps)
 
     def forward_states(self, tokens: torch.Tensor, positions: torch.Tensor, slots: torch.Tensor,
@@ -164,10 +165,10 @@ class Transformer:
         shape, states = (self.heads, self.kv_heads, self.head_dim, self.eps), []
         for index, w in enumerate(self.layers):
             q, kv = p.pre_attention(x, cos, sin, w.input_norm, w.qkv, *shape, w.qkv_bias, w.q_norm, w.k_norm)
-            x = p.output_projection(x, self.attend(index, q, kv, slots, mask, cache), w.o, w.o_bias)
+            x = p.output_projection(x, self.attend(index, q, kv, slots, mask, cache), w.o, w.o_bias, self.reduce)
             states.append(x)
             x = p.mlp_block(x, w.post_norm, w.gate_up, w.down, self.eps, self.activation, w.gate_up_bias,
-                            w.down_bias)
+                            w.down_bias, self.reduce)
             states.append(x)
         return states + [p.head(x, self.final_norm, self.lm_head, self.eps)]
 
@@ -233,18 +234,28 @@ def pre_attention(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, input_n
 def post_attention(x: torch.Tensor, attended: torch.Tensor, wo: torch.Tensor, post_norm: torch.Tensor,
                    gate_up: torch.Tensor, down: torch.Tensor, eps: float, activation: str = "silu",
                    bo: torch.Tensor | None = None, b_gate_up: torch.Tensor | None = None,
-                   b_down: torch.Tensor | None = None) -> torch.Tensor:
+                   b_down: torch.Tensor | None = None, reduce: Callable | None = None) -> torch.Tensor:
     """x [B, T, hidden], attended [B, H, T, D] -> x after the output projection and the MLP."""
-    return mlp_block(output_projection(x, attended, wo, bo), post_norm, gate_up, down, eps, activation, b_gate_up,
-                     b_down)
+    return mlp_block(output_projection(x, attended, wo, bo, reduce), post_norm, gate_up, down, eps, activation,
+                     b_gate_up, b_down, reduce)
 
 
 def output_projection(x: torch.Tensor, attended: torch.Tensor, wo: torch.Tensor,
-                      bo: torch.Tensor | None = None) -> torch.Tensor:
+                      bo: torch.Tensor | None = None, reduce: Callable | None = None) -> torch.Tensor:
     """The attention sub-block's end: x [B, T, hidden] + the output projection of attended [B, H, T, D]
     (bo [hidden]: its bias, where the config has one)."""
     batch, tokens, _ = x.shape
-    return x + F.linear(attended.transpose(1, 2).reshape(batch, tokens, -1), wo, bo)
+    return x + row_parallel_linear(attended.transpose(1, 2).reshape(batch, tokens, -1), wo, bo, reduce)
+
+
+def row_parallel_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
+                        reduce: Callable | None) -> torch.Tensor:
+    """F.linear, or under tensor parallelism (`reduce` set, tensor_parallel.py) this rank's partial
+    product [.., out] summed over the ranks, the bias added once after the sum."""
+    if reduce is None:
+        return F.linear(x, weight, bias)
+    summed = reduce(F.linear(x, weight))
+    return summed if bias is None else summed + bias
 
 
 def activate(x: torch.Tensor, name: str) -> torch.Tensor:
@@ -262,11 +273,11 @@ def activate(x: torch.Tensor, name: str) -> torch.Tensor:
 
 def mlp_block(x: torch.Tensor, post_norm: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor,
               eps: float, activation: str = "silu", b_gate_up: torch.Tensor | None = None,
-              b_down: torch.Tensor | None = None) -> torch.Tensor:
+              b_down: torch.Tensor | None = None, reduce: Callable | None = None) -> torch.Tensor:
     """The MLP sub-block with its residual: x [B, T, hidden] -> x + down(act(gate) * up) of norm(x);
     b_gate_up [2*inter] and b_down [hidden] are its biases where the config has them."""
     gate, up = F.linear(rms_norm(x, post_norm, eps), gate_up, b_gate_up).chunk(2, dim=-1)
-    return x + F.linear(activate(gate, activation) * up, down, b_down)
+    return x + row_parallel_linear(activate(gate, activation) * up, down, b_down, reduce)
 
 
 def head(last: torch.Tensor, final_norm: torch.Tensor, lm_head: torch.Tensor, eps: float) -> torch.Tensor:

@@ -1,0 +1,142 @@
+"""Work split across ranks or jobs: which prompts a shard runs, and how shard results travel and join.
+
+A shard runs whole batches of the run's plan (`distributed.shard_batches`), so every prompt keeps the
+batch companions, padding and bits it has in the unsharded run. Two launches:
+  torchrun, tensor_parallel 1  rank r of W is shard r/W; every rank sends its results to rank 0 as a
+                               SQLite store file (bytes on a gloo group), rank 0 stores one run
+                               holding every prompt: the run an unsharded process would have stored
+  --shard I/N                  one job of N (CI matrix, Slurm array): it stores a run of its prompts,
+                               marked with its shard; `evalrun store merge` joins the jobs' stores
+Under tensor parallelism every rank computes every prompt (the ranks split the model instead) and
+rank 0 alone writes.
+"""
+
+from __future__ import annotations
+
+import copy
+import tempfile
+from pathlib import Path
+from typing import Any, Callable
+
+from . import distributed
+from .distributed import Shard
+from .runner import Prepared, Run, _NullBar, execute, plan_batches, prepare, record
+from .store import PromptResult, Store
+
+
+def active_shard(prepared_or_tp: int, requested: Shard | None) -> Shard:
+    """The shard this process runs: its rank under a data-parallel torchrun world, else --shard, else all."""
+    here = distributed.world()
+    distributed.check_world(prepared_or_tp, requested)
+    if here.distributed and prepared_or_tp == 1:
+        return Shard(here.rank, here.size)
+    return requested or Shard()
+
+
+def shard_prompts(prepared: Prepared, shard: Shard) -> set[int] | None:
+    """Prompt indices of the batches `shard` runs (None: all of them)."""
+    if shard.whole:
+        return None
+    plan = plan_batches(prepared.prompt_set, prepared.config)
+    return {index for number in distributed.shard_batches(len(plan), shard) for index in plan[number]}
+
+
+def shard_header(header: dict[str, Any], shard: Shard, prompts: set[int] | None) -> dict[str, Any]:
+    """A run header naming the part of the prompt set the run holds (not hashed: the prompt set's hash
+    stays the whole set's, so a shard's results compare with any run of that set)."""
+    if shard.whole or prompts is None:
+        return header
+    marked = copy.deepcopy(header)
+    marked["prompt_set"]["shard"] = {**shard.as_dict(), "prompts": len(prompts)}
+    return marked
+
+
+# ---------------------------------------------------------------- results as bytes between ranks
+
+def runs_to_bytes(runs: list[tuple[str, dict[str, Any], Run]]) -> bytes:
+    """(label, header, run) triples as the bytes of a SQLite store file (validated again where read)."""
+    with tempfile.TemporaryDirectory(prefix="evalrun-shard-") as folder:
+        path = Path(folder) / "shard.db"
+        store = Store(path)
+        for label, header, run in runs:
+            run_id = store.begin_run(header, label)
+            store.finish_run(run_id, run.results, {"timings": run.timings, "evidence": run.evidence,
+                                                   "batches": run.plan}, run.tokens_digest, run.logits_digest)
+        store.compact()
+        return path.read_bytes()
+
+
+def runs_from_bytes(data: bytes) -> dict[str, Run]:
+    """label -> Run, from `runs_to_bytes` output (another rank's: read as any store, validated)."""
+    with tempfile.TemporaryDirectory(prefix="evalrun-shard-") as folder:
+        path = Path(folder) / "shard.db"
+        path.write_bytes(data)
+        store = Store(path, readonly=True)
+        runs = {}
+        for record in store.list_runs():
+            runs[record.label or ""] = Run({}, store.load_results(record.id), record.json.get("timings") or {},
+                                           record.json.get("evidence") or {}, record.json.get("batches") or [])
+        store.close()
+        return runs
+
+
+def join_results(parts: list[list[PromptResult]]) -> list[PromptResult]:
+    """Every shard's results as one list in prompt order (a prompt in two shards is an invariant broken)."""
+    by_index: dict[int, PromptResult] = {}
+    for results in parts:
+        for result in results:
+            assert result.prompt_index not in by_index, f"prompt {result.prompt_id} ran in two shards"
+            by_index[result.prompt_index] = result
+    return [by_index[index] for index in sorted(by_index)]
+
+
+def join_runs(header: dict[str, Any], runs: list[Run]) -> Run:
+    """The ranks' runs as the one run of the whole prompt set: results and batches joined; timings are
+    rank 0's with the ranks' own listed and throughput over the slowest rank's generation time."""
+    first = runs[0]
+    timings = dict(first.timings)
+    generated = sum(run.timings.get("tokens_generated", 0) for run in runs)
+    slowest = max(run.timings.get("generate_s", 0.0) for run in runs)
+    timings.update(tokens_generated=generated, generate_s=slowest,
+                   tokens_per_s=generated / slowest if slowest > 0 else 0.0, ranks=[run.timings for run in runs])
+    evidence = dict(first.evidence, ranks=len(runs))
+    plan = sorted((entry for run in runs for entry in run.plan), key=lambda entry: entry["batch"])
+    return Run(header, join_results([run.results for run in runs]), timings, evidence, plan)
+
+
+def empty_run(header: dict[str, Any]) -> Run:
+    """The run of a shard with no batch (more shards than batches)."""
+    return Run(header, [], {"tokens_generated": 0, "generate_s": 0.0, "tokens_per_s": 0.0}, {}, [])
+
+
+def gather_runs(label: str, header: dict[str, Any], mine: Run) -> list[Run] | None:
+    """Every rank's `mine` on rank 0, in rank order (None elsewhere)."""
+    if not distributed.world().distributed:
+        return [mine]
+    gathered = distributed.gather_bytes(runs_to_bytes([(label, header, mine)]))
+    return None if gathered is None else [runs_from_bytes(data)[label] for data in gathered]
+
+
+# ---------------------------------------------------------------- evalrun run, sharded
+
+def execute_sharded_run(config, store: Store | None, label: str | None = None,
+                        progress_factory: Callable[[int], Any] | None = None, shard: Shard | None = None) -> Run:
+    """`evalrun run` on this process's shard: under torchrun rank 0 stores the joined run (the others
+    return theirs, unstored); with --shard the job stores its part, marked as such."""
+    prepared = prepare(config)
+    here, current = distributed.world(), active_shard(prepared.config.tensor_parallel, shard)
+    only = shard_prompts(prepared, current)
+    joined_by_ranks = here.distributed and prepared.config.tensor_parallel == 1
+    header = prepared.header if joined_by_ranks else shard_header(prepared.header, current, only)
+
+    def produce() -> Run:
+        total = len(only) if only is not None else len(prepared.prompt_set.records)
+        bar = progress_factory(total) if progress_factory and here.leader else None
+        with (bar if bar is not None else _NullBar()) as active:
+            mine = execute(prepared, progress=active.update, only=only) if only != set() else empty_run(header)
+        if not joined_by_ranks:
+            return mine
+        runs = gather_runs("shard", header, mine)
+        return join_runs(header, runs) if runs is not None else mine
+
+    return record(store if here.leader else None, header, produce, label)
