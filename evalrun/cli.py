@@ -278,6 +278,30 @@ def store_check(store_path, output_format, as_json) -> None:
         raise Exit(EXIT_CHANGED)
 
 
+@store.command("merge")
+@click.argument("out_path", metavar="OUT.db", type=click.Path(path_type=Path))
+@click.argument("sources", metavar="A.db B.db ...", nargs=-1, required=True, type=click.Path(path_type=Path))
+@output_options("text", "json")
+def store_merge(out_path, sources, output_format, as_json) -> None:
+    """Merge the runs of several stores into OUT (idempotent; each source must pass `store check`).
+
+    \b
+    Example:
+      evalrun store merge all.db shard0.db shard1.db
+    """
+    from .store_merge import merge_stores
+
+    outcome = merge_stores(out_path, list(sources))
+    if chosen_format(output_format, as_json) == "json":
+        click.echo(report.to_json(outcome))
+    else:
+        click.echo("\n".join(f"{entry['store']}: {entry['copied']} runs copied, {entry['already_there']} already there"
+                             for entry in outcome["sources"]))
+        click.echo(report.store_check_text(outcome["check"]))
+    if not outcome["check"]["ok"]:
+        raise Exit(EXIT_CHANGED)
+
+
 @cli.group()
 def golden() -> None:
     """Create, verify, list and show goldens (golden/NAME.db, committed to git).
@@ -321,24 +345,50 @@ def golden_create(name, directory, force, output_format, as_json, quiet, **kwarg
 @click.option("--strict", is_flag=True, help="Drift fails too (exit 1).")
 @output_options("text", "json", "markdown")
 @click.option("--junit", "junit_path", type=click.Path(path_type=Path), help="Also write a JUnit XML report here.")
+@shard_option
+@store_option
+@click.option("--from-shards", is_flag=True, help="Judge from the --shard jobs' runs in --store (after `store merge`); "
+                                                  "runs no model.")
 @quiet_option
-def golden_verify(name, directory, strict, output_format, as_json, junit_path, quiet, **kwargs) -> None:
+def golden_verify(name, directory, strict, output_format, as_json, junit_path, shard_text, store_path, from_shards,
+                  quiet, **kwargs) -> None:
     """Verify a candidate config against a golden: identical, drift, changed or incomparable.
 
-    Exit 0 identical or drift (1 with --strict), 1 changed, 2 incomparable or cannot compare.
+    Exit 0 identical or drift (1 with --strict), 1 changed, 2 incomparable or cannot compare. Under
+    torchrun the ranks split the prompts (or the model, --tensor-parallel N) and rank 0 reports.
 
     \b
     Example:
       evalrun golden verify smollm2-cpu -O3 --format markdown > comment.md
+      evalrun golden verify smollm2-cpu --shard 0/2 --store s0.db     # then --shard 1/2 --store s1.db
+      evalrun store merge all.db s0.db s1.db && evalrun golden verify smollm2-cpu --store all.db --from-shards
     """
     from . import verdict_report
+    from .distributed import broadcast_int
     from .golden import open_golden
-    from .verify import candidate_config, verify_golden
+    from .sharding import ShardStored, verify_sharded
+    from .verify import candidate_config
 
     writable_output(junit_path, "--junit")
-    opened = open_golden(name, directory)
-    verdict = verify_golden(opened, candidate_config(opened, *run_flags(kwargs)), strict, phase_progress(quiet))
+    opened, shard = open_golden(name, directory), parsed_shard(shard_text)
+    if from_shards and shard is not None:
+        raise click.UsageError("--from-shards judges the stored shards; drop --shard")
+    stored = from_shards or (shard is not None and not shard.whole)
+    store = open_store(store_path, readonly=from_shards) if stored and leader() else None
+    outcome = verify_sharded(opened, candidate_config(opened, *run_flags(kwargs)), strict,
+                             phase_progress(quiet or not leader()), shard, store, from_shards)
     chosen = chosen_format(output_format, as_json)
+    if isinstance(outcome, ShardStored):
+        click.echo(report.to_json(outcome.as_dict()) if chosen == "json" else
+                   f"golden {name} shard {outcome.shard}: {outcome.prompts} prompts run, stored in {outcome.store}\n"
+                   f"next: {outcome.next_steps}")
+        return
+    code = broadcast_int(outcome.exit_code if outcome is not None else 0)  # every rank exits as rank 0 does
+    if outcome is None:
+        if code:
+            raise Exit(code)
+        return
+    verdict = outcome
     click.echo(verdict_report.render(verdict, chosen))
     _github_outputs(verdict, name, chosen)
     if junit_path:

@@ -14,14 +14,20 @@ rank 0 alone writes.
 from __future__ import annotations
 
 import copy
+import dataclasses
 import tempfile
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable
 
 from . import distributed
 from .distributed import Shard
+from .errors import StoreError
+from .golden import Golden
+from .hashing import hash_value
 from .runner import Prepared, Run, _NullBar, execute, plan_batches, prepare, record
 from .store import PromptResult, Store
+from .verify import Verdict, VerifyRuns, _envelope_roles, _function_config, begin, compute_runs, judge_runs
 
 
 def active_shard(prepared_or_tp: int, requested: Shard | None) -> Shard:
@@ -140,3 +146,118 @@ def execute_sharded_run(config, store: Store | None, label: str | None = None,
         return join_runs(header, runs) if runs is not None else mine
 
     return record(store if here.leader else None, header, produce, label)
+
+
+# ---------------------------------------------------------------- evalrun golden verify, sharded
+
+VERIFY_PHASES = ("free", "forced", "function", "envelope")
+
+
+@dataclass
+class ShardStored:
+    """What a `--shard I/N` verify job did: its phase runs stored for the joining verify."""
+
+    golden: str
+    shard: str
+    prompts: int
+    store: str
+    run_ids: dict[str, str]
+    next_steps: str
+
+    def as_dict(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+
+def _phase_runs(runs: VerifyRuns) -> dict[str, dict[int, PromptResult]]:
+    return {phase: getattr(runs, phase) for phase in VERIFY_PHASES if getattr(runs, phase) is not None}
+
+
+def _as_run(header: dict[str, Any], results: dict[int, PromptResult]) -> Run:
+    ordered = [results[index] for index in sorted(results)]
+    return Run(header, ordered, {}, {}, [])
+
+
+def _join_verify_runs(parts: list[dict[str, Run]]) -> VerifyRuns:
+    """The shards' phase runs as one VerifyRuns over every prompt (a phase no shard ran stays None)."""
+    joined: dict[str, dict[int, PromptResult] | None] = {}
+    for phase in VERIFY_PHASES:
+        found = [part[phase].results for part in parts if phase in part]
+        joined[phase] = {r.prompt_index: r for r in join_results(found)} if found else None
+    return VerifyRuns(joined["free"] or {}, joined["forced"] or {}, joined["function"], joined["envelope"])
+
+
+def _shard_key(golden: Golden, header: dict[str, Any]) -> str:
+    """Names one verification's shards: the golden (its pinned run), the candidate config and environment."""
+    return hash_value([golden.run_id("pinned"), header["config_hash"], header["environment_hash"]])[:16]
+
+
+def verify_label(golden: Golden, header: dict[str, Any], phase: str) -> str:
+    return f"verify:{golden.name}:{_shard_key(golden, header)}:{phase}"
+
+
+def verify_sharded(golden: Golden, config, strict: bool = False, progress=None, shard: Shard | None = None,
+                   store: Store | None = None, from_shards: bool = False) -> "Verdict | ShardStored | None":
+    """`evalrun golden verify` split across shards. Under torchrun (tensor_parallel 1) each rank runs its
+    batches and rank 0 judges every prompt (the others return None); with --shard I/N the job stores its
+    phase runs; with `from_shards` the verdict is judged from the shards a store holds (after `store
+    merge`), running no model. Shards always run the function check's configs: a shard cannot know
+    whether another shard's prompts all stayed identical (when they do, the verdict ignores them)."""
+    here = distributed.world()
+    context = begin(golden, config, strict, progress)
+    if isinstance(context, Verdict):  # a gate: the same verdict on every shard
+        return context if here.leader else None
+    current = active_shard(context.candidate.config.tensor_parallel, shard)
+    if from_shards:
+        return judge_runs(context, _stored_shards(golden, context, store))
+    if current.whole:  # one process, or tensor-parallel ranks (each computes every prompt; rank 0 reports)
+        verdict = judge_runs(context, compute_runs(context))
+        return verdict if here.leader else None
+    only = shard_prompts(context.candidate, current)
+    runs = compute_runs(context, only, always=True) if only else VerifyRuns({}, {})
+    if here.distributed:
+        mine = {phase: _as_run(context.candidate.header, results) for phase, results in _phase_runs(runs).items()}
+        gathered = distributed.gather_bytes(runs_to_bytes([(phase, context.candidate.header, run)
+                                                           for phase, run in mine.items()]))
+        return None if gathered is None else judge_runs(context, _join_verify_runs([runs_from_bytes(data)
+                                                                                   for data in gathered]))
+    return _store_shard(golden, context, runs, current, store)
+
+
+def _store_shard(golden: Golden, context, runs: VerifyRuns, shard: Shard, store: Store | None) -> ShardStored:
+    assert store is not None, "a --shard verify stores its runs"
+    ids = {}
+    for phase, results in _phase_runs(runs).items():
+        header = shard_header(context.candidate.header, shard, set(results))
+        run = _as_run(header, results)
+        ids[phase] = record(store, header, lambda run=run: run, verify_label(golden, context.candidate.header, phase)
+                            ).run_id
+    return ShardStored(golden.name, shard.label(), len(runs.free), str(store.path), ids,
+                       f"when all {shard.count} shards are stored: evalrun store merge ALL.db SHARD.db ...; "
+                       f"evalrun golden verify {golden.name} --store ALL.db --from-shards (same options)")
+
+
+def _stored_shards(golden: Golden, context, store: Store | None) -> VerifyRuns:
+    """The phase runs the store holds for this verification (newest first per prompt), checked complete."""
+    assert store is not None, "--from-shards reads a store"
+    parts = []
+    for phase in VERIFY_PHASES:
+        label = verify_label(golden, context.candidate.header, phase)
+        records = [r for r in store.list_runs() if r.label == label and r.status == "complete"]
+        for record_ in records:
+            parts.append({phase: _as_run({}, {r.prompt_index: r for r in store.load_results(record_.id)})})
+    newest: dict[str, dict[int, PromptResult]] = {}
+    for part in parts:  # list_runs is newest first: the first result seen for a prompt wins
+        for phase, run in part.items():
+            for result in run.results:
+                newest.setdefault(phase, {}).setdefault(result.prompt_index, result)
+    wanted = {r.prompt_index for r in context.golden_results}
+    needed = ["free", "forced"]
+    needed += ["function"] if _function_config(context).compute_hash() != context.candidate.config.compute_hash() else []
+    needed += [] if _envelope_roles(context) else ["envelope"]
+    for phase in needed:
+        missing = wanted - set(newest.get(phase, {}))
+        if missing:
+            raise StoreError(f"{store.path} holds {len(wanted) - len(missing)} of {len(wanted)} prompts of golden "
+                             f"{golden.name}'s {phase} runs for this config and environment; run the missing "
+                             "`golden verify --shard I/N` jobs with the same options and merge their stores")
+    return VerifyRuns(newest["free"], newest["forced"], newest.get("function"), newest.get("envelope"))
