@@ -88,5 +88,6 @@ def shard(transformer: Transformer, rank: int, ranks: int, group: "torch.distrib
     transformer.layers = [shard_layer(w, heads, kv_heads, head_dim, rank, ranks) for w in transformer.layers]
     transformer.heads, transformer.kv_heads = heads // ranks, kv_heads // ranks
     transformer.reduce = all_reduce_sum(group)
-    transformer.tensor_parallel = (rank, ranks)
+    transformer.tensor_parallel = {"rank": rank, "ranks": ranks, "heads": heads // ranks, "kv_heads": kv_heads // ranks,
+                                   "intermediate": intermediate // ranks}
     return transformer
