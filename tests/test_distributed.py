@@ -22,7 +22,7 @@ import torch
 
 from evalrun.distributed import Shard, parse_shard, shard_batches
 from evalrun.engine.tensor_parallel import check_divisible, shard_columns, shard_gate_up, shard_qkv
-from evalrun.errors import ConfigError
+from evalrun.errors import ConfigError, StoreError
 from evalrun.store import Store
 from evalrun.store_merge import merge_stores
 
@@ -152,12 +152,15 @@ def test_sharded_verify_under_torchrun_gives_the_unsharded_verdict(golden_dir, s
     assert _without_timings(json.loads(done.stdout)) == _without_timings(single_verdict)
 
 
-def test_shard_jobs_merged_give_the_unsharded_results_and_verdict(tmp_path, golden_dir, single_verdict):
-    evalrun("run", *TINY, "--store", str(tmp_path / "one.db"))
+def test_shard_jobs_merged_give_the_unsharded_results_and_verdict(cli, tmp_path, golden_dir):
+    """--shard I/N jobs (in this process, like the unsharded reference), their stores merged."""
+    verify = ["golden", "verify", "tiny", *TINY, "--dir", str(golden_dir), "--json"]
+    assert cli("run", *TINY, "--store", str(tmp_path / "one.db"))[0] == 0
+    code, out, _ = cli(*verify)
+    unsharded = json.loads(out)
     for index in range(2):
-        evalrun("run", *TINY, "--store", str(tmp_path / f"run{index}.db"), "--shard", f"{index}/2")
-        evalrun("golden", "verify", "tiny", *TINY, "--dir", str(golden_dir), "--shard", f"{index}/2", "--store",
-                str(tmp_path / f"verify{index}.db"))
+        assert cli("run", *TINY, "--store", str(tmp_path / f"run{index}.db"), "--shard", f"{index}/2")[0] == 0
+        assert cli(*verify, "--shard", f"{index}/2", "--store", str(tmp_path / f"verify{index}.db"))[0] == 0
     parts = [tmp_path / name for name in ("run0.db", "run1.db", "verify0.db", "verify1.db")]
     first = merge_stores(tmp_path / "all.db", parts)
     again = merge_stores(tmp_path / "all.db", parts)
@@ -166,26 +169,19 @@ def test_shard_jobs_merged_give_the_unsharded_results_and_verdict(tmp_path, gold
     run_shards = tmp_path / "runs.db"
     merge_stores(run_shards, parts[:2])
     assert stored(run_shards) == stored(tmp_path / "one.db")
-    done = evalrun("golden", "verify", "tiny", *TINY, "--dir", str(golden_dir), "--store", str(tmp_path / "all.db"),
-                   "--from-shards", "--json")
-    assert _without_timings(json.loads(done.stdout)) == _without_timings(single_verdict)
+    code, out, _ = cli(*verify, "--store", str(tmp_path / "all.db"), "--from-shards")
+    assert code == 0 and _without_timings(json.loads(out)) == _without_timings(unsharded)
+    code, _, err = cli(*verify, "--store", str(tmp_path / "verify0.db"), "--from-shards")  # a shard missing
+    assert code == 2 and "run the missing `golden verify --shard I/N` jobs" in err
 
 
-def test_from_shards_with_a_shard_missing_is_refused(tmp_path, golden_dir):
-    evalrun("golden", "verify", "tiny", *TINY, "--dir", str(golden_dir), "--shard", "0/2", "--store",
-            str(tmp_path / "half.db"))
-    done = evalrun("golden", "verify", "tiny", *TINY, "--dir", str(golden_dir), "--store", str(tmp_path / "half.db"),
-                   "--from-shards", check=False)
-    assert done.returncode == 2 and "run the missing `golden verify --shard I/N` jobs" in done.stderr
-
-
-def test_merge_refuses_a_run_id_with_other_content(tmp_path):
-    evalrun("run", *TINY, "--store", str(tmp_path / "a.db"))
+def test_merge_refuses_a_run_id_with_other_content(cli, tmp_path):
+    assert cli("run", *TINY, "--store", str(tmp_path / "a.db"))[0] == 0
     merge_stores(tmp_path / "out.db", [tmp_path / "a.db"])
     db = Store(tmp_path / "a.db")
     db.db.execute("UPDATE runs SET label = 'edited'")
     db.close()
-    with pytest.raises(Exception, match="differs between"):
+    with pytest.raises(StoreError, match="differs between"):
         merge_stores(tmp_path / "out.db", [tmp_path / "a.db"])
 
 
