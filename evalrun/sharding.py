@@ -14,6 +14,7 @@ rank 0 alone writes.
 from __future__ import annotations
 
 import copy
+import json
 import dataclasses
 import tempfile
 from dataclasses import dataclass
@@ -140,6 +141,10 @@ def execute_sharded_run(config, store: Store | None, label: str | None = None,
         bar = progress_factory(total) if progress_factory and here.leader else None
         with (bar if bar is not None else _NullBar()) as active:
             mine = execute(prepared, progress=active.update, only=only) if only != set() else empty_run(header)
+        if here.distributed and not joined_by_ranks:  # tensor parallel: each rank's peak memory on rank 0
+            peaks = distributed.gather_bytes(json.dumps(mine.timings.get("peak_memory")).encode())
+            if peaks is not None:
+                mine.timings["ranks_peak_memory"] = [json.loads(peak) for peak in peaks]
         if not joined_by_ranks:
             return mine
         runs = gather_runs("shard", header, mine)
