@@ -21,12 +21,12 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable
 
-from . import distributed
+from . import distributed, runner
 from .distributed import Shard
 from .errors import StoreError
 from .golden import Golden
 from .hashing import hash_value
-from .runner import Prepared, Run, _NullBar, execute, plan_batches, prepare, record
+from .runner import Prepared, Run, _NullBar, plan_batches, record
 from .store import PromptResult, Store
 from .verify import Verdict, VerifyRuns, _envelope_roles, _function_config, begin, compute_runs, judge_runs
 
@@ -130,7 +130,7 @@ def execute_sharded_run(config, store: Store | None, label: str | None = None,
                         progress_factory: Callable[[int], Any] | None = None, shard: Shard | None = None) -> Run:
     """`evalrun run` on this process's shard: under torchrun rank 0 stores the joined run (the others
     return theirs, unstored); with --shard the job stores its part, marked as such."""
-    prepared = prepare(config)
+    prepared = runner.prepare(config)  # through the module: tests replace its functions
     here, current = distributed.world(), active_shard(prepared.config.tensor_parallel, shard)
     only = shard_prompts(prepared, current)
     joined_by_ranks = here.distributed and prepared.config.tensor_parallel == 1
@@ -140,7 +140,7 @@ def execute_sharded_run(config, store: Store | None, label: str | None = None,
         total = len(only) if only is not None else len(prepared.prompt_set.records)
         bar = progress_factory(total) if progress_factory and here.leader else None
         with (bar if bar is not None else _NullBar()) as active:
-            mine = execute(prepared, progress=active.update, only=only) if only != set() else empty_run(header)
+            mine = runner.execute(prepared, progress=active.update, only=only) if only != set() else empty_run(header)
         if here.distributed and not joined_by_ranks:  # tensor parallel: each rank's peak memory on rank 0
             peaks = distributed.gather_bytes(json.dumps(mine.timings.get("peak_memory")).encode())
             if peaks is not None:
