@@ -31,7 +31,7 @@ from typing import Any, Callable
 import numpy as np
 import xxhash
 
-from . import __version__
+from . import __version__, distributed
 from .config import CompilationMode, CUDAGraphMode, EffectiveConfig, RunConfig, resolve
 from .errors import ConfigError, GoldenError, OutputError, StoreError
 from .runner import Prepared, Probes, Run, execute, prepare, record
@@ -387,8 +387,9 @@ def check_writable_folder(directory: str | Path) -> None:
 
 def create_golden(name: str, config: RunConfig, directory: str | Path = DEFAULT_DIR, force: bool = False,
                   progress: Callable[[str, int], Any] | None = None, hook: Hook | None = None,
-                  cuda_available: bool | None = None) -> Golden:
-    """Make every run of a golden and write `directory/NAME.db` atomically; returns the opened golden."""
+                  cuda_available: bool | None = None) -> Golden | None:
+    """Make every run of a golden and write `directory/NAME.db` atomically; returns the opened golden
+    (None on torchrun ranks other than 0, which compute their share and write nothing)."""
     import torch
 
     path = golden_path(name, directory)
@@ -397,6 +398,8 @@ def create_golden(name: str, config: RunConfig, directory: str | Path = DEFAULT_
     check_writable_folder(directory)
     request = pinned_request(config, torch.cuda.is_available() if cuda_available is None else cuda_available)
     created = make_runs(request, progress, hook)
+    if not distributed.world().leader:  # tensor parallel under torchrun: every rank computed, rank 0 writes
+        return None
     write_golden(path, created, request)
     return open_golden(name, directory)
 
