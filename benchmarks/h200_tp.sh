@@ -4,7 +4,7 @@
 # then poll /root/tp/stages.txt in later calls (`stage done` ends it) and copy /root/tp to $OUT;
 # /root/tp/h200-tp.json is the summary (commit it as benchmarks/results/h200-tp.json).
 #
-# random:llama3-8b, bfloat16, smoke prompts, 64 new tokens (the golden: default prompts, 32 tokens):
+# random:llama3-8b, bfloat16, smoke prompts, 64 new tokens (the golden: default prompts, 16 tokens):
 #   1  side by side: GPU 0 runs TP=1 at -O0 then -O2; GPU 1 creates the TP=1 golden (-O0, 17 prompts)
 #   2  both GPUs: TP=2 at -O0 (torchrun), `golden verify` of TP=2 against the TP=1 golden, TP=2 at -O2
 #   3  the same verify at TP=1 on one GPU, then split across the 2 GPUs by torchrun (data parallel):
@@ -22,7 +22,7 @@ stage() { echo "$(date +%T) +$(( $(date +%s) - START ))s $1" >> "$RES/stages.txt
 left() { local s=$(( START + DEADLINE_S - $(date +%s) )); [ "$s" -gt 1 ] && echo "$s" || echo 1; }
 MODEL=${TP_MODEL:-"--model random:llama3-8b --dtype bfloat16 --device cuda"}  # TP_MODEL: a dry run elsewhere
 RUN="$MODEL --prompts smoke --max-new-tokens 64 --json --quiet"
-GOLD="$MODEL --prompts ${TP_GOLD_PROMPTS:-default} --max-new-tokens 32"
+GOLD="$MODEL --prompts ${TP_GOLD_PROMPTS:-default} --max-new-tokens 16"
 TORCHRUN="python3 -m torch.distributed.run --standalone --nproc-per-node 2 -m evalrun"
 # step NAME COMMAND...: stdout to NAME.json, stderr to NAME.err, wall seconds and exit code to NAME.time
 step() {

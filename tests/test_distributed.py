@@ -222,3 +222,17 @@ def test_killing_one_rank_leaves_the_store_consistent_and_the_run_interrupted(tm
     assert check["ok"], check["problems"]
     assert check["interrupted"] == [record.id] and record.status in ("interrupted", "running")
     assert db.db.execute("SELECT count(*) FROM results").fetchone()[0] == 0  # nothing half-written
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs 2 GPUs")
+@pytest.mark.parametrize("level", ["-O0", "-O2"])
+def test_tensor_parallel_on_two_gpus_with_nccl(tmp_path, level):
+    """nccl, compiled pieces with the all-reduce inside them and (-O2) CUDA graphs around them: the run
+    completes, rank 0 stores it, and its evidence names any fallback (not run here: CPU only)."""
+    store = tmp_path / "gpu.db"
+    done = evalrun("run", *TINY, "--device", "cuda", "--dtype", "bfloat16", level, "--tensor-parallel", "2",
+                   "--strict-config", "--store", str(store), "--json", ranks=2)
+    run = json.loads(done.stdout)
+    assert run["evidence"]["tensor_parallel"]["ranks"] == 2 and run["evidence"]["fallbacks"] == []
+    assert len(run["timings"]["ranks_peak_memory"]) == 2
