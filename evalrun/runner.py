@@ -56,12 +56,14 @@ class Prepared:
 
     def execution_mode(self) -> ExecutionMode:
         if self.mode is None:
-            transformer = Transformer(self.loaded.model, self.config.attn_implementation)
             if self.config.tensor_parallel > 1:  # this rank's share of the projections (config.validate checked the world)
-                from .engine.tensor_parallel import shard
+                from .engine.tensor_parallel import sharded_transformer
 
                 here = distributed.world()
-                shard(transformer, here.rank, here.size, distributed.model_group())
+                transformer = sharded_transformer(self.loaded.model, self.config.attn_implementation, here.rank,
+                                                  here.size, distributed.model_group())
+            else:
+                transformer = Transformer(self.loaded.model, self.config.attn_implementation)
             self.mode = build_execution_mode(transformer, self.config)
         return self.mode
 
@@ -108,7 +110,7 @@ def build_header(config: EffectiveConfig, applied: dict[str, Any], loaded: Loade
 
 def shares_model(config: EffectiveConfig, other: Prepared) -> bool:
     """Whether `other`'s loaded model and prompt set serve `config` too (what `prepare(reuse=...)` shares)."""
-    keys = ("model", "device", "dtype", "attn_implementation", "prompts")
+    keys = ("model", "device", "dtype", "attn_implementation", "prompts", "tensor_parallel")  # TP: weights split
     return all(getattr(config, k) == getattr(other.config, k) for k in keys)
 
 

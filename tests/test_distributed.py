@@ -93,6 +93,23 @@ def test_column_and_row_shards_recompose_the_full_projections():
     assert torch.allclose(partial, y @ down.T, rtol=0, atol=1e-12)
 
 
+def test_a_split_model_releases_its_whole_projections_and_is_built_once():
+    from evalrun.engine.tensor_parallel import sharded_transformer
+    from evalrun.models import load_model
+
+    model = load_model("random:tiny", "cpu", "float32", "sdpa").model
+    parameters = sum(p.numel() for p in model.parameters())
+    split = sharded_transformer(model, "sdpa", 1, 2, group=None)
+    assert sharded_transformer(model, "sdpa", 1, 2, group=None) is split
+    layer = model.model.layers[0]
+    projections = [layer.self_attn.q_proj, layer.self_attn.o_proj, layer.mlp.gate_proj, layer.mlp.down_proj]
+    assert all(p.weight.stride() == (0, 0) and not p.weight.any() for p in projections)  # released
+    assert model.model.embed_tokens.weight.stride() != (0, 0) and layer.input_layernorm.weight.any()
+    assert sum(p.numel() for p in model.parameters()) == parameters  # the identity's count is unchanged
+    assert (split.heads, split.kv_heads, split.layers[0].qkv.shape, split.layers[0].down.shape) == (2, 1, (64, 64),
+                                                                                                    (64, 64))
+
+
 def test_sizes_the_ranks_do_not_divide_are_refused_with_one_line():
     with pytest.raises(ConfigError, match="does not divide the model's 4 attention heads"):
         check_divisible(4, 2, 128, 3)

@@ -10,7 +10,9 @@ Per layer, on rank r of W ranks (H query heads, G key/value heads, D head dim, I
   down     row-wise: its slice of the intermediate columns; all-reduce, bias once
 The KV cache holds only the rank's key/value heads. Embedding, norms and lm_head stay replicated: every
 rank computes the same full logits from the same reduced hidden state, so capture happens on any rank
-(rank 0 records) with no gather.
+(rank 0 records) with no gather. The model's whole projections are released once split (a rank holds
+its shards, not the model twice); the sharded forward is built once per loaded model and shared by
+every config of the same tensor-parallel size that shares the model (runner.shares_model).
 
 The reduce is `torch.distributed._functional_collectives.all_reduce`, which Dynamo traces: trace-once,
 stock and piecewise compile it with the pieces around it.
@@ -18,6 +20,7 @@ stock and piecewise compile it with the pieces around it.
 
 from __future__ import annotations
 
+import weakref
 from typing import Callable
 
 import torch
@@ -61,8 +64,7 @@ def shard_columns(matrix: torch.Tensor, rank: int, ranks: int) -> torch.Tensor:
 
 
 def shard_layer(w: LayerWeights, heads: int, kv_heads: int, head_dim: int, rank: int, ranks: int) -> LayerWeights:
-    """One layer's weights as rank `rank` of `ranks` holds them (new tensors: the model's stay whole, so
-    a replicated config in the same process, the function check's, can share the loaded model)."""
+    """One layer's weights as rank `rank` of `ranks` holds them (new tensors)."""
     qkv = lambda t: None if t is None else shard_qkv(t, heads, kv_heads, head_dim, rank, ranks)  # noqa: E731
     gate_up = lambda t: None if t is None else shard_gate_up(t, rank, ranks)  # noqa: E731
     return LayerWeights(w.input_norm, qkv(w.qkv), shard_columns(w.o, rank, ranks), w.post_norm, gate_up(w.gate_up),
@@ -78,6 +80,41 @@ def all_reduce_sum(group: "torch.distributed.ProcessGroup") -> Callable[[torch.T
         return funcol.all_reduce(x, "sum", group)
 
     return reduce
+
+
+def release(model: torch.nn.Module, layers: list[LayerWeights]) -> None:
+    """Free the whole projections of `layers`: each parameter of `model` sharing their storage becomes a
+    zero-stride view of one zero (same shape and element count, so the model identity's parameter
+    count stays; its weight hash was taken at load). Family-agnostic: found by address, not by name.
+    The memory returns once nothing else holds it (the pre-split layers are dropped by `shard`)."""
+    spans = [_span(t) for w in layers for t in (w.qkv, w.o, w.gate_up, w.down)]
+    for parameter in model.parameters():
+        start, end = _span(parameter)
+        if any(low <= start and end <= high for low, high in spans):  # inside a whole projection, nothing else
+            parameter.data = torch.zeros((), dtype=parameter.dtype, device=parameter.device).expand(parameter.shape)
+
+
+def _span(tensor: torch.Tensor) -> tuple[int, int]:
+    """The bytes a contiguous tensor covers: [first, last)."""
+    return tensor.data_ptr(), tensor.data_ptr() + tensor.numel() * tensor.element_size()
+
+
+_SHARDED: "weakref.WeakKeyDictionary[torch.nn.Module, Transformer]" = weakref.WeakKeyDictionary()
+
+
+def sharded_transformer(model: torch.nn.Module, attn_implementation: str, rank: int, ranks: int,
+                        group: "torch.distributed.ProcessGroup") -> Transformer:
+    """Rank `rank`'s forward of a `ranks`-way split of `model`, built once per loaded model (its whole
+    projections are released after the split, so a second build could not read them)."""
+    if model not in _SHARDED:
+        transformer = Transformer(model, attn_implementation)
+        whole = transformer.layers
+        _SHARDED[model] = shard(transformer, rank, ranks, group)
+        release(model, whole)
+    transformer = _SHARDED[model]
+    assert (transformer.attn_implementation, transformer.tensor_parallel["ranks"]) == (attn_implementation, ranks), \
+        "a sharded model shared with another attention implementation or tensor-parallel size"
+    return transformer
 
 
 def shard(transformer: Transformer, rank: int, ranks: int, group: "torch.distributed.ProcessGroup") -> Transformer:
