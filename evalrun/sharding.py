@@ -31,11 +31,11 @@ from .store import PromptResult, Store
 from .verify import Verdict, VerifyRuns, _envelope_roles, _function_config, begin, compute_runs, judge_runs
 
 
-def active_shard(prepared_or_tp: int, requested: Shard | None) -> Shard:
+def active_shard(tensor_parallel: int, requested: Shard | None) -> Shard:
     """The shard this process runs: its rank under a data-parallel torchrun world, else --shard, else all."""
     here = distributed.world()
-    distributed.check_world(prepared_or_tp, requested)
-    if here.distributed and prepared_or_tp == 1:
+    distributed.check_world(tensor_parallel, requested)
+    if here.distributed and tensor_parallel == 1:
         return Shard(here.rank, here.size)
     return requested or Shard()
 
@@ -80,9 +80,9 @@ def runs_from_bytes(data: bytes) -> dict[str, Run]:
         path.write_bytes(data)
         store = Store(path, readonly=True)
         runs = {}
-        for record in store.list_runs():
-            runs[record.label or ""] = Run({}, store.load_results(record.id), record.json.get("timings") or {},
-                                           record.json.get("evidence") or {}, record.json.get("batches") or [])
+        for stored in store.list_runs():
+            runs[stored.label or ""] = Run({}, store.load_results(stored.id), stored.json.get("timings") or {},
+                                           stored.json.get("evidence") or {}, stored.json.get("batches") or [])
         store.close()
         return runs
 
@@ -244,17 +244,13 @@ def _store_shard(golden: Golden, context, runs: VerifyRuns, shard: Shard, store:
 def _stored_shards(golden: Golden, context, store: Store | None) -> VerifyRuns:
     """The phase runs the store holds for this verification (newest first per prompt), checked complete."""
     assert store is not None, "--from-shards reads a store"
-    parts = []
+    newest: dict[str, dict[int, PromptResult]] = {}
     for phase in VERIFY_PHASES:
         label = verify_label(golden, context.candidate.header, phase)
-        records = [r for r in store.list_runs() if r.label == label and r.status == "complete"]
-        for record_ in records:
-            parts.append({phase: _as_run({}, {r.prompt_index: r for r in store.load_results(record_.id)})})
-    newest: dict[str, dict[int, PromptResult]] = {}
-    for part in parts:  # list_runs is newest first: the first result seen for a prompt wins
-        for phase, run in part.items():
-            for result in run.results:
-                newest.setdefault(phase, {}).setdefault(result.prompt_index, result)
+        for stored in store.list_runs():  # newest first: the first result seen for a prompt wins
+            if stored.label == label and stored.status == "complete":
+                for result in store.load_results(stored.id):
+                    newest.setdefault(phase, {}).setdefault(result.prompt_index, result)
     wanted = {r.prompt_index for r in context.golden_results}
     needed = ["free", "forced"]
     needed += ["function"] if _function_config(context).compute_hash() != context.candidate.config.compute_hash() else []
