@@ -162,6 +162,23 @@ def gather_bytes(data: bytes) -> list[bytes] | None:
     return [bytes(chunk[:int(s.item())].numpy().tobytes()) for chunk, s in zip(chunks, sizes)]
 
 
+def any_rank(flag: bool) -> bool:
+    """Whether `flag` is true on any rank (every rank must call it)."""
+    here = world()
+    if not here.distributed:
+        return flag
+    import torch
+    import torch.distributed as dist
+
+    tensor = torch.tensor([int(flag)], dtype=torch.int64)
+    try:
+        dist.all_reduce(tensor, op=dist.ReduceOp.MAX, group=_STATE["bytes_group"])
+    except (RuntimeError, dist.DistBackendError) as error:
+        raise RankInterrupted(f"rank {here.rank} of {here.size}: another rank is gone "
+                              f"({str(error).splitlines()[0][:200]})") from None
+    return bool(tensor.item())
+
+
 def broadcast_int(value: int) -> int:
     """Rank 0's `value` on every rank (the verdict's exit code, so every rank exits alike)."""
     here = world()

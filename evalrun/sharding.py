@@ -205,8 +205,9 @@ def verify_sharded(golden: Golden, config, strict: bool = False, progress=None, 
     """`evalrun golden verify` split across shards. Under torchrun (tensor_parallel 1) each rank runs its
     batches and rank 0 judges every prompt (the others return None); with --shard I/N the job stores its
     phase runs; with `from_shards` the verdict is judged from the shards a store holds (after `store
-    merge`), running no model. Shards always run the function check's configs: a shard cannot know
-    whether another shard's prompts all stayed identical (when they do, the verdict ignores them)."""
+    merge`), running no model. Ranks run the function check's configs when a prompt of any rank differs;
+    a --shard job always runs them (it cannot know whether the other jobs' prompts stayed identical; when
+    all did, the verdict ignores them)."""
     here = distributed.world()
     context = begin(golden, config, strict, progress)
     if isinstance(context, Verdict):  # a gate: the same verdict on every shard
@@ -218,7 +219,9 @@ def verify_sharded(golden: Golden, config, strict: bool = False, progress=None, 
         verdict = judge_runs(context, compute_runs(context))
         return verdict if here.leader else None
     only = shard_prompts(context.candidate, current)
-    runs = compute_runs(context, only, always=True) if only else VerifyRuns({}, {})
+    # torchrun ranks agree whether any prompt anywhere differs; a --shard job cannot ask, so it always checks
+    needed = (lambda identical: distributed.any_rank(not identical)) if here.distributed else (lambda _: True)
+    runs = compute_runs(context, only, needed) if only else _no_prompts(needed)
     if here.distributed:
         mine = {phase: _as_run(context.candidate.header, results) for phase, results in _phase_runs(runs).items()}
         gathered = distributed.gather_bytes(runs_to_bytes([(phase, context.candidate.header, run)
@@ -226,6 +229,12 @@ def verify_sharded(golden: Golden, config, strict: bool = False, progress=None, 
         return None if gathered is None else judge_runs(context, _join_verify_runs([runs_from_bytes(data)
                                                                                    for data in gathered]))
     return _store_shard(golden, context, runs, current, store)
+
+
+def _no_prompts(checks_needed) -> VerifyRuns:
+    """A shard without a batch (more shards than batches) still takes part in the ranks' agreement."""
+    checks_needed(True)
+    return VerifyRuns({}, {})
 
 
 def _store_shard(golden: Golden, context, runs: VerifyRuns, shard: Shard, store: Store | None) -> ShardStored:

@@ -301,10 +301,12 @@ class VerifyRuns:
     envelope: dict[int, PromptResult] | None = None
 
 
-def compute_runs(context: Context, only: set[int] | None = None, always: bool = False) -> VerifyRuns:
-    """Run the candidate free, then (unless every prompt is identical, or `always`) the forced re-runs, the
-    function config and, where the golden has no envelope of the candidate's dtype, the reference here;
-    each over the batches holding a prompt of `only` (all prompts when None)."""
+def compute_runs(context: Context, only: set[int] | None = None,
+                 checks_needed: Callable[[bool], bool] = lambda identical: not identical) -> VerifyRuns:
+    """Run the candidate free, then (when `checks_needed(every prompt here identical)`: by default when
+    one is not) the forced re-runs, the function config and, where the golden has no envelope of the
+    candidate's dtype, the reference here; each over the batches holding a prompt of `only` (all when
+    None). A shard's `checks_needed` asks the other shards too (sharding.py)."""
     candidate = context.candidate
     free = context.ran("candidate", execute(candidate, probes=context.probes(), only=only,
                                             progress=context.tick("candidate", candidate)))
@@ -312,7 +314,7 @@ def compute_runs(context: Context, only: set[int] | None = None, always: bool = 
     runs = VerifyRuns(free.by_index(), free.by_index())
     mine = [r for r in context.golden_results if r.prompt_index in runs.free]
     prompts = _free_verdicts(mine, [runs.free[r.prompt_index] for r in mine])
-    if all(p.verdict == "identical" for p in prompts) and not always:
+    if not checks_needed(all(p.verdict == "identical" for p in prompts)):
         return runs
     runs.forced = _forced_results(context, free, prompts, mine)
     if _function_config(context).compute_hash() != candidate.config.compute_hash():

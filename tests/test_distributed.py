@@ -164,8 +164,20 @@ def test_sharded_run_under_torchrun_stores_the_unsharded_results(tmp_path):
 
 
 def test_sharded_verify_under_torchrun_gives_the_unsharded_verdict(golden_dir, single_verdict):
+    """Identical (the golden's environment): the ranks agree that no check needs to run."""
     done = evalrun("golden", "verify", "tiny", *TINY, "--dir", str(golden_dir), "--json", ranks=2)
+    assert single_verdict["verdict"] == "identical"
     assert _without_timings(json.loads(done.stdout)) == _without_timings(single_verdict)
+
+
+def test_sharded_verify_of_drift_with_two_prompt_batches_gives_the_unsharded_verdict(golden_dir):
+    """Batches of 2 (3 prompts: rank 0 runs a batch of two, rank 1 one of one): drift, so every rank runs the
+    forced and function runs of its batches, and rank 0 judges them all."""
+    args = ["golden", "verify", "tiny", *TINY, "--dir", str(golden_dir), "--batch-size", "2", "--json"]
+    single = json.loads(evalrun(*args).stdout)
+    sharded = json.loads(evalrun(*args, ranks=2).stdout)
+    assert single["verdict"] == "drift" and "function_s" in single["timings"]
+    assert _without_timings(sharded) == _without_timings(single)
 
 
 def test_shard_jobs_merged_give_the_unsharded_results_and_verdict(cli, tmp_path, golden_dir):
