@@ -330,14 +330,9 @@ def golden_create(name, directory, force, output_format, as_json, quiet, **kwarg
     Example:
       evalrun golden create smollm2-cpu --config debug
     """
-    from .distributed import world
     from .golden import create_golden
 
-    config = config_from(kwargs)
-    if world().distributed and config.tensor_parallel == 1:
-        raise Exit(EXIT_UNUSABLE, "evalrun: error: golden create is not split across torchrun ranks; run it in one "
-                                  "process, or with --tensor-parallel N under torchrun")
-    created = create_golden(name, config, directory, force, phase_progress(quiet or not leader()))
+    created = create_golden(name, config_from(kwargs), directory, force, phase_progress(quiet or not leader()))
     if created is None:
         return
     summary = created.summary()

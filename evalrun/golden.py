@@ -392,6 +392,9 @@ def create_golden(name: str, config: RunConfig, directory: str | Path = DEFAULT_
     (None on torchrun ranks other than 0, which compute their share and write nothing)."""
     import torch
 
+    if distributed.world().distributed and config.tensor_parallel == 1:
+        raise ConfigError("golden create is not split across torchrun ranks; run it in one process, or with "
+                          "--tensor-parallel N under torchrun")
     path = golden_path(name, directory)
     if path.exists() and not force:
         raise GoldenError(f"golden {path} exists; pass --force to overwrite it")
