@@ -250,6 +250,7 @@ def test_killing_one_rank_leaves_the_store_consistent_and_the_run_interrupted(tm
     assert check["ok"], check["problems"]
     assert check["interrupted"] == [record.id] and record.status in ("interrupted", "running")
     assert db.db.execute("SELECT count(*) FROM results").fetchone()[0] == 0  # nothing half-written
+    print(f"after the kill: status {record.status}, error {record.error!r}")
 
 
 @pytest.mark.gpu
