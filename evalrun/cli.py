@@ -22,7 +22,7 @@ from .config import build_config, parse_opt_level
 from .errors import EXIT_CHANGED, EXIT_INTERNAL, EXIT_UNUSABLE, EvalrunError, OutputError
 from .store import Store, default_store_path
 
-RUN_FLAG_NAMES = ("model", "prompts", "engine", "tensor_parallel", "opt_level", "compilation_mode", "cudagraph_mode", "dtype", "device",
+RUN_FLAG_NAMES = ("model", "prompts", "engine", "served_model", "tensor_parallel", "opt_level", "compilation_mode", "cudagraph_mode", "dtype", "device",
                   "max_new_tokens", "batch_size", "deterministic", "strict_config", "keep_logits")
 
 
@@ -41,6 +41,7 @@ def run_options(command: Callable) -> Callable:
         click.option("--model", help="smollm2-135m (default), random:tiny, random:smollm2, random:llama3-8b, DIR, FILE.gguf."),
         click.option("--prompts", metavar="FILE.jsonl", help="Prompt set: default, smoke, or a JSONL file."),
         click.option("--engine", metavar="E", help="evalrun (default) | transformers | openai:http://HOST:PORT/v1."),
+        click.option("--served-model", metavar="NAME", help="With --engine openai:URL: the served model's name."),
         click.option("--tensor-parallel", type=int, metavar="N", help="Split the model across N ranks (torchrun)."),
         click.option("-O", "--opt-level", "opt_level", metavar="N", help="Optimization level 0-3."),
         click.option("--compilation-mode", metavar="M", help="none|stock|trace-once|piecewise (or vLLM names)."),

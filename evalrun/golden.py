@@ -327,6 +327,7 @@ class CreatedRuns:
 
     runs: dict[str, Run]
     seconds: dict[str, float]
+    meta: dict[str, Any] = field(default_factory=dict)  # more keys for the golden table (a server golden's)
 
 
 def _forced_probed(prepared: Prepared, tokens: dict[int, np.ndarray], probes: Probes, progress, role: str) -> Run:
@@ -335,6 +336,9 @@ def _forced_probed(prepared: Prepared, tokens: dict[int, np.ndarray], probes: Pr
 
 def make_runs(config: RunConfig, progress=None, hook: Hook | None = None) -> CreatedRuns:
     """Run pinned, oracle, the envelope members and the function run (each distinct config once)."""
+    if str(config.engine).startswith("openai:"):  # a server: server_golden makes its runs
+        from .server_golden import make_server_runs
+        return make_server_runs(config, progress, hook)
     seconds: dict[str, float] = {}
     started = time.perf_counter()
     pinned = prepare(config)
@@ -418,7 +422,7 @@ def write_golden(path: Path, created: CreatedRuns, request: RunConfig) -> None:
         meta = {"format": GOLDEN_FORMAT, "name": path.stem, "created_at": store.get_run(roles["pinned"]).created_at,
                 "roles": roles, "requested_config": dataclasses.asdict(request), "evalrun_version": __version__,
                 "create_seconds": created.seconds,
-                "probes": {"own_topk": PROBE_TOPK, "sample": PROBE_SAMPLE, "seed": PROBE_SEED}}
+                "probes": {"own_topk": PROBE_TOPK, "sample": PROBE_SAMPLE, "seed": PROBE_SEED}, **created.meta}
         with store.transaction() as conn:
             conn.execute("CREATE TABLE golden (key TEXT PRIMARY KEY, value TEXT)")
             conn.executemany("INSERT INTO golden VALUES (?, ?)", [(k, json.dumps(v, sort_keys=True)) for k, v in meta.items()])

@@ -318,6 +318,11 @@ def record(store: Store | None, header: dict[str, Any], produce: Callable[[], Ru
 def execute_run(config: RunConfig | EffectiveConfig, store: Store | None, label: str | None = None,
                 progress_factory: Callable[[int], Any] | None = None, prepared: Prepared | None = None) -> Run:
     """`evalrun run`: prepare, execute with a progress bar, record in the store."""
+    if str(config.engine).startswith("openai:"):  # a server computes: server_run runs it
+        from .server_run import execute_server, prepare_server
+        server = prepare_server(config)
+        return record(store, server.header, lambda: _with_bar(progress_factory, len(server.prompt_set.records),
+                                                               lambda update: execute_server(server, update)), label)
     prepared = prepared or prepare(config)
 
     def produce() -> Run:
@@ -326,6 +331,12 @@ def execute_run(config: RunConfig | EffectiveConfig, store: Store | None, label:
             return execute(prepared, progress=active.update)
 
     return record(store, prepared.header, produce, label)
+
+
+def _with_bar(progress_factory, total: int, work: Callable[[Progress], Run]) -> Run:
+    bar = progress_factory(total) if progress_factory else None
+    with (bar if bar is not None else _NullBar()) as active:
+        return work(active.update)
 
 
 class _NullBar:
