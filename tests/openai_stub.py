@@ -33,7 +33,7 @@ class StubServer:
         self.behaviour, self.served, self.delay = behaviour, served, delay
         self.calls = 0
         self.lock = threading.Lock()
-        self.httpd = ThreadingHTTPServer(("127.0.0.1", 0), _handler(self))
+        self.httpd = _QuietServer(("127.0.0.1", 0), _handler(self))
         self.httpd.daemon_threads = True
         self.thread = threading.Thread(target=self.httpd.serve_forever, daemon=True)
         self.thread.start()
@@ -82,6 +82,11 @@ class StubServer:
                              "logprobs": {"tokens": tokens, "token_logprobs": chosen, "top_logprobs": tops,
                                           "text_offset": [0] * len(tokens)}}],
                 "usage": {"prompt_tokens": len(ids), "completion_tokens": len(generated)}}
+
+
+class _QuietServer(ThreadingHTTPServer):
+    def handle_error(self, request, client_address) -> None:
+        """A client that gave up (timeout) leaves a broken pipe: expected here, not printed."""
 
 
 def _handler(stub: StubServer):

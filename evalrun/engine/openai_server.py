@@ -51,7 +51,7 @@ class OpenAIClient:
     """`base_url` ends in /v1 (as users write it); `model` is the served model's name ('' = the only one)."""
 
     def __init__(self, base_url: str, model: str = "", timeout: float = 60.0, retries: int = 2,
-                 backoff: float = 0.5) -> None:
+                 backoff: float = 0.25) -> None:
         self.base_url, self.model = base_url.rstrip("/"), model
         self.timeout, self.retries, self.backoff = timeout, retries, backoff
         self.token_ids_accepted: bool | None = None  # learnt on the first completion

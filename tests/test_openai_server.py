@@ -1,0 +1,161 @@
+"""--engine openai:URL against a local stub server (tests/openai_stub.py): verdicts, and every misbehaviour
+ending in one line, exit 2, nothing stored as complete."""
+
+from __future__ import annotations
+
+import socket
+import sqlite3
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from evalrun.config import build_config
+from evalrun.engine.openai_server import OpenAIClient, TokenIndex, parse_completion
+from evalrun.errors import ServerError
+from evalrun.golden import create_golden, open_golden
+from evalrun.models import byte_tokenizer
+from openai_stub import StubServer
+
+LOCAL = ["--model", "random:tiny", "--prompts", "smoke", "--max-new-tokens", "5"]
+
+
+@pytest.fixture(scope="module")
+def stub():
+    server = StubServer()
+    yield server
+    server.close()
+
+
+@pytest.fixture(scope="module")
+def server_golden(stub, tmp_path_factory) -> Path:
+    """A golden made from the well-behaved stub."""
+    directory = tmp_path_factory.mktemp("golden")
+    config = build_config(flags={"model": "random:tiny", "prompts": "smoke", "max_new_tokens": 5,
+                                 "engine": f"openai:{stub.url}"})
+    create_golden("served", config, directory, cuda_available=False)
+    return directory
+
+
+@pytest.fixture
+def behaving(stub):
+    """The module's stub, reset to `ok` after the test whatever it set."""
+    yield stub
+    stub.behaviour = "ok"
+
+
+def _complete_runs(store_path: Path) -> list[tuple[str, str]]:
+    if not store_path.exists():
+        return []
+    with sqlite3.connect(store_path) as conn:
+        return conn.execute("SELECT id, status FROM runs").fetchall()
+
+
+def test_a_server_golden_holds_the_server_run_and_a_float64_oracle(server_golden):
+    golden = open_golden("served", server_golden)
+    assert golden.config("pinned").engine.startswith("openai:")
+    assert golden.config("oracle").dtype == "float64" and golden.config("oracle").engine == "evalrun"
+    assert golden.meta["server"]["values"] == "log-probabilities"
+    pinned, oracle = golden.results("pinned")[0], golden.results("oracle")[0]
+    np.testing.assert_array_equal(pinned.arrays["probe_ids"], oracle.arrays["probe_ids"])
+    # the stub computes in float32, the oracle in float64, both log_softmax over the whole vocabulary
+    assert np.abs(pinned.arrays["probe_values"] - oracle.arrays["probe_values"]).max() < 1e-4
+    assert np.all(pinned.arrays["probe_values"] <= 0)
+    assert golden.pinned.json["model"]["served_model"] == "stub-model"
+
+
+def test_the_same_server_verifies_identical(cli, stub, server_golden):
+    code, out, err = cli("golden", "verify", "served", "--dir", str(server_golden), "-q", "--engine",
+                         f"openai:{stub.url}", *LOCAL, "--json")
+    assert code == 0, err
+    assert '"verdict": "identical"' in out
+
+
+@pytest.mark.parametrize("behaviour, verdict, code", [("noise", "drift", 0), ("changed", "changed", 1)])
+def test_ulp_noise_is_drift_and_another_function_is_changed(cli, behaving, server_golden, behaviour, verdict, code):
+    behaving.behaviour = behaviour
+    code_seen, out, err = cli("golden", "verify", "served", "--dir", str(server_golden), "-q", "--engine",
+                              f"openai:{behaving.url}", *LOCAL, "--set", f"server_config={behaviour} build",
+                              "--format", "text")
+    assert code_seen == code, out + err
+    assert f"{verdict.upper()} (exit {code})" in out
+    assert f"config: server_config  -> {behaviour} build" in out  # the notes are a hashed factor: named
+    assert "function check: not run" in out and "execution check: server vs the envelope" in out
+
+
+def test_a_golden_made_by_evalrun_verifies_against_a_server_computing_the_same_model(cli, stub, tmp_path):
+    code, _, err = cli("golden", "create", "ours", "--dir", str(tmp_path), "-q", *LOCAL)
+    assert code == 0, err
+    code, out, err = cli("golden", "verify", "ours", "--dir", str(tmp_path), "-q", "--engine", f"openai:{stub.url}",
+                         *LOCAL)
+    assert code == 0, out + err  # the stub computes the same float32 model: drift, never identical
+    assert "DRIFT" in out and "renormalised over the compared ids" in out
+    assert "model identity: not checkable through the API" in out
+
+
+def test_run_on_a_server_is_stored_complete(cli, stub, store_path):
+    code, out, err = cli("run", "--engine", f"openai:{stub.url}", *LOCAL, "--store", str(store_path), "-q", "--json")
+    assert code == 0, err
+    assert '"prompt_format": "token ids"' in out
+    assert [status for _, status in _complete_runs(store_path)] == ["complete"]
+
+
+@pytest.mark.parametrize("behaviour", ["slow", "error500", "truncated", "fewer"])
+def test_a_misbehaving_server_gives_one_line_exit_2_and_nothing_complete(cli, behaving, server_golden, tmp_path,
+                                                                         store_path, behaviour):
+    behaving.behaviour, behaving.delay = behaviour, 2.0
+    target = ["--engine", f"openai:{behaving.url}", *LOCAL, "--set", "server_timeout=0.4", "-q"]
+    calls = behaving.calls
+    code, out, err = cli("run", *target, "--store", str(store_path))
+    assert (code, out) == (2, "") and len(err.strip().splitlines()) == 1 and err.startswith("evalrun: error: ")
+    assert [status for _, status in _complete_runs(store_path)] == ["failed"]
+    if behaviour != "fewer":  # transport, 5xx and malformed bodies are retried, a bounded number of times
+        assert behaving.calls - calls == 3
+    code, out, err = cli("golden", "create", "broken", "--dir", str(tmp_path / "g"), *target)
+    assert code == 2 and len(err.strip().splitlines()) == 1
+    assert not (tmp_path / "g").exists() or not list((tmp_path / "g").iterdir())
+    code, out, err = cli("golden", "verify", "served", "--dir", str(server_golden), *target)
+    assert code == 2 and len(err.strip().splitlines()) == 1 and "server" in err
+
+
+def test_no_server_at_the_url_is_one_line(cli, tmp_path):
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        port = probe.getsockname()[1]  # closed when the block ends: nothing listens there
+    code, out, err = cli("run", "--engine", f"openai:http://127.0.0.1:{port}/v1", *LOCAL, "--store",
+                         str(tmp_path / "s.db"), "-q")
+    assert code == 2 and len(err.strip().splitlines()) == 1 and "no answer" in err
+
+
+def test_a_model_the_server_does_not_serve_is_refused(cli, stub, tmp_path):
+    code, _, err = cli("run", "--engine", f"openai:{stub.url}", "--served-model", "other", *LOCAL, "--store",
+                       str(tmp_path / "s.db"), "-q")
+    assert code == 2 and "does not serve 'other'" in err and "stub-model" in err
+
+
+def test_served_model_without_a_server_engine_is_refused(cli, tmp_path):
+    code, _, err = cli("run", "--served-model", "x", *LOCAL, "--store", str(tmp_path / "s.db"), "-q")
+    assert code == 2 and "use them with --engine openai:URL" in err
+
+
+def test_token_strings_map_to_ids_and_ambiguous_ones_are_left_out():
+    tokenizer = byte_tokenizer()
+    index = TokenIndex(tokenizer, len(tokenizer))
+    a = tokenizer.convert_tokens_to_ids("a")
+    assert index.lookup("a") == a and index.lookup("token_id:7") == 7
+    assert index.lookup("") is None and index.ambiguous == 1  # every special token prints as "" in llama.cpp
+    assert index.top_ids({"a": -0.1, "": -2.0, "no such token": -3.0}) == {a: -0.1}
+
+
+def test_a_completion_without_logprobs_or_with_a_broken_shape_is_refused():
+    with pytest.raises(ServerError, match="no log-probabilities"):
+        parse_completion({"choices": [{"text": "x", "logprobs": None}]}, "here")
+    broken = {"choices": [{"text": "x", "logprobs": {"tokens": ["a"], "token_logprobs": [], "top_logprobs": []}}]}
+    with pytest.raises(ServerError, match="malformed completion"):
+        parse_completion(broken, "here")
+
+
+def test_the_client_learns_whether_token_ids_are_accepted(stub):
+    client = OpenAIClient(stub.url)
+    assert client.identity()["model"] == "stub-model"
+    assert client.accepts_token_ids([1, 2, 3]) is True
