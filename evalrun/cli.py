@@ -163,10 +163,13 @@ def run(store_path, label, output_format, as_json, quiet, **kwargs) -> None:
     Example:
       evalrun run --model random:tiny --prompts smoke --max-new-tokens 8 --json
     """
+    from .config import is_server_engine
     from .runner import execute_run
+    from .server_run import execute_server_run
 
     config = config_from(kwargs)
-    outcome = execute_run(config, open_store(store_path), label=label, progress_factory=progress_factory(quiet))
+    execute = execute_server_run if is_server_engine(config.engine) else execute_run
+    outcome = execute(config, open_store(store_path), label=label, progress_factory=progress_factory(quiet))
     if chosen_format(output_format, as_json) == "json":
         click.echo(report.to_json(report.run_json(outcome)))
     else:
@@ -280,9 +283,13 @@ def golden_create(name, directory, force, output_format, as_json, quiet, **kwarg
     Example:
       evalrun golden create smollm2-cpu --config debug
     """
+    from .config import is_server_engine
     from .golden import create_golden
+    from .server_golden import create_server_golden
 
-    created = create_golden(name, config_from(kwargs), directory, force, phase_progress(quiet))
+    config = config_from(kwargs)
+    create = create_server_golden if is_server_engine(config.engine) else create_golden
+    created = create(name, config, directory, force, phase_progress(quiet))
     summary = created.summary()
     json_out = chosen_format(output_format, as_json) == "json"
     click.echo(report.to_json(summary) if json_out else report.golden_created_text(summary))
@@ -306,12 +313,16 @@ def golden_verify(name, directory, strict, output_format, as_json, junit_path, q
       evalrun golden verify smollm2-cpu -O3 --format markdown > comment.md
     """
     from . import verdict_report
+    from .config import is_server_engine
     from .golden import open_golden
+    from .server_verify import verify_with_server
     from .verify import candidate_config, verify_golden
 
     writable_output(junit_path, "--junit")
     opened = open_golden(name, directory)
-    verdict = verify_golden(opened, candidate_config(opened, *run_flags(kwargs)), strict, phase_progress(quiet))
+    candidate = candidate_config(opened, *run_flags(kwargs))
+    verify = verify_with_server if is_server_engine(candidate.engine) else verify_golden
+    verdict = verify(opened, candidate, strict, phase_progress(quiet))
     chosen = chosen_format(output_format, as_json)
     click.echo(verdict_report.render(verdict, chosen))
     _github_outputs(verdict, name, chosen)

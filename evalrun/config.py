@@ -471,6 +471,11 @@ def parse_engine(value: Any) -> str:
     raise ConfigError(f"engine={text[:80]!r} is not valid; use evalrun, transformers or openai:http://HOST:PORT/v1")
 
 
+def is_server_engine(engine: str) -> bool:
+    """Whether `engine` names an OpenAI-compatible server (evalrun/server_run.py runs those)."""
+    return str(engine).startswith(OPENAI_ENGINE_PREFIX)
+
+
 def keep_logits_steps(keep_logits: str, prompt_id: str, steps: int) -> list[int]:
     """Which steps of prompt `prompt_id` keep full logits under `keep_logits` (see KEEP_LOGITS_PATTERN)."""
     if keep_logits == "all":

@@ -336,9 +336,6 @@ def _forced_probed(prepared: Prepared, tokens: dict[int, np.ndarray], probes: Pr
 
 def make_runs(config: RunConfig, progress=None, hook: Hook | None = None) -> CreatedRuns:
     """Run pinned, oracle, the envelope members and the function run (each distinct config once)."""
-    if str(config.engine).startswith("openai:"):  # a server: server_golden makes its runs
-        from .server_golden import make_server_runs
-        return make_server_runs(config, progress, hook)
     seconds: dict[str, float] = {}
     started = time.perf_counter()
     pinned = prepare(config)
@@ -391,8 +388,9 @@ def check_writable_folder(directory: str | Path) -> None:
 
 def create_golden(name: str, config: RunConfig, directory: str | Path = DEFAULT_DIR, force: bool = False,
                   progress: Callable[[str, int], Any] | None = None, hook: Hook | None = None,
-                  cuda_available: bool | None = None) -> Golden:
-    """Make every run of a golden and write `directory/NAME.db` atomically; returns the opened golden."""
+                  cuda_available: bool | None = None, make: Callable[..., CreatedRuns] | None = None) -> Golden:
+    """Make every run of a golden and write `directory/NAME.db` atomically; returns the opened golden.
+    `make(request, progress, hook)` makes the runs (default `make_runs`; a server's: server_golden)."""
     import torch
 
     path = golden_path(name, directory)
@@ -400,7 +398,7 @@ def create_golden(name: str, config: RunConfig, directory: str | Path = DEFAULT_
         raise GoldenError(f"golden {path} exists; pass --force to overwrite it")
     check_writable_folder(directory)
     request = pinned_request(config, torch.cuda.is_available() if cuda_available is None else cuda_available)
-    created = make_runs(request, progress, hook)
+    created = (make or make_runs)(request, progress, hook)
     write_golden(path, created, request)
     return open_golden(name, directory)
 

@@ -15,7 +15,7 @@ import numpy as np
 import torch
 
 from .compile_cache import cache_counters, cache_evidence, use_evalrun_cache
-from .config import EffectiveConfig, RunConfig, keep_logits_steps, resolve, validate
+from .config import EffectiveConfig, RunConfig, is_server_engine, keep_logits_steps, resolve, validate
 from .engine.driver import generate_batch
 from .engine.generate import BatchOutput, BatchSpec
 from .engine.model_support import check_config
@@ -114,6 +114,8 @@ def prepare(config: RunConfig | EffectiveConfig, reuse: Prepared | None = None) 
     """
     use_evalrun_cache()  # before anything reads Inductor's cache folder (the first read fixes it for the process)
     effective = config if isinstance(config, EffectiveConfig) else effective_config(config)
+    if is_server_engine(effective.engine):  # a server computes those runs: server_run, not this engine
+        raise ConfigError(f"engine={effective.engine[:80]!r} is a server; its runs go through evalrun.server_run")
     baseline_backend_flags()  # read the environment's own flags before the config changes any
     applied = apply_numerics_flags(effective)  # before anything initialises CUDA
     started = time.perf_counter()
@@ -318,28 +320,17 @@ def record(store: Store | None, header: dict[str, Any], produce: Callable[[], Ru
 def execute_run(config: RunConfig | EffectiveConfig, store: Store | None, label: str | None = None,
                 progress_factory: Callable[[int], Any] | None = None, prepared: Prepared | None = None) -> Run:
     """`evalrun run`: prepare, execute with a progress bar, record in the store."""
-    if str(config.engine).startswith("openai:"):  # a server computes: server_run runs it
-        from .server_run import execute_server, prepare_server
-        server = prepare_server(config)
-        return record(store, server.header, lambda: _with_bar(progress_factory, len(server.prompt_set.records),
-                                                               lambda update: execute_server(server, update)), label)
     prepared = prepared or prepare(config)
 
     def produce() -> Run:
         bar = progress_factory(len(prepared.prompt_set.records)) if progress_factory else None
-        with (bar if bar is not None else _NullBar()) as active:
+        with (bar if bar is not None else NullBar()) as active:
             return execute(prepared, progress=active.update)
 
     return record(store, prepared.header, produce, label)
 
 
-def _with_bar(progress_factory, total: int, work: Callable[[Progress], Run]) -> Run:
-    bar = progress_factory(total) if progress_factory else None
-    with (bar if bar is not None else _NullBar()) as active:
-        return work(active.update)
-
-
-class _NullBar:
+class NullBar:
     def __enter__(self):
         return self
 

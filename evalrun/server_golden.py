@@ -16,7 +16,7 @@ import numpy as np
 import torch
 
 from .engine.capture import digest_hex, logits_digest
-from .golden import CreatedRuns, Hook, oracle_config
+from .golden import CreatedRuns, Golden, Hook, create_golden, oracle_config
 from .hashing import hash_bytes
 from .runner import Prepared, Run, prepare
 from .server_run import ServerPrepared, execute_server, local_config, prepare_server
@@ -74,3 +74,9 @@ def make_server_runs(config, progress=None, hook: Hook | None = None) -> Created
     meta = {"server": {"values": "log-probabilities", "logprobs_asked": sp.asked(), "notes": sp.notes,
                        "prompt_format": pinned.evidence["prompt_format"]}}
     return CreatedRuns(runs, seconds, meta)
+
+
+def create_server_golden(name: str, config, directory, force: bool = False, progress=None,
+                         cuda_available: bool | None = None) -> Golden:
+    """`golden create NAME --engine openai:URL`: golden.create_golden with the server's runs."""
+    return create_golden(name, config, directory, force, progress, cuda_available=cuda_available, make=make_server_runs)

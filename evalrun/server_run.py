@@ -19,21 +19,21 @@ from typing import Any, Callable
 
 import numpy as np
 
-from .config import OPENAI_ENGINE_PREFIX, EffectiveConfig, RunConfig
+from .config import OPENAI_ENGINE_PREFIX, EffectiveConfig, RunConfig, is_server_engine
 from .engine.openai_server import Completion, OpenAIClient, TokenIndex
 from .engine.timing import latency_summary
 from .errors import ServerError
 from .fingerprint import environment_hash
 from .hashing import hash_bytes, hash_value
-from .runner import Prepared, Run, effective_config, prepare, steps_for
-from .store import PromptResult
+from .runner import NullBar, Prepared, Run, effective_config, prepare, record, steps_for
+from .store import PromptResult, Store
 
 MAX_ASKED_LOGPROBS = 20  # vLLM's default max_logprobs; more is refused by most servers
 _INDEXES: dict[str, TokenIndex] = {}
 
 
 def is_server(config: RunConfig | EffectiveConfig) -> bool:
-    return str(config.engine).startswith(OPENAI_ENGINE_PREFIX)
+    return is_server_engine(config.engine)
 
 
 @dataclass
@@ -238,3 +238,17 @@ def execute_server(sp: ServerPrepared, progress: Callable[[int], None] | None = 
                 "compile_s": 0.0}
     plan = [{"batch": r.prompt_index, "prompt_ids": [r.prompt_id], "padded_length": r.input_tokens} for r in results]
     return Run(sp.header, results, timings, evidence, plan)
+
+
+def execute_server_run(config: RunConfig, store: Store | None, label: str | None = None,
+                       progress_factory: Callable[[int], Any] | None = None) -> Run:
+    """`evalrun run --engine openai:URL`: ask the server who it is, run every prompt, record the run
+    (`running`, then `complete`, or `failed` with the one-line error when the server fails midway)."""
+    sp = prepare_server(config)
+
+    def produce() -> Run:
+        bar = progress_factory(len(sp.prompt_set.records)) if progress_factory else None
+        with (bar if bar is not None else NullBar()) as active:
+            return execute_server(sp, active.update)
+
+    return record(store, sp.header, produce, label)

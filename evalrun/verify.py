@@ -250,9 +250,6 @@ def verify_golden(golden: Golden, config: RunConfig, strict: bool = False,
     """
     if function_check not in FUNCTION_CHECK_MODES:
         raise ValueError(f"function_check must be one of {FUNCTION_CHECK_MODES}")
-    if str(config.engine).startswith("openai:"):  # a server: what its API exposes decides (server_verify)
-        from .server_verify import verify_with_server
-        return verify_with_server(golden, config, strict, progress)
     started = time.perf_counter()
     candidate = prepare(config, reuse)
     if hook:

@@ -13,8 +13,9 @@ import pytest
 from evalrun.config import build_config
 from evalrun.engine.openai_server import OpenAIClient, TokenIndex, parse_completion
 from evalrun.errors import ServerError
-from evalrun.golden import create_golden, open_golden
+from evalrun.golden import open_golden
 from evalrun.models import byte_tokenizer
+from evalrun.server_golden import create_server_golden
 from openai_stub import StubServer
 
 LOCAL = ["--model", "random:tiny", "--prompts", "smoke", "--max-new-tokens", "5"]
@@ -33,7 +34,7 @@ def server_golden(stub, tmp_path_factory) -> Path:
     directory = tmp_path_factory.mktemp("golden")
     config = build_config(flags={"model": "random:tiny", "prompts": "smoke", "max_new_tokens": 5,
                                  "engine": f"openai:{stub.url}"})
-    create_golden("served", config, directory, cuda_available=False)
+    create_server_golden("served", config, directory, cuda_available=False)
     return directory
 
 
