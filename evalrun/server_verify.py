@@ -188,10 +188,11 @@ def _judge_all(golden, sp, golden_results, by_index, prompts, steps, from_server
         values = np.empty(ids.shape, dtype=np.float64)
         tokens = np.empty(n, dtype=np.int64)
         for step, (token, top) in enumerate(path):
-            if top is None:  # the server ended the sequence where the golden continues: judged as a flip only
+            if top is None:  # the server ended the sequence here: no numbers; a flip unless the golden ended too
                 values[step] = members[0][1][step]
                 tokens[step] = sp.index.eos if sp.index.eos is not None else -1
-                ended.append(f"{golden_run.prompt_id}@{step}")
+                if tokens[step] != golden_run.arrays["tokens"][step]:
+                    ended.append(f"{golden_run.prompt_id}@{step}")
                 continue
             floor = min(top.values())
             row = [top.get(int(i)) for i in ids[step]]

@@ -110,8 +110,8 @@ def test_a_misbehaving_server_gives_one_line_exit_2_and_nothing_complete(cli, be
     code, out, err = cli("run", *target, "--store", str(store_path))
     assert (code, out) == (2, "") and len(err.strip().splitlines()) == 1 and err.startswith("evalrun: error: ")
     assert [status for _, status in _complete_runs(store_path)] == ["failed"]
-    if behaviour != "fewer":  # transport, 5xx and malformed bodies are retried, a bounded number of times
-        assert behaving.calls - calls == 3
+    if behaviour != "fewer":  # the token-id probe (one try), then the request, retried a bounded number of times
+        assert behaving.calls - calls == 4
     code, out, err = cli("golden", "create", "broken", "--dir", str(tmp_path / "g"), *target)
     assert code == 2 and len(err.strip().splitlines()) == 1
     assert not (tmp_path / "g").exists() or not list((tmp_path / "g").iterdir())

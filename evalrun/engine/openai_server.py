@@ -84,7 +84,7 @@ class OpenAIClient:
         except urllib.error.HTTPError as error:
             detail = _error_detail(error)
             if error.code >= 500 or error.code == 429:
-                raise _Retryable(f"HTTP {error.code} {detail}") from None
+                raise _Retryable(f"HTTP {error.code} {detail}", error.code) from None
             raise ServerError(f"server {target}: HTTP {error.code} {detail}; the server refused the request "
                               "(check --served-model and what the server supports)", error.code) from None
         except (urllib.error.URLError, socket.timeout, TimeoutError, ConnectionError, OSError) as error:
@@ -136,20 +136,36 @@ class OpenAIClient:
         return parse_completion(answer, f"{self.base_url}/completions", headers)
 
     def accepts_token_ids(self, ids: list[int]) -> bool:
-        """Whether the server takes token ids as the prompt (vLLM does; llama-cpp-python answers 422)."""
+        """Whether the server takes token ids as the prompt (vLLM does; llama-cpp-python refuses them with
+        HTTP 500). One try: any HTTP error means no (a broken server then fails the text request, retried);
+        no answer or a malformed one is retried as any request is."""
         if self.token_ids_accepted is None:
+            body = {"model": self.model, "prompt": [int(i) for i in ids], "max_tokens": 1, "temperature": 0.0,
+                    "logprobs": 1, "return_tokens_as_token_ids": True}
+            target = f"{self.base_url}/completions"
             try:
-                self.complete(ids, 1, 1)
+                answer, headers = self._once("POST", target, json.dumps(body).encode())
+                parse_completion(answer, target, headers)
                 self.token_ids_accepted = True
             except ServerError as error:
-                if error.status not in (400, 422):
+                if error.status is None:
                     raise
                 self.token_ids_accepted = False
+            except _Retryable as error:
+                if error.status is None:
+                    self.complete(ids, 1, 1)  # retried; raises ServerError when the server stays silent
+                    self.token_ids_accepted = True
+                else:
+                    self.token_ids_accepted = False
         return self.token_ids_accepted
 
 
 class _Retryable(Exception):
-    """A failure worth another attempt (transport, 5xx, 429, malformed body)."""
+    """A failure worth another attempt (transport, 5xx, 429, malformed body); `status` when HTTP said so."""
+
+    def __init__(self, message: str, status: int | None = None):
+        super().__init__(message)
+        self.status = status
 
 
 def _error_detail(error: urllib.error.HTTPError) -> str:
