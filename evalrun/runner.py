@@ -198,6 +198,8 @@ def to_results(prepared: Prepared, batch_index: int, indices: list[int], output:
         if output.probe_values is not None:
             arrays["probe_ids"] = output.probe_ids[row, :steps]
             arrays["probe_values"] = output.probe_values[row, :steps]
+            if output.probe_logsumexp is not None:  # log-probabilities at the probes: probe_values - this
+                arrays["probe_logsumexp"] = output.probe_logsumexp[row, :steps]
         tokens = arrays["tokens"]
         eos_hits = np.flatnonzero(tokens == eos) if eos is not None else np.array([])
         eos_step = int(eos_hits[0]) if eos_hits.size else -1

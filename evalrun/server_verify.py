@@ -134,24 +134,38 @@ def _free_verdict(golden_run: PromptResult, free: PromptResult, steps: int, from
 # ---------------------------------------------------------------- the execution check's evidence
 
 def _columns(golden: Golden, golden_run: PromptResult, steps: int, width: int, from_server: bool):
-    """(probe ids [N, K], oracle [N, K], envelope members [(name, [N, K])]) for one prompt."""
+    """(probe ids [N, K], oracle [N, K], envelope members [(name, [N, K])], absolute) for one prompt.
+
+    `absolute`: the values are log-probabilities over the whole vocabulary (a server golden's, or an
+    evalrun golden that stores each step's logsumexp); else log-softmax over the K compared ids."""
     index = golden_run.prompt_index
     oracle = next(r for r in golden.results("oracle") if r.prompt_index == index)
     if from_server:
         ids = golden_run.arrays["probe_ids"][:steps]
-        return ids, oracle.arrays["probe_values"][:steps], [("the golden's server run", golden_run.arrays["probe_values"][:steps])]
+        return (ids, oracle.arrays["probe_values"][:steps],
+                [("the golden's server run", golden_run.arrays["probe_values"][:steps])], True)
     ids = oracle.arrays["probe_ids"][:steps, :width]
-    members, seen = [], set()
+    results, seen = [("oracle", oracle)], set()
     for role in (*ENVELOPE_ROLES, "function"):
         run_id = golden.run_id(role)
-        if run_id in seen:
-            continue
-        seen.add(run_id)
-        member = next(r for r in golden.results(role) if r.prompt_index == index)
-        config = golden.config(role)
-        members.append((f"{role} ({config.dtype} -O{config.opt_level} on {config.device})",
-                        _renormalised(member.arrays["probe_values"][:steps, :width])))
-    return ids, _renormalised(oracle.arrays["probe_values"][:steps, :width]), members
+        if run_id not in seen:
+            seen.add(run_id)
+            config = golden.config(role)
+            results.append((f"{role} ({config.dtype} -O{config.opt_level} on {config.device})",
+                            next(r for r in golden.results(role) if r.prompt_index == index)))
+    absolute = [_logprobs(result, steps, width) for _, result in results]
+    if any(values is None for values in absolute):  # a golden from before probe_logsumexp was stored
+        absolute = [_renormalised(result.arrays["probe_values"][:steps, :width]) for _, result in results]
+        return ids, absolute[0], list(zip([name for name, _ in results[1:]], absolute[1:])), False
+    return ids, absolute[0], list(zip([name for name, _ in results[1:]], absolute[1:])), True
+
+
+def _logprobs(result: PromptResult, steps: int, width: int) -> np.ndarray | None:
+    """[N, K] log-probabilities at the probe ids from stored logits and logsumexp; None when not stored."""
+    lse = result.arrays.get("probe_logsumexp")
+    if lse is None or lse.shape != result.arrays["tokens"].shape or not np.all(np.isfinite(lse[:steps])):
+        return None
+    return result.arrays["probe_values"][:steps, :width].astype(np.float64) - lse[:steps, None]
 
 
 def _renormalised(values: np.ndarray) -> np.ndarray:
@@ -177,14 +191,15 @@ def _candidate_path(sp: ServerPrepared, golden_run: PromptResult, free: PromptRe
 
 def _judge_all(golden, sp, golden_results, by_index, prompts, steps, from_server, causes, progress):
     """Per prompt: (Judgement, envelope names), with the candidate scored along the golden's path."""
-    evidence, bounded, ended = {}, 0, []
+    evidence, bounded, ended, renormalised = {}, 0, [], False
     bar = progress("forced", len(golden_results)) if progress else None
     for golden_run, prompt in zip(golden_results, prompts):
         index, n = golden_run.prompt_index, steps[golden_run.prompt_index]
         first = prompt.first_divergent_step if prompt.verdict != "identical" else -1
         path = _candidate_path(sp, golden_run, by_index[index], n, first)
         width = min(len(top) for _, top in path if top) if any(top for _, top in path) else sp.config.top_k
-        ids, oracle, members = _columns(golden, golden_run, n, min(width, 64), from_server)
+        ids, oracle, members, absolute = _columns(golden, golden_run, n, min(width, 64), from_server)
+        renormalised = renormalised or not absolute
         values = np.empty(ids.shape, dtype=np.float64)
         tokens = np.empty(n, dtype=np.int64)
         for step, (token, top) in enumerate(path):
@@ -199,7 +214,7 @@ def _judge_all(golden, sp, golden_results, by_index, prompts, steps, from_server
             bounded += sum(v is None for v in row)
             values[step] = [floor if v is None else v for v in row]
             tokens[step] = token
-        if not from_server:
+        if not absolute:
             values = _renormalised(values)
         evidence[index] = (Evidence(values, tuple(m for _, m in members), oracle, ids, tokens,
                                     golden_run.arrays["tokens"][:n]), [name for name, _ in members])
@@ -211,6 +226,10 @@ def _judge_all(golden, sp, golden_results, by_index, prompts, steps, from_server
     if ended:
         causes.append(f"the server ended the sequence where the golden continues ({', '.join(ended[:5])}): "
                       "judged as a greedy flip to end-of-sequence")
+    causes.append("checks run: execution check on the top-k the server returns, as " + (
+        "log-probabilities renormalised over the compared ids (the golden stores logits without each step's "
+        "full-vocabulary logsumexp: made before evalrun stored it; mass moving outside those ids is not seen)"
+        if renormalised else "log-probabilities over the whole vocabulary") + "; function check not run")
     return evidence
 
 
@@ -243,10 +262,6 @@ def _decide(golden, sp, golden_results, prompts, evidence, from_server, causes, 
     closest.append((set_distance, "the whole set, execution check"))
     if set_distance > 1 and not failed:
         failed.append("(the set)")
-    values = ("log-probabilities as the server returns them" if from_server else
-              "log-probabilities renormalised over the compared ids (the golden stores logits without the "
-              "full-vocabulary logsumexp: mass moving outside those ids is not seen)")
-    causes.append(f"checks run: execution check on the top-k the server returns, as {values}; function check not run")
     if failed:
         causes.append(f"execution check failed on {', '.join(failed[:5])}: the server's numbers sit farther from the "
                       "golden's float64 oracle than its known-good implementations allow")

@@ -177,7 +177,7 @@ class Context:
 
 def _cut(result: PromptResult, steps: int) -> PromptResult:
     """A result limited to its first `steps` steps (the prefix a shorter candidate verifies)."""
-    per_step = ("tokens", "digests", "topk_ids", "topk_values", "margins", "probe_ids", "probe_values")
+    per_step = ("tokens", "digests", "topk_ids", "topk_values", "margins", "probe_ids", "probe_values", "probe_logsumexp")
     arrays = {name: (array[:steps] if name in per_step else array) for name, array in result.arrays.items()}
     return dataclasses.replace(result, arrays=arrays, new_tokens=min(result.new_tokens, steps))
 

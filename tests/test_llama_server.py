@@ -31,12 +31,15 @@ TOKENS = "12"
 
 @contextmanager
 def llama_server(log: Path, threads: int, batch: int, flash_attn: bool):
-    """llama-cpp-python's server on a free 127.0.0.1 port; yields its /v1 URL, stops it afterwards."""
+    """llama-cpp-python's server on a free 127.0.0.1 port; yields its /v1 URL, stops it afterwards.
+
+    A small context: with logits_all, llama-cpp-python turns its whole [n_ctx, vocab] score buffer into
+    log-probabilities on every request (seconds at 2048)."""
     with socket.socket() as probe:
         probe.bind(("127.0.0.1", 0))
         port = probe.getsockname()[1]
     command = [sys.executable, "-m", "llama_cpp.server", "--model", str(smollm2_gguf_path()), "--model_alias",
-               "smollm2", "--host", "127.0.0.1", "--port", str(port), "--n_ctx", "2048", "--logits_all", "true",
+               "smollm2", "--host", "127.0.0.1", "--port", str(port), "--n_ctx", "256", "--logits_all", "true",
                "--n_threads", str(threads), "--n_threads_batch", str(threads), "--n_batch", str(batch),
                "--n_ubatch", str(batch), "--flash_attn", str(flash_attn).lower(), "--verbose", "false"]
     with open(log, "wb") as output:

@@ -13,7 +13,7 @@ import pytest
 from evalrun.config import build_config
 from evalrun.engine.openai_server import OpenAIClient, TokenIndex, parse_completion
 from evalrun.errors import ServerError
-from evalrun.golden import open_golden
+from evalrun.golden import content_digest, open_golden
 from evalrun.models import byte_tokenizer
 from evalrun.server_golden import create_server_golden
 from openai_stub import StubServer
@@ -90,8 +90,19 @@ def test_a_golden_made_by_evalrun_verifies_against_a_server_computing_the_same_m
     code, out, err = cli("golden", "verify", "ours", "--dir", str(tmp_path), "-q", "--engine", f"openai:{stub.url}",
                          *LOCAL)
     assert code == 0, out + err  # the stub computes the same float32 model: drift, never identical
-    assert "DRIFT" in out and "renormalised over the compared ids" in out
+    assert "DRIFT" in out and "log-probabilities over the whole vocabulary" in out
     assert "model identity: not checkable through the API" in out
+    forget_logsumexp(tmp_path / "ours.db")  # a golden made before evalrun stored each step's logsumexp
+    code, out, err = cli("golden", "verify", "ours", "--dir", str(tmp_path), "-q", "--engine", f"openai:{stub.url}",
+                         *LOCAL)
+    assert code == 0 and "DRIFT" in out and "renormalised over the compared ids" in out, out + err
+
+
+def forget_logsumexp(path: Path) -> None:
+    """Drop the probe_logsumexp arrays and re-seal the file, as an older evalrun wrote goldens."""
+    with sqlite3.connect(path) as conn:
+        assert conn.execute("DELETE FROM arrays WHERE name = 'probe_logsumexp'").rowcount > 0
+        conn.execute("UPDATE golden SET value = ? WHERE key = 'content_digest'", [content_digest(conn)])
 
 
 def test_run_on_a_server_is_stored_complete(cli, stub, store_path):
@@ -160,3 +171,24 @@ def test_the_client_learns_whether_token_ids_are_accepted(stub):
     client = OpenAIClient(stub.url)
     assert client.identity()["model"] == "stub-model"
     assert client.accepts_token_ids([1, 2, 3]) is True
+
+
+def test_evalrun_goldens_store_each_probed_steps_logsumexp(cli, tmp_path):
+    """What turns the golden's logits into the log-probabilities a server returns: the logsumexp over the
+    whole vocabulary at each probed step, equal to a teacher-forced float64 forward of the same model."""
+    import torch
+
+    from evalrun.models import load_model
+
+    code, _, err = cli("golden", "create", "lse", "--dir", str(tmp_path), "-q", *LOCAL)
+    assert code == 0, err
+    golden = open_golden("lse", tmp_path)
+    model = load_model("random:tiny", "cpu", "float64").model
+    for role in ("oracle", "function"):
+        for result in golden.results(role):
+            tokens, prompt = result.arrays["tokens"], result.arrays["input_ids"].tolist()
+            with torch.no_grad():
+                logits = model(input_ids=torch.tensor([prompt + tokens[:-1].tolist()])).logits[0, len(prompt) - 1:]
+            expected = torch.logsumexp(logits, dim=-1).numpy()
+            np.testing.assert_allclose(result.arrays["probe_logsumexp"], expected, rtol=0, atol=1e-5)
+            assert np.all(result.arrays["probe_values"] <= result.arrays["probe_logsumexp"][:, None])

@@ -79,6 +79,7 @@ class BatchOutput:
     padded_length: int = 0  # P, the prompt length the batch was padded to
     probe_ids: np.ndarray | None = None  # [B, N, K'] int64, when probed
     probe_values: np.ndarray | None = None  # [B, N, K'] float64 logits at the probe ids, when probed
+    probe_logsumexp: np.ndarray | None = None  # [B, N] float64 logsumexp over the whole vocabulary, when probed
 
 
 def stack_outputs(outputs: list[BatchOutput], steps: int) -> BatchOutput:
@@ -99,7 +100,7 @@ def stack_outputs(outputs: list[BatchOutput], steps: int) -> BatchOutput:
         step_ms[:len(output.step_ms)] += output.step_ms
     return BatchOutput(stacked("tokens"), stacked("digests"), stacked("topk_ids"), stacked("topk_values"),
                        stacked("margins"), stacked("logits"), step_ms, max(o.padded_length for o in outputs),
-                       stacked("probe_ids"), stacked("probe_values"))
+                       stacked("probe_ids"), stacked("probe_values"), stacked("probe_logsumexp"))
 
 
 @dataclass
@@ -115,6 +116,7 @@ class CaptureBuffers:
     probe_ids: torch.Tensor | None = None  # [B, N, K'] int64: ids whose logits each step records exactly
     probe_values: torch.Tensor | None = None  # [B, N, K'] float64
     probe_own_topk: int = 0  # the first k probe columns are filled by the step's own top-k ids
+    probe_logsumexp: torch.Tensor | None = None  # [B, N] float64: turns probe logits into log-probabilities
 
     @classmethod
     def allocate(cls, batch: int, steps: int, vocab: int, spec: BatchSpec, dtype: torch.dtype,
@@ -129,6 +131,7 @@ class CaptureBuffers:
             probe_ids=zeros(batch, steps, probe_width) if probe_width else None,
             probe_values=zeros(batch, steps, probe_width, kind=torch.float64) if probe_width else None,
             probe_own_topk=spec.probe_own_topk,
+            probe_logsumexp=zeros(batch, steps, kind=torch.float64) if probe_width else None,
         )
 
     def to_host(self, rows: int, steps: int, step_ms: np.ndarray, padded_length: int) -> BatchOutput:
@@ -139,7 +142,7 @@ class CaptureBuffers:
             logits = self.logits[:rows, :steps].to("cpu", copy=True).view(BITS_VIEW[self.logits.dtype]).numpy()
         return BatchOutput(cut(self.tokens), cut(self.digests), cut(self.topk_ids), cut(self.topk_values),
                            cut(self.margins), logits, step_ms, padded_length, cut(self.probe_ids),
-                           cut(self.probe_values))
+                           cut(self.probe_values), cut(self.probe_logsumexp))
 
 
 def choose_token(logits: torch.Tensor, temperature: float, row_seeds: torch.Tensor, step: torch.Tensor) -> torch.Tensor:
@@ -182,6 +185,7 @@ def capture_step(logits: torch.Tensor, step: torch.Tensor, buffers: CaptureBuffe
             buffers.probe_ids[:, :, :buffers.probe_own_topk].index_copy_(1, step, own[:, None])
         probe = buffers.probe_ids.index_select(1, step)[:, 0]  # [B, K']
         buffers.probe_values.index_copy_(1, step, logits.gather(1, probe).double()[:, None])
+        buffers.probe_logsumexp.index_copy_(1, step, torch.logsumexp(logits.double(), dim=-1)[:, None])
     return token
 
 
