@@ -186,9 +186,12 @@ def fingerprint(output_format, as_json, **kwargs) -> None:
     Example:
       evalrun fingerprint --model random:tiny --json
     """
+    from .config import is_server_engine
     from .runner import prepare
+    from .server_run import prepare_server
 
-    header = prepare(config_from(kwargs)).header
+    config = config_from(kwargs)
+    header = (prepare_server(config) if is_server_engine(config.engine) else prepare(config)).header
     json_out = chosen_format(output_format, as_json) == "json"
     click.echo(report.to_json(header) if json_out else report.fingerprint_text(header))
 

@@ -3,6 +3,7 @@ ending in one line, exit 2, nothing stored as complete."""
 
 from __future__ import annotations
 
+import json
 import socket
 import sqlite3
 from pathlib import Path
@@ -128,6 +129,16 @@ def test_a_misbehaving_server_gives_one_line_exit_2_and_nothing_complete(cli, be
     assert not (tmp_path / "g").exists() or not list((tmp_path / "g").iterdir())
     code, out, err = cli("golden", "verify", "served", "--dir", str(server_golden), *target)
     assert code == 2 and len(err.strip().splitlines()) == 1 and "server" in err
+
+
+def test_the_fingerprint_of_a_server_holds_its_identity(cli, stub):
+    code, out, err = cli("fingerprint", "--engine", f"openai:{stub.url}", "--model", "random:tiny", "--prompts", "smoke",
+                         "--set", "server_config=vllm -O3", "--json")
+    assert code == 0, err
+    header = json.loads(out)
+    assert header["environment"]["server"] == {"version": {"version": "stub-1.0"}, "headers": {"server": "evalrun-stub/1"},
+                                               "entry": {"id": "stub-model", "object": "model", "owned_by": "stub"}}
+    assert header["model"]["served_model"] == "stub-model" and header["config"]["server_config"] == "vllm -O3"
 
 
 def test_no_server_at_the_url_is_one_line(cli, tmp_path):
