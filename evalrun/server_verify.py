@@ -30,11 +30,11 @@ from typing import Any, Callable
 import numpy as np
 
 from .compare import dict_diff, digest_mismatch_steps, first_divergence, worst_verdict
-from .config import RunConfig
+from .config import EffectiveConfig, RunConfig
 from .golden import ENVELOPE_ROLES, Golden
 from .hashing import hash_value
 from .rules import EXECUTION_RULE, Evidence, aggregate, judge, judge_set, rule_for, step_errors, typical
-from .runner import steps_for
+from .runner import Run, steps_for
 from .server_run import ServerPrepared, execute_server, forced_step, is_server, prepare_server
 from .store import PromptResult
 from .verify import CheckReport, FlipReport, PromptVerdict, Verdict, exit_code_for
@@ -43,9 +43,11 @@ FUNCTION_LINE = ("not run: it needs float32 eager in the candidate's environment
                  "the verdict rests on the execution check")
 
 
-def verify_with_server(golden: Golden, config: RunConfig, strict: bool = False,
-                       progress: Callable[[str, int], Any] | None = None) -> Verdict:
-    """The verdict of the server `config` names against `golden` (module docstring)."""
+def verify_with_server(golden: Golden, config: RunConfig | EffectiveConfig, strict: bool = False,
+                       progress: Callable[[str, int], Any] | None = None,
+                       observe: Callable[[str, Run], None] | None = None) -> Verdict:
+    """The verdict of the server `config` names against `golden` (module docstring). `observe(phase, run)`
+    sees the candidate's run (phase "candidate"), as verify.verify_golden's observer does."""
     started = time.perf_counter()
     sp = prepare_server(config)
     pinned_config = golden.config("pinned")
@@ -82,6 +84,8 @@ def verify_with_server(golden: Golden, config: RunConfig, strict: bool = False,
     causes += [f"server: {note}" for note in sp.notes]
     bar = progress("candidate", len(sp.prompt_set.records)) if progress else None
     free = execute_server(sp, bar)
+    if observe:
+        observe("candidate", free)
     timings["candidate_s"] = free.timings["generate_s"]
     by_index = free.by_index()
     prompts = [_free_verdict(g, by_index[g.prompt_index], steps[g.prompt_index], from_server) for g in golden_results]

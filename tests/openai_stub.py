@@ -33,6 +33,7 @@ class StubServer:
         self.behaviour, self.served, self.delay = behaviour, served, delay
         self.calls = 0
         self.lock = threading.Lock()
+        self.logprobs([0, 1])  # the first forward imports what it needs now, not inside a pytester snapshot
         self.httpd = _QuietServer(("127.0.0.1", 0), _handler(self))
         self.httpd.daemon_threads = True
         self.thread = threading.Thread(target=self.httpd.serve_forever, daemon=True)

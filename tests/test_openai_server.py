@@ -19,6 +19,8 @@ from evalrun.models import byte_tokenizer
 from evalrun.server_golden import create_server_golden
 from openai_stub import StubServer
 
+pytest_plugins = ["pytester"]
+
 LOCAL = ["--model", "random:tiny", "--prompts", "smoke", "--max-new-tokens", "5"]
 
 
@@ -203,3 +205,26 @@ def test_evalrun_goldens_store_each_probed_steps_logsumexp(cli, tmp_path):
             expected = torch.logsumexp(logits, dim=-1).numpy()
             np.testing.assert_allclose(result.arrays["probe_logsumexp"], expected, rtol=0, atol=1e-5)
             assert np.all(result.arrays["probe_values"] <= result.arrays["probe_logsumexp"][:, None])
+
+
+def test_the_pytest_plugin_verifies_a_server(stub, golden_factory, tmp_path, monkeypatch, pytester):
+    """@pytest.mark.evalrun_golden(..., engine="openai:URL"): the plugin hands the candidate to the server
+    verification and records the server's run in the store (pytester last: see test_pytest_plugin.py)."""
+    directory = golden_factory()
+    store = tmp_path / "store.db"
+    monkeypatch.setenv("EVALRUN_STORE", str(store))
+    monkeypatch.setenv("PYTHONPATH", str(Path(__file__).resolve().parent.parent))  # this checkout's evalrun
+    for variable in ("CI", "GITHUB_ACTIONS", "PYTEST_XDIST_WORKER", "PYTEST_ADDOPTS"):
+        monkeypatch.delenv(variable, raising=False)
+    pytester.makepyfile(f"""
+        import pytest
+
+        @pytest.mark.evalrun_golden("g", golden_dir={str(directory)!r}, engine={"openai:" + stub.url!r})
+        def test_served(evalrun_verdict):
+            assert evalrun_verdict.verdict == "drift"
+            assert evalrun_verdict.function_check.startswith("not run")
+    """)
+    result = pytester.runpytest_subprocess("-p", "no:cacheprovider", "-W", "ignore::DeprecationWarning")
+    result.assert_outcomes(passed=1)
+    with sqlite3.connect(store) as db:
+        assert db.execute("SELECT status FROM runs").fetchall() == [("complete",)]
