@@ -15,6 +15,7 @@ from pathlib import Path
 from typing import Any, Callable
 
 from .child import run_json_child
+from .config import parse_engine
 from .errors import ConfigError
 
 
@@ -27,7 +28,8 @@ TIMEOUT_HINT = " (raise --config-timeout)"
 
 @dataclass(frozen=True)
 class BenchRequest:
-    """The options of `evalrun bench`: the common run options, the matrix, baselines, the per-config limit."""
+    """The options of `evalrun bench`: the common run options, the matrix (names, each optionally @ENGINE),
+    baselines, the per-config limit."""
 
     model: str | None = None
     prompts: str | None = None
@@ -57,10 +59,17 @@ class BenchRequest:
         known.update({"none": ["--compilation-mode", "none"]})
         known.update({name.lstrip("-"): options for name, options in GPU_MATRIX})
         names = [name.strip() for name in self.matrix_names.split(",")]
-        unknown = [name for name in names if name not in known]
+        unknown = [name for name in names if name.partition("@")[0] not in known]
         if unknown:
-            raise ConfigError(f"unknown bench config {unknown[0]!r}; use {', '.join(sorted(known))}")
-        return [(name, known[name]) for name in names]
+            raise ConfigError(f"unknown bench config {unknown[0]!r}; use {', '.join(sorted(known))}, each optionally "
+                              "with @ENGINE (e.g. O2@transformers)")
+        return [(name, known[name.partition("@")[0]] + engine_options(name)) for name in names]
+
+
+def engine_options(name: str) -> list[str]:
+    """`NAME@ENGINE` runs configuration NAME on that engine (`--engine`), e.g. O2@transformers."""
+    _, at, engine = name.partition("@")
+    return ["--engine", parse_engine(engine)] if at else []
 
 
 def run_bench(request: BenchRequest, on_start: Callable[[str], None]) -> list[dict[str, Any]]:

@@ -58,6 +58,8 @@ def _stage_three(result: BisectResult) -> list[str]:
     report = result.layer
     if report is None:
         return ["stage 3, layer: skipped"]
+    if not report.points:  # the stage could not run; its summary says why
+        return [f"stage 3, layer: {report.summary}"]
     lines = [f"stage 3, layer: {report.summary}",
              f"  one forward over prompt {report.prompt_id!r} + GOOD's tokens ({report.tokens} tokens) for each of "
              f"GOOD, the culprit and the reference, in this process (not stored); rule: {report.rule}",
@@ -113,7 +115,7 @@ def text(result: BisectResult) -> str:
     lines += _stage_one(result)
     lines.append(table(PROBE_HEADERS, _probe_rows(result)))
     lines += _later_stages(result)
-    if result.layer is not None:
+    if result.layer is not None and result.layer.points:
         lines.append(table(LAYER_HEADERS, _layer_rows(result)))
     if result.culprit_run and result.probes and result.probes[0].run_id:
         lines.append(f"see: evalrun diff {result.probes[0].run_id[:12]} {result.culprit_run[:12]} "
@@ -134,7 +136,7 @@ def markdown(result: BisectResult) -> str:
         lines.append(f"- {md(line.strip())}")
     lines += ["", "| " + " | ".join(PROBE_HEADERS) + " |", "|" + "---|" * len(PROBE_HEADERS)]
     lines += ["| " + " | ".join(md(cell) for cell in row) + " |" for row in _probe_rows(result)]
-    if result.layer is not None:
+    if result.layer is not None and result.layer.points:
         lines += ["", "| " + " | ".join(LAYER_HEADERS) + " |", "|" + "---|" * len(LAYER_HEADERS)]
         lines += ["| " + " | ".join(md(cell) for cell in row) + " |" for row in _layer_rows(result)]
     if result.compiler is not None and result.compiler.log:
@@ -151,6 +153,9 @@ def plot(result: BisectResult, path: Path) -> None:
     """Per sub-block relative error against float64: GOOD, the culprit, and the envelope (log scale)."""
     if result.layer is None:
         raise EvalrunError("--plot needs stage 3 (the layer stage), which did not run; drop --skip layer")
+    if not result.layer.points:
+        raise EvalrunError(f"--plot needs stage 3 (the layer stage), which did not run ({result.layer.summary}); "
+                           "drop --plot")
     try:
         import matplotlib
 

@@ -270,6 +270,12 @@ def layer_points(names: list[tuple[str, int, str]], good: list[torch.Tensor], ba
 def layer_stage(prober: Prober, culprit: EffectiveConfig, prompt_index: int) -> LayerReport:
     good_prepared = prober.good_prepared
     record = prober.store.load_results(prober.good_record.id, names=("tokens",))[prompt_index]
+    sides = (("GOOD", prober.good), ("the culprit", culprit))
+    outside = [f"{who} runs --engine {config.engine}" for who, config in sides if config.engine != "evalrun"]
+    if outside:  # per-sub-block states exist only in evalrun's own forward (Transformer.forward_states)
+        return LayerReport(record.prompt_id, 0, "", {}, [], None, None,
+                           "not run: per-layer states are observed in evalrun's own forward only, and "
+                           + " and ".join(outside))
     ids = list(good_prepared.prompt_set.token_ids[prompt_index]) + [int(t) for t in record.arrays["tokens"][:-1]]
     oracle_prepared = _prepared(prober, oracle_config(prober.good, good_prepared.header["model"]["parameters"]))
     states = {"good": forward_states(good_prepared, ids), "bad": forward_states(_prepared(prober, culprit), ids),

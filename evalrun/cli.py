@@ -38,7 +38,8 @@ def run_options(command: Callable) -> Callable:
     """The RUN OPTIONS of DESIGN.md, defined once for every command that runs a model."""
     options = [
         click.option("--config", "config_source", metavar="PRESET|FILE.toml", help="Preset name or TOML file."),
-        click.option("--model", help="smollm2-135m (default), random:tiny, random:smollm2, random:llama3-8b, DIR, FILE.gguf."),
+        click.option("--model", help="smollm2-135m (default), random:tiny|smollm2|llama3-8b|qwen3-8b|qwen3-moe, "
+                                        "DIR, FILE.gguf."),
         click.option("--prompts", metavar="FILE.jsonl", help="Prompt set: default, smoke, or a JSONL file."),
         click.option("--engine", metavar="E", help="evalrun (default) | transformers | openai:http://HOST:PORT/v1."),
         click.option("--served-model", metavar="NAME", help="With --engine openai:URL: the served model's name."),
@@ -455,8 +456,8 @@ def invariance(store_path, batch_sizes, positions, repeats, output_format, as_js
 @click.option("--max-new-tokens", type=click.IntRange(min=1), help="Tokens per prompt.")
 @click.option("--batch-size", type=click.IntRange(min=1), help="Prompts per batch.")
 @click.option("--matrix", "matrix_names", metavar="NAMES", default=None,
-              help="Comma-separated configs: O0..O3, none, stock, trace-once, piecewise "
-                   "(default: O0..O3 on GPU, the compilation modes on CPU).")
+              help="Comma-separated configs: O0..O3, none, stock, trace-once, piecewise, each optionally @ENGINE "
+                   "(O2@transformers) (default: O0..O3 on GPU, the compilation modes on CPU).")
 @click.option("--no-baselines", is_flag=True, help="Skip transformers' generate baselines.")
 @click.option("--config-timeout", type=click.FloatRange(min=1), default=3600, show_default=True, metavar="SECONDS",
               help="Stop a configuration that runs longer (its row shows the timeout); the others still run.")
@@ -476,6 +477,7 @@ def bench(model, prompts, dtype, device, max_new_tokens, batch_size, matrix_name
     Example:
       evalrun bench --model random:llama3-8b --dtype bfloat16 --max-new-tokens 128 --prompts smoke
       evalrun bench --matrix O0,O2 --compare baseline.json --fail-on tokens_per_s:5% --fail-on ttft_ms:10%
+      evalrun bench --matrix O0,O2,O0@transformers,O2@transformers --model random:llama3-8b --dtype bfloat16
     """
     from . import bench_compare
     from .bench import BASELINES, BenchRequest, run_bench

@@ -526,6 +526,8 @@ def resolve(config: RunConfig, cuda_available: bool) -> EffectiveConfig:
             defaults["cudagraph_mode"] = wanted.without_piecewise().value
             adjustments.append(f"cudagraph_mode: -O{level} fills {wanted.value}, which needs piecewise compilation; "
                                f"with compilation_mode={values['compilation_mode']} filled {defaults['cudagraph_mode']}")
+    if values["engine"] == "transformers":
+        adjustments += _whole_forward_defaults(defaults, values, level)
     for key, value in defaults.items():
         if values[key] is None:
             values[key] = value
@@ -543,6 +545,37 @@ def resolve(config: RunConfig, cuda_available: bool) -> EffectiveConfig:
     return effective
 
 
+def _whole_forward_defaults(defaults: dict[str, Any], values: dict[str, Any], level: int) -> list[str]:
+    """transformers' forward compiles whole, never piecewise: an -O level's piecewise defaults become
+    trace-once (and its graph mode the closest without piecewise) for the fields the user left unset."""
+    adjustments = []
+    if values["compilation_mode"] is None and defaults["compilation_mode"] == "piecewise":
+        defaults["compilation_mode"] = "trace-once"
+        adjustments.append(f"compilation_mode: -O{level} fills piecewise, which --engine transformers cannot run "
+                           "(it compiles the whole forward); filled trace-once")
+    wanted = CUDAGraphMode(defaults["cudagraph_mode"])
+    if values["cudagraph_mode"] is None and wanted.requires_piecewise_compilation():
+        defaults["cudagraph_mode"] = wanted.without_piecewise().value
+        adjustments.append(f"cudagraph_mode: -O{level} fills {wanted.value}, which needs piecewise compilation; "
+                           f"with --engine transformers filled {defaults['cudagraph_mode']}")
+    return adjustments
+
+
+TRANSFORMERS_MODES_FIX = "--engine transformers compiles transformers' whole forward"
+
+
+def _check_engine_modes(config: EffectiveConfig) -> None:
+    """The execution modes an engine other than evalrun's can honour (engine.hf_engine)."""
+    if config.engine != "transformers":
+        return
+    if config.compilation_mode is CompilationMode.PIECEWISE:
+        raise ConfigError(f"compilation_mode=piecewise compiles evalrun's own forward piece by piece; "
+                          f"{TRANSFORMERS_MODES_FIX}: use --compilation-mode none, stock or trace-once")
+    if config.cudagraph_mode.has_full_cudagraphs() and not config.compilation_mode.is_compiled():
+        raise ConfigError(f"cudagraph_mode={config.cudagraph_mode} under --engine transformers captures a static-cache "
+                          "forward compiled by torch.compile; add --compilation-mode stock or trace-once")
+
+
 def validate(config: EffectiveConfig, cuda_available: bool, gpu_count: int | None = None) -> None:
     """The one check that a resolved config can exist here; ConfigError names the fix."""
     if config.on_gpu and not cuda_available:
@@ -554,8 +587,10 @@ def validate(config: EffectiveConfig, cuda_available: bool, gpu_count: int | Non
     if config.cudagraph_mode.requires_piecewise_compilation() and config.compilation_mode is not CompilationMode.PIECEWISE:
         raise ConfigError(f"cudagraph_mode={config.cudagraph_mode} wraps compiled pieces and needs --compilation-mode "
                           "piecewise; use it, or --cudagraph-mode full / full-decode-only / none")
-    if config.engine != "evalrun" and not config.engine.startswith(OPENAI_ENGINE_PREFIX):
-        raise ConfigError(f"engine={config.engine[:80]!r} is not implemented yet (issues #14, #15); use --engine evalrun")
+    if config.engine not in ENGINES and not config.engine.startswith(OPENAI_ENGINE_PREFIX):
+        raise ConfigError(f"engine={config.engine[:80]!r} is not valid; use --engine evalrun, --engine transformers "
+                          "or --engine openai:http://HOST:PORT/v1")
+    _check_engine_modes(config)
     if config.tensor_parallel != 1:
         raise ConfigError(f"tensor_parallel={config.tensor_parallel} is not implemented yet (issue #17); use 1")
     if config.dtype == "float16" and not config.on_gpu:

@@ -15,6 +15,7 @@ import numpy as np
 
 from .compare import bits_to_float, dict_diff, digest_mismatch_steps, first_divergence, sketch_series, ulp_distance
 from .errors import StoreError
+from .routing import RoutingFlip, result_flip
 from .store import PromptResult, RunRecord, Store, result_problem
 
 CONTEXT_TOKENS = 6  # decoded tokens shown each side of the first divergence
@@ -103,6 +104,7 @@ class PromptDiff:
     margin_b: float | None = None
     series: StepSeries | None = None
     logits: dict[str, Any] | None = None  # element-level figures when both runs kept full logits
+    routing: RoutingFlip | None = None  # MoE models: the first routing flip, up to the token divergence
 
 
 @dataclass
@@ -186,6 +188,8 @@ def diff_prompt(a: PromptResult, b: PromptResult, dtype: str, decode, series: St
         result.top_a, result.top_b = _top(a, divergence, decode), _top(b, divergence, decode)
         result.margin_a = float(a.arrays["margins"][divergence])
         result.margin_b = float(b.arrays["margins"][divergence])
+    # routing is compared where both runs had the same input: up to and including the first divergent step
+    result.routing = result_flip(a.arrays, b.arrays, divergence + 1 if divergence >= 0 else result.steps)
     if "logits" in a.arrays and "logits" in b.arrays:
         steps, in_a, in_b = np.intersect1d(a.arrays["logits_steps"], b.arrays["logits_steps"], return_indices=True)
         if steps.size:

@@ -82,7 +82,13 @@ def text(diff: RunDiff) -> str:
             lines += _divergence_lines(diff, prompt)
         if prompt.logits:
             lines += _logits_lines(prompt)
+        if prompt.routing:
+            lines.append(_routing_line(diff, prompt))
     return "\n".join(lines)
+
+
+def _routing_line(diff: RunDiff, prompt: PromptDiff) -> str:
+    return f"{prompt.prompt_id}: {prompt.routing.describe(diff.a, diff.b)}"
 
 
 def as_json(diff: RunDiff) -> str:
@@ -113,6 +119,8 @@ def markdown(diff: RunDiff) -> str:
     for prompt in diff.prompts:
         if not prompt.tokens_identical and prompt.top_a:
             lines += ["", *markdown_code(_divergence_lines(diff, prompt))]
+        if prompt.routing:
+            lines += ["", f"- {_md(_routing_line(diff, prompt))}"]
     return "\n".join(lines) + "\n"
 
 

@@ -5,7 +5,11 @@ References:
   random:tiny       a tiny Llama with seeded weights and a byte-level tokenizer (fast tests)
   random:smollm2    SmolLM2-135M's shape, seeded weights, SmolLM2's tokenizer
   random:llama3-8b  Llama-3-8B's shape, seeded weights, SmolLM2's tokenizer
-  PATH/             a local Hugging Face model directory (Llama, Qwen2/2.5 or Qwen3: engine/model_support.py)
+  random:qwen3-8b   Qwen3-8B's shape (Qwen3: q/k norms), seeded weights, SmolLM2's tokenizer
+  random:qwen3-moe  Qwen3-30B-A3B's layer shape (128 experts, top-8) at half its depth (24 layers,
+                    15.6B parameters: 31 GB in bfloat16), seeded weights, SmolLM2's tokenizer
+  PATH/             a local Hugging Face model directory (Llama, Qwen2/2.5, Qwen3, Qwen3-MoE, Mistral, Phi-3, Gemma 2,
+                    Gemma 3 text: engine/model_support.py)
   PATH.gguf         a GGUF file (loaded with transformers' GGUF support)
   owner/name        a hub id, where the machine has a network
 
@@ -30,7 +34,7 @@ import numpy as np
 import torch
 
 from .engine.mixing import GOLDEN_GAMMA, logical_shift_right, splitmix64
-from .engine.model_support import check_architecture
+from .engine.model_support import HF_EAGER_ONLY, check_architecture
 from .errors import ModelError
 from .hashing import hash_bytes, hash_value
 
@@ -40,7 +44,7 @@ CHAT_TEMPLATE_TINY = (
     "{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}"
     "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
 )
-# Shapes of the seeded random models (Llama architecture).
+# Shapes of the seeded random models (Llama architecture unless `model_type` names another family).
 RANDOM_SHAPES: dict[str, dict[str, Any]] = {
     "tiny": dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
                  num_key_value_heads=2, vocab_size=320, max_position_embeddings=4096, tie_word_embeddings=False),
@@ -50,6 +54,15 @@ RANDOM_SHAPES: dict[str, dict[str, Any]] = {
     "llama3-8b": dict(hidden_size=4096, intermediate_size=14336, num_hidden_layers=32, num_attention_heads=32,
                       num_key_value_heads=8, vocab_size=128256, max_position_embeddings=8192,
                       tie_word_embeddings=False, rope_theta=500000.0),
+    "qwen3-8b": dict(model_type="qwen3", hidden_size=4096, intermediate_size=12288, num_hidden_layers=36,
+                     num_attention_heads=32, num_key_value_heads=8, head_dim=128, vocab_size=151936,
+                     max_position_embeddings=40960, tie_word_embeddings=False, rope_theta=1000000.0,
+                     rms_norm_eps=1e-6),
+    "qwen3-moe": dict(model_type="qwen3_moe", hidden_size=2048, intermediate_size=6144, moe_intermediate_size=768,
+                      num_experts=128, num_experts_per_tok=8, norm_topk_prob=True, num_hidden_layers=24,
+                      num_attention_heads=32, num_key_value_heads=4, head_dim=128, vocab_size=151936,
+                      max_position_embeddings=40960, tie_word_embeddings=False, rope_theta=1000000.0,
+                      rms_norm_eps=1e-6),
 }
 # Model-config keys that describe where a model came from, not what it computes.
 VOLATILE_CONFIG_KEYS = ("_name_or_path", "_model_name_or_path", "transformers_version", "quantization_config",
@@ -102,7 +115,7 @@ def fill_seeded(model: torch.nn.Module, seed: int) -> None:
         if param.ndim == 1:
             param.fill_(1.0)
             continue
-        std = 1.0 if "embed" in name else param.shape[1] ** -0.5
+        std = 1.0 if "embed" in name else param.shape[-1] ** -0.5  # fan-in (MoE experts: [E, out, in])
         values = seeded_uniform(tuple(param.shape), _tensor_seed(name, seed), std * 3**0.5, param.device)
         param.copy_(values)
 
@@ -212,13 +225,17 @@ def converted_gguf_dir(gguf: Path, digest: str | None = None) -> Path:
 
 # ---------------------------------------------------------------- loading
 
-def _llama(shape: str, device: torch.device) -> torch.nn.Module:
-    from transformers import LlamaConfig, LlamaForCausalLM
+def _random_module(shape: str, device: torch.device) -> torch.nn.Module:
+    """The transformers module of a random shape, built on `device` (weights still unseeded)."""
+    from transformers import AutoConfig, AutoModelForCausalLM, LlamaConfig, LlamaForCausalLM
 
-    config = LlamaConfig(**RANDOM_SHAPES[shape], bos_token_id=1, eos_token_id=2, pad_token_id=0)
+    fields = dict(RANDOM_SHAPES[shape])
+    model_type = fields.pop("model_type", "llama")
+    ids = dict(bos_token_id=1, eos_token_id=2, pad_token_id=0)
     with torch.device(device):
-        model = LlamaForCausalLM(config)
-    return model
+        if model_type == "llama":
+            return LlamaForCausalLM(LlamaConfig(**fields, **ids))
+        return AutoModelForCausalLM.from_config(AutoConfig.for_model(model_type, **fields, **ids))
 
 
 def _load_random(ref: str, seed: int, device: torch.device, dtype: torch.dtype) -> LoadedModel:
@@ -226,7 +243,7 @@ def _load_random(ref: str, seed: int, device: torch.device, dtype: torch.dtype) 
     if shape not in RANDOM_SHAPES:
         raise ModelError(f"unknown random model {ref!r}; use one of: "
                          + ", ".join(f"random:{name}" for name in RANDOM_SHAPES))
-    model = _llama(shape, device)
+    model = _random_module(shape, device)
     fill_seeded(model, seed)
     model = model.to(dtype)
     # The weights are a pure function of (shape, seed, generator): hash that recipe, not 16 GB of bytes.
@@ -275,27 +292,27 @@ def decoder_for(record: Any):
 CONFIG_JSON_LIMIT = 4 << 20  # bytes; a config.json is a few kB
 
 
-def check_directory_family(directory: Path) -> None:
+def check_directory_family(directory: Path) -> str | None:
     """Refuse, before any weight is read, a model folder whose config.json names a family evalrun's
-    engine does not run (one line naming the families it runs). A config.json that is missing or not
-    JSON is left to the loader, whose message says so."""
+    engine does not run (one line naming the families it runs); return the family. A config.json that
+    is missing or not JSON is left to the loader, whose message says so."""
     path = directory / "config.json"
     try:
         if path.stat().st_size > CONFIG_JSON_LIMIT:
             raise ModelError(f"{path} is larger than {CONFIG_JSON_LIMIT >> 20} MiB; it is not a model config")
         config = json.loads(path.read_text(encoding="utf-8"))
     except (OSError, ValueError, RecursionError):
-        return
-    if isinstance(config, dict):
-        check_architecture(config)
+        return None
+    return check_architecture(config) if isinstance(config, dict) else None
 
 
 def _load_directory(ref: str, directory: Path | str, device: torch.device, dtype: torch.dtype, attn: str,
-                    source: dict[str, Any]) -> LoadedModel:
+                    source: dict[str, Any], check_family: bool = True) -> LoadedModel:
     from transformers import AutoModelForCausalLM
 
-    if isinstance(directory, Path):
-        check_directory_family(directory)
+    family = check_directory_family(directory) if isinstance(directory, Path) and check_family else None
+    if family in HF_EAGER_ONLY:  # transformers has no SDPA path for it (and refuses to load one)
+        attn = "eager"
     try:
         model, info = _quietly(AutoModelForCausalLM.from_pretrained, directory, dtype=stored_dtype(directory),
                                attn_implementation=attn, output_loading_info=True)
@@ -414,8 +431,10 @@ def _hub_reference(ref: str) -> str:
     return ref
 
 
-def load_model(ref: str, device: str, dtype: str, attn_implementation: str = "sdpa", seed: int = 0) -> LoadedModel:
-    """Resolve `ref` and load it onto `device` in `dtype` ('float32', 'bfloat16', 'float16', 'float64')."""
+def load_model(ref: str, device: str, dtype: str, attn_implementation: str = "sdpa", seed: int = 0,
+               engine: str = "evalrun") -> LoadedModel:
+    """Resolve `ref` and load it onto `device` in `dtype` ('float32', 'bfloat16', 'float16', 'float64').
+    A folder's family is checked before its weights are read when `engine` computes families itself."""
     torch_device = torch.device(device)
     torch_dtype = getattr(torch, dtype)
     if ref.startswith("random:"):
@@ -438,10 +457,13 @@ def load_model(ref: str, device: str, dtype: str, attn_implementation: str = "sd
         elif "/" in ref and not Path(ref).exists() and ref.count("/") == 1:
             directory, source = _hub_reference(ref), {"kind": "hub", "id": ref}
         else:
-            raise ModelError(f"unknown model {ref!r}; use smollm2-135m, random:tiny, random:smollm2, "
-                             "random:llama3-8b, a Hugging Face directory, or a .gguf file")
-        loaded = _load_directory(ref, directory, torch_device, torch_dtype, attn_implementation, source)
-    loaded.model.config._attn_implementation = attn_implementation
+            raise ModelError(f"unknown model {ref!r}; use smollm2-135m, "
+                             + ", ".join(f"random:{name}" for name in RANDOM_SHAPES)
+                             + ", a Hugging Face directory, or a .gguf file")
+        loaded = _load_directory(ref, directory, torch_device, torch_dtype, attn_implementation, source,
+                                 check_family=engine == "evalrun")
+    if loaded.model.config.model_type not in HF_EAGER_ONLY:  # SDPA would drop Gemma 2's soft-capping
+        loaded.model.config._attn_implementation = attn_implementation
     loaded.model.eval()
     loaded.model.requires_grad_(False)
     return loaded

@@ -89,7 +89,8 @@ def human_bytes(count: float) -> str:
 
 def config_line(config: dict[str, Any]) -> str:
     keys = ("model", "device", "dtype", "opt_level", "compilation_mode", "cudagraph_mode", "batch_size", "deterministic")
-    return " ".join(f"{key}={config.get(key)}" for key in keys)
+    engine = config.get("engine", "evalrun")
+    return " ".join(f"{key}={config.get(key)}" for key in keys) + (f" engine={engine}" if engine != "evalrun" else "")
 
 
 def timings_text(timings: dict[str, Any]) -> str:

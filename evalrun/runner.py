@@ -16,12 +16,9 @@ import torch
 
 from .compile_cache import cache_counters, cache_evidence, use_evalrun_cache
 from .config import EffectiveConfig, RunConfig, is_server_engine, keep_logits_steps, resolve, validate
-from .engine.driver import generate_batch
+from .engine.engines import Engine, build_engine, check_model
 from .engine.generate import BatchOutput, BatchSpec
-from .engine.model_support import check_config
-from .engine.modes import ExecutionMode, build_execution_mode
 from .engine.timing import latency_summary, peak_memory_bytes, reset_peak_memory
-from .engine.transformer import Transformer
 from .errors import ConfigError, FallbackError
 from .fingerprint import apply_numerics_flags, baseline_backend_flags, environment, environment_hash
 from .hashing import hash_bytes, hash_value
@@ -51,12 +48,12 @@ class Prepared:
     prompt_set: PromptSet
     header: dict[str, Any]
     load_seconds: float
-    mode: ExecutionMode | None = None  # built on first use, then reused (forced runs reuse compiled code)
+    mode: Engine | None = None  # built on first use, then reused (forced runs reuse compiled code)
 
-    def execution_mode(self) -> ExecutionMode:
+    def execution_mode(self) -> Engine:
+        """The config's engine in its execution mode (engine.engines.build_engine: the one place engines plug in)."""
         if self.mode is None:
-            transformer = Transformer(self.loaded.model, self.config.attn_implementation)
-            self.mode = build_execution_mode(transformer, self.config)
+            self.mode = build_engine(self.loaded.model, self.config)
         return self.mode
 
 
@@ -102,7 +99,7 @@ def build_header(config: EffectiveConfig, applied: dict[str, Any], loaded: Loade
 
 def shares_model(config: EffectiveConfig, other: Prepared) -> bool:
     """Whether `other`'s loaded model and prompt set serve `config` too (what `prepare(reuse=...)` shares)."""
-    keys = ("model", "device", "dtype", "attn_implementation", "prompts")
+    keys = ("model", "device", "dtype", "attn_implementation", "prompts", "engine")
     return all(getattr(config, k) == getattr(other.config, k) for k in keys)
 
 
@@ -122,8 +119,9 @@ def prepare(config: RunConfig | EffectiveConfig, reuse: Prepared | None = None) 
     if reuse is not None and shares_model(effective, reuse):
         loaded, prompt_set = reuse.loaded, reuse.prompt_set
     else:
-        loaded = load_model(effective.model, effective.device, effective.dtype, effective.attn_implementation)
-        check_config(loaded.model.config.to_dict())  # before any prompt is read or token computed
+        loaded = load_model(effective.model, effective.device, effective.dtype, effective.attn_implementation,
+                            engine=effective.engine)
+        check_model(effective.engine, loaded.model.config.to_dict())  # before any prompt is read or token computed
         prompt_set = load_prompt_set(effective.prompts, loaded.tokenizer, context_limit=loaded.context_limit,
                                      new_tokens=effective.max_new_tokens)
     load_seconds = time.perf_counter() - started
@@ -200,6 +198,9 @@ def to_results(prepared: Prepared, batch_index: int, indices: list[int], output:
             arrays["probe_values"] = output.probe_values[row, :steps]
             if output.probe_logsumexp is not None:  # log-probabilities at the probes: probe_values - this
                 arrays["probe_logsumexp"] = output.probe_logsumexp[row, :steps]
+        if output.routing_experts is not None:  # MoE models: [steps, L, k] experts (int16), [steps, L] margins
+            arrays["routing_experts"] = output.routing_experts[row, :steps].astype(np.int16)
+            arrays["routing_margins"] = output.routing_margins[row, :steps]
         tokens = arrays["tokens"]
         eos_hits = np.flatnonzero(tokens == eos) if eos is not None else np.array([])
         eos_step = int(eos_hits[0]) if eos_hits.size else -1
@@ -232,7 +233,7 @@ def _timings(prepared: Prepared, outputs: list[BatchOutput], warmup_seconds: flo
     }
 
 
-def warmup_batches(batches: list[list[int]], prepared: Prepared, mode: ExecutionMode) -> list[list[int]]:
+def warmup_batches(batches: list[list[int]], prepared: Prepared, mode: Engine) -> list[list[int]]:
     """One batch per distinct shape (batch bucket, prefill bucket): warm-up compiles and captures each
     shape the run will use, so a trace-once run never compiles while it is measured."""
     chosen: dict[tuple[int, int], list[int]] = {}
@@ -272,7 +273,7 @@ def execute(prepared: Prepared, forced: dict[int, np.ndarray] | None = None, pro
     for _ in range(config.warmup if timed or mode.static else 0):  # discarded: compile, capture, autotune and allocator warm-up
         for indices in warmup_batches(batches, prepared, mode):
             for _ in range(mode.calls_to_warm):
-                output = generate_batch(mode.transformer, batch_spec(prepared, indices, forced, probes), mode)
+                output = mode.generate(batch_spec(prepared, indices, forced, probes))
                 cold_ttft_ms = float(output.step_ms[0]) if cold_ttft_ms is None else cold_ttft_ms
     warmup_seconds = time.perf_counter() - started
     reset_peak_memory(device)
@@ -280,14 +281,14 @@ def execute(prepared: Prepared, forced: dict[int, np.ndarray] | None = None, pro
     results, outputs = [], []
     started = time.perf_counter()
     for number, indices in zip(chosen, batches):
-        output = generate_batch(mode.transformer, batch_spec(prepared, indices, forced, probes), mode)
+        output = mode.generate(batch_spec(prepared, indices, forced, probes))
         outputs.append(output)
         batch_results = to_results(prepared, number, indices, output)
         results += batch_results if kept[number] is None else [batch_results[kept[number]]]
         if progress:
             progress(len(indices) if kept[number] is None else 1)
     generate_seconds = time.perf_counter() - started
-    evidence = mode.evidence()
+    evidence = {"engine": config.engine, **mode.evidence()}
     evidence["config_adjustments"] = list(config.adjustments)
     evidence["compile_cache"] = cache_evidence(cache_before, cache_folders)
     timings = _timings(prepared, outputs, warmup_seconds, evidence["compile_s"], generate_seconds, device, cold_ttft_ms)

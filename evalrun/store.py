@@ -31,6 +31,7 @@ from typing import Any, Iterator
 import numpy as np
 import sqlite_utils
 
+from . import routing
 from .errors import StoreError
 from .hashing import array_from_bytes, array_to_bytes, hash_bytes
 
@@ -104,6 +105,7 @@ def result_problem(result: "PromptResult", probed: bool = False) -> str:
     if probed:
         fine = fine and arrays["probe_ids"].ndim == 2 and arrays["probe_ids"].shape[0] == steps \
             and arrays["probe_ids"].shape == arrays["probe_values"].shape and arrays["probe_ids"].shape[1] > 0
+    fine = fine and not routing.shape_problem(arrays, steps)
     return "" if fine else f"has arrays of inconsistent shapes for prompt {result.prompt_id!r}"
 
 

@@ -31,6 +31,8 @@ def _rows(verdict: Verdict) -> list[list[Any]]:
 
 def _summary_lines(verdict: Verdict) -> list[str]:
     lines = [f"function check: {verdict.function_check}", f"execution check: {verdict.execution_check}"]
+    lines += [f"prompt {p.prompt_id}: {p.routing.describe('golden', 'candidate')}" for p in verdict.prompts
+              if p.routing is not None]
     if verdict.envelope:
         lines.append("envelope: " + "; ".join(verdict.envelope))
     if verdict.closest:

@@ -34,6 +34,7 @@ from .config import EffectiveConfig, RunConfig, build_config
 from .errors import ConfigError, GoldenError
 from .golden import ENVELOPE_ROLES, Golden, Hook, reference_config
 from .hashing import hash_value
+from .routing import RoutingFlip, result_flip
 from .rules import (EXECUTION_RULE, FUNCTION_RULE, Evidence, Judgement, aggregate, judge, judge_set, rule_for,
                     step_errors, typical)
 from .runner import Prepared, Probes, Run, execute, prepare, steps_for
@@ -83,6 +84,7 @@ class PromptVerdict:
     flips: list[FlipReport] = field(default_factory=list)
     distance: float = 0.0  # the largest of the checks' distances
     reason: str = ""
+    routing: RoutingFlip | None = None  # MoE models: first routing flip, golden vs candidate along the golden's tokens
 
 
 @dataclass
@@ -177,7 +179,8 @@ class Context:
 
 def _cut(result: PromptResult, steps: int) -> PromptResult:
     """A result limited to its first `steps` steps (the prefix a shorter candidate verifies)."""
-    per_step = ("tokens", "digests", "topk_ids", "topk_values", "margins", "probe_ids", "probe_values", "probe_logsumexp")
+    per_step = ("tokens", "digests", "topk_ids", "topk_values", "margins", "probe_ids", "probe_values",
+                "probe_logsumexp", "routing_experts", "routing_margins")
     arrays = {name: (array[:steps] if name in per_step else array) for name, array in result.arrays.items()}
     return dataclasses.replace(result, arrays=arrays, new_tokens=min(result.new_tokens, steps))
 
@@ -294,6 +297,7 @@ def _verify_runs(context: Context, function_check: str) -> Verdict:
     if composition:
         context.causes.append(composition)
     forced = _forced_results(context, free, prompts)
+    _routing_flips(context, forced, prompts)
     function_line, function_reports, function_set = _function_check(context, forced, function_check)
     envelope_names, members = _envelope(context)
     execution = _execution_check(context, forced, members, prompts)
@@ -346,6 +350,23 @@ def _forced_results(context: Context, free: Run, prompts: list[PromptVerdict]) -
         results.update(rerun.by_index())
         context.timings["forced_s"] = time.perf_counter() - started
     return results
+
+
+def _routing_flips(context: Context, forced: dict[int, PromptResult], prompts: list[PromptVerdict]) -> None:
+    """MoE models: each prompt's first routing flip (golden vs the candidate along the golden's tokens, so
+    every step has the same input), and one cause naming the first flip and whether it was a near-tie."""
+    for golden_run, prompt in zip(context.golden_results, prompts):
+        if prompt.verdict != "identical":
+            prompt.routing = result_flip(golden_run.arrays, forced[golden_run.prompt_index].arrays,
+                                         context.steps[golden_run.prompt_index])
+    flipped = [p for p in prompts if p.routing is not None]
+    if not flipped:
+        return
+    ties = sum(p.routing.near_tie for p in flipped)
+    first = min(flipped, key=lambda p: (p.routing.step, p.routing.layer))
+    context.causes.append(f"routing: experts chosen differently in {len(flipped)} of {len(prompts)} prompts "
+                          f"({ties} at near-ties); first in prompt {first.prompt_id!r}: "
+                          f"{first.routing.describe('golden', 'candidate')}")
 
 
 def _run_forced(context: Context, config: EffectiveConfig, phase: str) -> dict[int, PromptResult]:

@@ -14,7 +14,7 @@ import torch
 from conftest import one_line_exit_2
 from evalrun.engine.driver import generate_batch
 from evalrun.engine.generate import BatchSpec
-from evalrun.engine.model_support import FAMILIES, check_config
+from evalrun.engine.model_support import ARCHITECTURES, FAMILIES, check_config
 from evalrun.engine.transformer import Transformer
 from evalrun.errors import UnsupportedModelError
 from evalrun.models import byte_tokenizer, load_model
@@ -27,6 +27,17 @@ LLAMA3_ROPE = {"rope_type": "llama3", "rope_theta": 10000.0, "factor": 8.0, "low
                "high_freq_factor": 4.0, "original_max_position_embeddings": 64}
 YARN_ROPE = {"rope_type": "yarn", "rope_theta": 10000.0, "factor": 4.0, "original_max_position_embeddings": 64}
 LINEAR_ROPE = {"rope_type": "linear", "rope_theta": 10000.0, "factor": 2.0}
+# The prompt below is 48 tokens and the decode 32 more: a window of 8 hides most of the context.
+WINDOW = 8
+# Gemma with every special switched on: head_dim != hidden/heads, a query scalar that is not head_dim,
+# caps small enough that tanh bends the scores and logits (|logits| < 10 here: not saturated, no ties),
+# sliding and full layers alternating. Untied: a random tied head over sqrt(hidden)-scaled embeddings
+# only repeats the input token (logits ~100, margins ~60).
+GEMMA = {"head_dim": 16, "query_pre_attn_scalar": 24, "sliding_window": WINDOW, "attn_logit_softcapping": 2.0,
+         "final_logit_softcapping": 5.0, "num_hidden_layers": 3, "tie_word_embeddings": False,
+         "layer_types": ["sliding_attention", "full_attention", "sliding_attention"]}
+GEMMA3_ROPE = {"sliding_attention": {"rope_type": "default", "rope_theta": 10000.0},
+               "full_attention": {"rope_type": "linear", "rope_theta": 1000000.0, "factor": 8.0}}
 
 # (family, config overrides): each switches on one feature the engine implements (or one inert field).
 CASES = {
@@ -47,15 +58,28 @@ CASES = {
     "qwen2-tied-yarn": ("qwen2", {"tie_word_embeddings": True, "rope_parameters": YARN_ROPE}),
     "qwen3": ("qwen3", {"head_dim": 32}),
     "qwen3-attention-bias-gelu": ("qwen3", {"attention_bias": True, "hidden_act": "gelu_pytorch_tanh"}),
+    "mistral": ("mistral", {"sliding_window": None}),
+    "mistral-sliding-window": ("mistral", {"sliding_window": WINDOW}),
+    "phi3": ("phi3", {}),
+    "phi3-sliding-window-gelu": ("phi3", {"sliding_window": WINDOW, "hidden_act": "gelu_pytorch_tanh"}),
+    "gemma2": ("gemma2", GEMMA),
+    "gemma2-tied-attention-bias": ("gemma2", {"head_dim": 16, "attention_bias": True,
+                                                  "sliding_window": WINDOW}),
+    "gemma3": ("gemma3_text", {**GEMMA, "attn_logit_softcapping": None, "rope_parameters": GEMMA3_ROPE}),
+    "gemma3-defaults": ("gemma3_text", {"head_dim": 16, "sliding_window": WINDOW, "num_hidden_layers": 3,
+                                        "sliding_window_pattern": 2}),
 }
+# transformers' SDPA path ignores soft-capping: Gemma's reference forward is its eager attention.
+HF_ATTENTION = {"gemma2": "eager", "gemma3_text": "eager"}
 
 
 def _config(family: str, **overrides):
-    from transformers import LlamaConfig, Qwen2Config, Qwen3Config
+    from transformers import (Gemma2Config, Gemma3TextConfig, LlamaConfig, MistralConfig, Phi3Config, Qwen2Config,
+                              Qwen3Config, Qwen3MoeConfig)
 
-    classes = {"llama": LlamaConfig, "qwen2": Qwen2Config, "qwen3": Qwen3Config}
-    architectures = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM"}
-    return classes[family](**{**TINY, "architectures": [architectures[family]], **overrides})
+    classes = {"llama": LlamaConfig, "qwen2": Qwen2Config, "qwen3": Qwen3Config, "qwen3_moe": Qwen3MoeConfig,
+               "mistral": MistralConfig, "phi3": Phi3Config, "gemma2": Gemma2Config, "gemma3_text": Gemma3TextConfig}
+    return classes[family](**{**TINY, "architectures": [ARCHITECTURES[family]], **overrides})
 
 
 @torch.no_grad()
@@ -94,14 +118,23 @@ def _hf_greedy(model: torch.nn.Module, ids: list[int], steps: int) -> tuple[list
     return tokens[len(ids):], np.stack(logits)
 
 
+def _hf_reference(directory: Path, family: str, dtype: torch.dtype, device: str = "cpu") -> torch.nn.Module:
+    """transformers' own model of the checkpoint, with the attention that computes every feature of it."""
+    from transformers import AutoModelForCausalLM
+
+    return AutoModelForCausalLM.from_pretrained(directory, dtype=dtype, attn_implementation=HF_ATTENTION.get(
+        family, "sdpa")).to(device).eval()
+
+
 @pytest.mark.parametrize("case", list(CASES))
 def test_engine_matches_transformers_over_a_32_token_greedy_decode(tmp_path, case):
     family, overrides = CASES[case]
-    loaded = load_model(str(_checkpoint(tmp_path / case, family, **overrides)), "cpu", "float32")
+    directory = _checkpoint(tmp_path / case, family, **overrides)
+    loaded = load_model(str(directory), "cpu", "float32")
     assert loaded.model.config.model_type == family
     ids = loaded.tokenizer("The engine must compute this model and no other")["input_ids"]
     out = generate_batch(Transformer(loaded.model, "sdpa"), BatchSpec([ids], STEPS, pad_id=0, keep_logits=True))
-    expected_tokens, expected_logits = _hf_greedy(loaded.model, ids, STEPS)
+    expected_tokens, expected_logits = _hf_greedy(_hf_reference(directory, family, torch.float32), ids, STEPS)
     ours = out.logits[0].view(np.float32)  # [steps, V]
     difference = float(np.abs(ours - expected_logits).max())
     print(f"{case}: max abs logits difference {difference:.2e}")
@@ -115,6 +148,9 @@ def test_engine_matches_transformers_over_a_32_token_greedy_decode(tmp_path, cas
     ("llama-attention-bias", lambda s: s.update({k: v + 1 for k, v in s.items() if "v_proj.bias" in k})),
     ("qwen2", lambda s: s.update({k: v + 1 for k, v in s.items() if "q_proj.bias" in k})),
     ("qwen3", lambda s: s.update({k: v * 2 for k, v in s.items() if "k_norm" in k})),
+    ("gemma2", lambda s: s.update({k: v * 2 for k, v in s.items() if "post_feedforward_layernorm" in k})),
+    ("gemma2", lambda s: s.update({k: v * 2 for k, v in s.items() if "post_attention_layernorm" in k})),
+    ("gemma3", lambda s: s.update({k: v * 2 for k, v in s.items() if "q_norm" in k})),
 ])
 def test_each_implemented_feature_changes_the_engines_logits(tmp_path, case, switch):
     """The features are really computed: editing only their weights changes the engine's logits."""
@@ -133,6 +169,109 @@ def test_each_implemented_feature_changes_the_engines_logits(tmp_path, case, swi
     switch(state)
     save_file(state, directory / "model.safetensors", metadata={"format": "pt"})
     assert not np.array_equal(before, logits())
+
+
+LONG_PROMPT = "The engine must compute this model and no other"  # 48 byte tokens: longer than WINDOW
+
+
+@pytest.mark.parametrize("case,fields", [
+    ("mistral-sliding-window", {"sliding_window": None}),
+    ("phi3-sliding-window-gelu", {"sliding_window": None}),
+    ("gemma2", {"sliding_window": 4096}),
+    ("gemma2", {"layer_types": ["full_attention"] * 3}),
+    ("gemma2", {"attn_logit_softcapping": None}),
+    ("gemma2", {"final_logit_softcapping": None}),
+    ("gemma2", {"query_pre_attn_scalar": 16}),
+    ("gemma3", {"rope_parameters": {**GEMMA3_ROPE, "sliding_attention": {"rope_type": "default", "rope_theta": 1e6}}}),
+])
+def test_each_config_feature_changes_the_engines_logits(tmp_path, case, fields):
+    """The window, the caps, the query scalar and Gemma 3's local rotary take effect on the tested prompt:
+    switching one off in config.json changes the engine's logits (so matching transformers with it on
+    says something)."""
+    family, overrides = CASES[case]
+    directory = _checkpoint(tmp_path / case, family, **overrides)
+
+    def logits() -> np.ndarray:
+        loaded = load_model(str(directory), "cpu", "float32")
+        ids = loaded.tokenizer(LONG_PROMPT)["input_ids"]
+        return generate_batch(Transformer(loaded.model), BatchSpec([ids], 2, pad_id=0, keep_logits=True)).logits
+
+    before = logits()
+    _edit_config(directory, **fields)
+    assert not np.array_equal(before, logits())
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+def test_gemmas_offset_rms_norm_matches_transformers_bit_for_bit(dtype):
+    from transformers.models.gemma2.modeling_gemma2 import Gemma2RMSNorm
+
+    from evalrun.engine.transformer import offset_rms_norm
+
+    generator = torch.Generator().manual_seed(1)
+    reference = Gemma2RMSNorm(96, eps=1e-6)
+    with torch.no_grad():
+        reference.weight.copy_(0.3 * torch.randn(96, generator=generator))
+        reference = reference.to(dtype)
+        x = (torch.randn(2, 5, 96, generator=generator) * 4).to(dtype)
+        assert torch.equal(offset_rms_norm(x, reference.weight, 1e-6), reference(x))
+
+
+@pytest.mark.parametrize("case", ["gemma2", "gemma3"])
+def test_forward_states_follow_the_forward_for_a_gemma(tmp_path, case):
+    """bisect's layer stage runs the same Gemma: its last state through the head gives forward's logits."""
+    family, overrides = CASES[case]
+    transformer = Transformer(load_model(str(_checkpoint(tmp_path / case, family, **overrides)), "cpu",
+                                         "float32").model)
+    ids = list(range(3, 3 + 2 * WINDOW))
+    tokens, positions, valid = torch.tensor([ids]), torch.arange(len(ids))[None], torch.ones(1, len(ids), dtype=torch.bool)
+    logits = transformer.forward(tokens, positions, positions[0], valid, transformer.new_cache(1, len(ids)))
+    states = transformer.forward_states(tokens, positions, positions[0], valid, transformer.new_cache(1, len(ids)))
+    assert len(states) == 2 * len(transformer.layers) + 1
+    last = transformer.head(states[-2][:, -1], transformer.final_norm, transformer.lm_head, transformer.eps,
+                            transformer.variant)
+    assert torch.equal(last, logits)
+    assert torch.allclose(states[-1][:, -1], logits, atol=1e-5)
+
+
+@pytest.mark.parametrize("case", ["mistral-sliding-window", "gemma3"])
+def test_a_left_padded_row_decodes_as_it_does_alone_under_a_sliding_window(tmp_path, case):
+    """The window counts a row's own tokens, not the padding before them: the short prompt, padded to the
+    long one's length in a batch, gives the tokens and logits it gives alone (checked against transformers
+    above)."""
+    family, overrides = CASES[case]
+    loaded = load_model(str(_checkpoint(tmp_path / case, family, **overrides)), "cpu", "float32")
+    long, short = (loaded.tokenizer(text)["input_ids"] for text in (LONG_PROMPT, "A shorter prompt, 24 tokens"))
+    transformer = Transformer(loaded.model)
+    batch = generate_batch(transformer, BatchSpec([long, short], STEPS, pad_id=0, keep_logits=True))
+    alone = generate_batch(transformer, BatchSpec([short], STEPS, pad_id=0, keep_logits=True))
+    assert batch.tokens[1].tolist() == alone.tokens[0].tolist()
+    assert np.abs(batch.logits[1].view(np.float32) - alone.logits[0].view(np.float32)).max() < MAX_ABS_LOGITS
+
+
+@pytest.mark.parametrize("case,mode", [("gemma2", "trace-once"), ("gemma3", "piecewise"),
+                                       ("mistral-sliding-window", "piecewise")])
+def test_compiled_modes_give_the_eager_tokens_for_a_new_family(tmp_path, case, mode):
+    """The compiled modes run the new pieces (two masks and rotaries, caps, sandwich norms) without a graph
+    break or fallback, and decode the same tokens as eager on a left-padded batch whose window bites."""
+    from evalrun.config import CompilationMode
+    from evalrun.engine.modes import ExecutionMode, allow_recompiles_for
+
+    family, overrides = CASES[case]
+    loaded = load_model(str(_checkpoint(tmp_path / case, family, **overrides)), "cpu", "float32")
+    prompts = [loaded.tokenizer(LONG_PROMPT)["input_ids"], loaded.tokenizer("A shorter one")["input_ids"]]
+    spec = BatchSpec(prompts, 12, pad_id=0, keep_logits=True)
+    transformer = Transformer(loaded.model)
+    eager = generate_batch(transformer, spec)
+    torch._dynamo.reset()
+    compiled_mode = ExecutionMode(transformer, CompilationMode(mode), prefill_buckets=(64,), batch_buckets=(2,))
+    allow_recompiles_for(compiled_mode.prefill_buckets, compiled_mode.batch_buckets)
+    generate_batch(transformer, spec, compiled_mode)  # warm-up: compiles every shape
+    compiled_mode.start_measuring()
+    compiled = generate_batch(transformer, spec, compiled_mode)
+    evidence = compiled_mode.evidence()
+    assert evidence["dynamo_graphs"] > 0 and evidence["fallbacks"] == [], evidence
+    assert compiled.tokens.tolist() == eager.tokens.tolist()
+    assert np.abs(compiled.logits.view(np.float32) - eager.logits.view(np.float32)).max() < MAX_ABS_LOGITS
 
 
 def test_every_field_of_every_supported_familys_config_has_a_rule():
@@ -160,6 +299,25 @@ REFUSED = [
      "'use_sliding_window' = True"),
     ("qwen3", {"layer_types": ["full_attention", "sliding_attention"], "sliding_window": 8}, "'layer_types'"),
     ("qwen2", {"mlp_bias": True}, "'mlp_bias' = True is not a field evalrun knows for Qwen2/2.5"),
+    ("mistral", {"sliding_window": 0}, "'sliding_window' = 0 is not supported for Mistral"),
+    ("mistral", {"sliding_window": 4.5}, "'sliding_window' = 4.5"),
+    ("mistral", {"attention_bias": True}, "'attention_bias' = True is not a field evalrun knows for Mistral"),
+    ("phi3", {"rope_parameters": {"rope_type": "longrope", "rope_theta": 1e4, "short_factor": [1.0] * 8,
+                                  "long_factor": [2.0] * 8, "partial_rotary_factor": 1.0}}, "Phi-3's longrope"),
+    ("phi3", {"rope_parameters": {"rope_type": "default", "rope_theta": 1e4, "partial_rotary_factor": 0.5}},
+     "partial_rotary_factor"),
+    ("phi3", {"sliding_window": -1}, "'sliding_window' = -1"),
+    ("gemma2", {"hidden_activation": "gelu_new"}, "'hidden_activation' = 'gelu_new'"),
+    ("gemma2", {"attn_logit_softcapping": -50.0}, "'attn_logit_softcapping' = -50.0"),
+    ("gemma2", {"final_logit_softcapping": "30"}, "'final_logit_softcapping' = '30'"),
+    ("gemma2", {"query_pre_attn_scalar": 0}, "'query_pre_attn_scalar' = 0"),
+    ("gemma2", {"sliding_window": None}, "'sliding_window' = None"),
+    ("gemma2", {"layer_types": ["full_attention", "chunked_attention"]}, "'layer_types'"),
+    ("gemma2", {"use_bidirectional_attention": True}, "'use_bidirectional_attention' = True"),
+    ("gemma3_text", {"attn_logit_softcapping": 50.0}, "'attn_logit_softcapping' = 50.0 is not supported for Gemma 3"),
+    ("gemma3_text", {"rope_parameters": {**GEMMA3_ROPE, "full_attention": {"rope_type": "dynamic", "factor": 2.0,
+                                                                           "rope_theta": 1e6}}}, "'rope_parameters'"),
+    ("gemma3_text", {"rope_parameters": {"rope_type": "default", "rope_theta": 1e4}}, "'rope_parameters'"),
 ]
 
 
@@ -208,13 +366,15 @@ def test_run_refuses_an_unsupported_config_with_one_line(tmp_path, cli, store_pa
     assert not store_path.exists() or "run" not in result[1]
 
 
-@pytest.mark.parametrize("model_type", ["mistral", "gpt2", "made_up_family"])
+@pytest.mark.parametrize("model_type", ["mixtral", "gemma3", "gpt2", "made_up_family"])
 def test_run_on_an_unsupported_architecture_names_the_supported_families(tmp_path, cli, store_path, model_type):
     directory = _edit_config(_checkpoint(tmp_path / "model", "llama"), model_type=model_type,
                              architectures=["SomethingForCausalLM"])
     result = cli("run", "--model", str(directory), "--prompts", "smoke", "--store", str(store_path))
     one_line_exit_2(result, f"model_type '{model_type}' is not a family evalrun's engine runs",
-                    "Llama (model_type 'llama')", "Qwen2/2.5 (model_type 'qwen2')", "Qwen3 (model_type 'qwen3')")
+                    "--engine transformers", "Llama (llama)", "Qwen2/2.5 (qwen2)", "Qwen3 (qwen3)",
+                    "Qwen3-MoE (qwen3_moe)", "Mistral (mistral)", "Phi-3 (phi3)", "Gemma 2 (gemma2)",
+                    "Gemma 3 text (gemma3_text)")
 
 
 def test_run_refuses_architectures_that_do_not_match_the_model_type(tmp_path, cli, store_path):
@@ -223,8 +383,26 @@ def test_run_refuses_architectures_that_do_not_match_the_model_type(tmp_path, cl
     one_line_exit_2(result, "architectures ['MistralForCausalLM'] is not LlamaForCausalLM")
 
 
-def test_run_on_a_qwen3_folder_records_its_tokens(tmp_path, cli, store_path):
-    directory = _checkpoint(tmp_path / "qwen3", "qwen3", head_dim=32)
+@pytest.mark.parametrize("case,fields,needles", [
+    ("gemma3", {"attn_logit_softcapping": 50.0}, ["'attn_logit_softcapping' = 50.0", "remove it from config.json"]),
+    ("phi3", {"rope_scaling": {"rope_type": "default", "partial_rotary_factor": 0.5}},
+     ["'rope_parameters'", "partial_rotary_factor 1"]),
+    ("mistral", {"sliding_window": 0}, ["'sliding_window' = 0", "a positive integer, or null"]),
+])
+def test_run_refuses_an_unsupported_value_of_a_new_familys_field_with_one_line(tmp_path, cli, store_path, case,
+                                                                               fields, needles):
+    family, overrides = CASES[case]
+    directory = _edit_config(_checkpoint(tmp_path / "model", family, **overrides), **fields)
+    result = cli("run", "--model", str(directory), "--prompts", "smoke", "--max-new-tokens", "2",
+                 "--store", str(store_path))
+    one_line_exit_2(result, *needles)
+
+
+@pytest.mark.parametrize("case", ["qwen3", "gemma2"])
+def test_run_on_a_model_folder_records_its_tokens(tmp_path, cli, store_path, case):
+    """Through the CLI (Gemma 2: transformers loads it with eager attention, having no SDPA path)."""
+    family, overrides = CASES[case]
+    directory = _checkpoint(tmp_path / case, family, **overrides)
     code, out, err = cli("run", "--model", str(directory), "--prompts", "smoke", "--max-new-tokens", "4",
                          "--store", str(store_path), "--json", "--quiet")
     assert code == 0, err
@@ -310,14 +488,12 @@ def _relative_rms(values: np.ndarray, reference: np.ndarray) -> float:
 def test_engine_in_bfloat16_on_cuda_stays_within_transformers_bfloat16_envelope(tmp_path, case):
     """Along one path (float64 greedy tokens), the engine's bfloat16 logits are within 3x the error that
     transformers' own bfloat16 forward makes against its float64 forward: drift, not another model."""
-    from transformers import AutoModelForCausalLM
-
     from evalrun.compare import bits_to_float
 
     family, overrides = CASES[case]
     directory = _checkpoint(tmp_path / case, family, **overrides)
-    reference_model = AutoModelForCausalLM.from_pretrained(directory, dtype=torch.float64).cuda().eval()
-    hf_bf16 = AutoModelForCausalLM.from_pretrained(directory, dtype=torch.bfloat16).cuda().eval()
+    reference_model = _hf_reference(directory, family, torch.float64, "cuda")
+    hf_bf16 = _hf_reference(directory, family, torch.bfloat16, "cuda")
     loaded = load_model(str(directory), "cuda", "bfloat16")
     ids = loaded.tokenizer("The engine must compute this model and no other")["input_ids"]
     tokens = list(ids)

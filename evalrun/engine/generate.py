@@ -79,6 +79,8 @@ class BatchOutput:
     padded_length: int = 0  # P, the prompt length the batch was padded to
     probe_ids: np.ndarray | None = None  # [B, N, K'] int64, when probed
     probe_values: np.ndarray | None = None  # [B, N, K'] float64 logits at the probe ids, when probed
+    routing_experts: np.ndarray | None = None  # [B, N, L, k] int64: MoE models, each MoE layer's chosen experts
+    routing_margins: np.ndarray | None = None  # [B, N, L] float32: their router margins (k-th - (k+1)-th prob)
     probe_logsumexp: np.ndarray | None = None  # [B, N] float64 logsumexp over the whole vocabulary, when probed
 
 
@@ -100,7 +102,8 @@ def stack_outputs(outputs: list[BatchOutput], steps: int) -> BatchOutput:
         step_ms[:len(output.step_ms)] += output.step_ms
     return BatchOutput(stacked("tokens"), stacked("digests"), stacked("topk_ids"), stacked("topk_values"),
                        stacked("margins"), stacked("logits"), step_ms, max(o.padded_length for o in outputs),
-                       stacked("probe_ids"), stacked("probe_values"), stacked("probe_logsumexp"))
+                       stacked("probe_ids"), stacked("probe_values"), stacked("routing_experts"),
+                       stacked("routing_margins"), probe_logsumexp=stacked("probe_logsumexp"))
 
 
 @dataclass
@@ -116,12 +119,16 @@ class CaptureBuffers:
     probe_ids: torch.Tensor | None = None  # [B, N, K'] int64: ids whose logits each step records exactly
     probe_values: torch.Tensor | None = None  # [B, N, K'] float64
     probe_own_topk: int = 0  # the first k probe columns are filled by the step's own top-k ids
+    routing_experts: torch.Tensor | None = None  # [B, N, L, k] int64: MoE models, the step token's experts
+    routing_margins: torch.Tensor | None = None  # [B, N, L] float32: its router margin in each MoE layer
     probe_logsumexp: torch.Tensor | None = None  # [B, N] float64: turns probe logits into log-probabilities
 
     @classmethod
     def allocate(cls, batch: int, steps: int, vocab: int, spec: BatchSpec, dtype: torch.dtype,
-                 device: torch.device) -> "CaptureBuffers":
+                 device: torch.device, routing_shape: tuple[int, int] | None = None) -> "CaptureBuffers":
+        """`routing_shape` (L MoE layers, k experts per token): capture routing too (MoE models only)."""
         probe_width = spec.probe_ids[0].shape[-1] if spec.probe_ids is not None else 0
+        routing = routing_shape is not None and spec.capture
         zeros = lambda *shape, kind=torch.int64: torch.zeros(*shape, dtype=kind, device=device)  # noqa: E731
         return cls(
             tokens=zeros(batch, steps), digests=zeros(batch, steps, 2), topk_ids=zeros(batch, steps, spec.top_k),
@@ -131,6 +138,8 @@ class CaptureBuffers:
             probe_ids=zeros(batch, steps, probe_width) if probe_width else None,
             probe_values=zeros(batch, steps, probe_width, kind=torch.float64) if probe_width else None,
             probe_own_topk=spec.probe_own_topk,
+            routing_experts=zeros(batch, steps, *routing_shape) if routing else None,
+            routing_margins=zeros(batch, steps, routing_shape[0], kind=torch.float32) if routing else None,
             probe_logsumexp=zeros(batch, steps, kind=torch.float64) if probe_width else None,
         )
 
@@ -142,7 +151,8 @@ class CaptureBuffers:
             logits = self.logits[:rows, :steps].to("cpu", copy=True).view(BITS_VIEW[self.logits.dtype]).numpy()
         return BatchOutput(cut(self.tokens), cut(self.digests), cut(self.topk_ids), cut(self.topk_values),
                            cut(self.margins), logits, step_ms, padded_length, cut(self.probe_ids),
-                           cut(self.probe_values), cut(self.probe_logsumexp))
+                           cut(self.probe_values), cut(self.routing_experts), cut(self.routing_margins),
+                           probe_logsumexp=cut(self.probe_logsumexp))
 
 
 def choose_token(logits: torch.Tensor, temperature: float, row_seeds: torch.Tensor, step: torch.Tensor) -> torch.Tensor:
@@ -189,6 +199,13 @@ def capture_step(logits: torch.Tensor, step: torch.Tensor, buffers: CaptureBuffe
     return token
 
 
+def capture_routing(cache: KVCache, step: torch.Tensor, buffers: CaptureBuffers) -> None:
+    """Copy the forward's routing of each row's last token (every MoE layer) into the buffers at `step` [1]."""
+    if buffers.routing_experts is not None:
+        buffers.routing_experts.index_copy_(1, step, cache.routing.experts[:, None])  # [B, 1, L, k]
+        buffers.routing_margins.index_copy_(1, step, cache.routing.margins[:, None])  # [B, 1, L]
+
+
 @dataclass
 class Workspace:
     """Everything one batch shape needs on the device, allocated once and reused batch after batch."""
@@ -209,7 +226,8 @@ class Workspace:
     @classmethod
     def allocate(cls, model: Transformer, batch: int, slots: int, steps: int, spec: BatchSpec) -> "Workspace":
         device = model.device
-        buffers = CaptureBuffers.allocate(batch, steps, model.vocab_size, spec, model.dtype, device)
+        buffers = CaptureBuffers.allocate(batch, steps, model.vocab_size, spec, model.dtype, device,
+                                          getattr(model, "routing_shape", None))  # MoE models only
         zeros = lambda *shape: torch.zeros(*shape, dtype=torch.int64, device=device)  # noqa: E731
         return cls(model.new_cache(batch, slots), buffers, torch.zeros(batch, slots, dtype=torch.bool, device=device),
                    zeros(batch), zeros(batch), zeros(1), zeros(1), zeros(batch),
@@ -279,6 +297,7 @@ def prefill_step(forward: Forward, workspace: Workspace, tokens: torch.Tensor, p
     logits = forward(tokens, positions, slots, ws.key_valid, ws.cache)
     ws.step.zero_()
     ws.token.copy_(capture_step(logits, ws.step, ws.buffers, ws.top_k, ws.temperature, ws.seeds, ws.capture))
+    capture_routing(ws.cache, ws.step, ws.buffers)
     ws.step.add_(1)
 
 
@@ -290,4 +309,5 @@ def decode_step(forward: Forward, workspace: Workspace) -> None:
     position = (ws.lengths + previous)[:, None]  # [B, 1]
     logits = forward(fed[:, None], position, ws.slot_base + previous, ws.key_valid, ws.cache)
     ws.token.copy_(capture_step(logits, ws.step, ws.buffers, ws.top_k, ws.temperature, ws.seeds, ws.capture))
+    capture_routing(ws.cache, ws.step, ws.buffers)
     ws.step.add_(1)

@@ -35,7 +35,18 @@ ACTIVATIONS = ("silu", "swish", "gelu", "gelu_pytorch_tanh", "relu")
 # `proportional` is another family's; those are refused.
 ROPE_TYPES = ("default", "linear", "llama3", "yarn")
 # What each family's transformers class is: the checkpoint's `architectures` must name it.
-ARCHITECTURES = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM"}
+ARCHITECTURES = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM",
+                 "mistral": "MistralForCausalLM", "phi3": "Phi3ForCausalLM", "gemma2": "Gemma2ForCausalLM",
+                 "gemma3_text": "Gemma3ForCausalLM",
+                 "qwen3_moe": "Qwen3MoeForCausalLM"}
+# Families whose config names the activation under another field than hidden_act.
+ACTIVATION_FIELD = {"gemma2": "hidden_activation", "gemma3_text": "hidden_activation"}
+OFFSET_NORM_FAMILIES = ("gemma2", "gemma3_text")  # RMSNorm scales by (1 + w)
+WINDOWED_FAMILIES = ("mistral", "phi3", "gemma2", "gemma3_text")  # the engine computes their sliding_window
+ATTENTION_KINDS = ("full_attention", "sliding_attention")  # transformers' layer_types values
+# Families transformers implements without SDPA (Gemma 2: SDPA cannot soft-cap scores); their modules load
+# with eager attention, which only transformers' own forward uses (the engine has its own attention).
+HF_EAGER_ONLY = ("gemma2",)
 NO_ENGINE_FIX = "evalrun has no engine for that yet (issue #14); use a checkpoint that does not need it"
 
 
@@ -74,8 +85,38 @@ def _rope(value: Any) -> bool:
     return value.get("rope_type", "default") in ROPE_TYPES and partial in (None, 1, 1.0)
 
 
+def _positive_number(value: Any) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool) and 0 < value < float("inf")
+
+
+def _window(value: Any) -> bool:
+    return value is None or _positive_int(value)
+
+
+def _cap(value: Any) -> bool:
+    return value is None or _positive_number(value)
+
+
+def _attention_kinds(value: Any) -> bool:
+    return isinstance(value, list) and len(value) > 0 and all(kind in ATTENTION_KINDS for kind in value)
+
+
+def _rope_per_kind(value: Any) -> bool:
+    """Gemma 3: one rotary per attention kind, {"full_attention": {...}, "sliding_attention": {...}}."""
+    return (isinstance(value, Mapping) and set(value) <= set(ATTENTION_KINDS) and len(value) > 0
+            and all(_rope(rope) for rope in value.values()))
+
+
 def _full_attention_only(value: Any) -> bool:
     return value is None or (isinstance(value, list) and all(kind == "full_attention" for kind in value))
+
+
+def _non_negative_int(value: Any) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool) and value >= 0
+
+
+def _layer_indices(value: Any) -> bool:
+    return isinstance(value, list) and all(_non_negative_int(index) for index in value)
 
 
 def implemented(accepts: Callable[[Any], bool] = _any, accepted: str = "any value") -> Rule:
@@ -162,13 +203,72 @@ QWEN3: dict[str, Rule] = {  # q/k RMSNorm per head is part of the architecture (
     "attention_bias": implemented(_one_of(True, False), "true or false"),
 }
 
-FAMILIES: dict[str, dict[str, Rule]] = {"llama": LLAMA, "qwen2": QWEN2, "qwen3": QWEN3}
-FAMILY_NAMES = {"llama": "Llama", "qwen2": "Qwen2/2.5", "qwen3": "Qwen3"}
+SLIDING_WINDOW = implemented(_window, "a positive integer, or null for full attention")
+
+MISTRAL: dict[str, Rule] = {**COMMON, "sliding_window": SLIDING_WINDOW}
+
+PHI3: dict[str, Rule] = {  # q/k/v and gate/up stored fused (qkv_proj, gate_up_proj): the same products
+    **COMMON,
+    "rope_parameters": Rule(IMPLEMENTED, _rope, COMMON["rope_parameters"].accepted,
+                            "Phi-3's longrope (the 128k checkpoints) and partial rotary are not implemented yet "
+                            "(issue #14); use a 4k-context Phi-3 checkpoint"),
+    "sliding_window": SLIDING_WINDOW,
+    "resid_pdrop": inert("dropout is off in eval mode"), "embd_pdrop": inert("dropout is off in eval mode"),
+    "original_max_position_embeddings": inert("read only by longrope, which is refused"),
+}
+
+GEMMA2: dict[str, Rule] = {  # offset norms, sqrt(hidden) embedding scale, four norms per layer: the architecture
+    **COMMON,
+    "hidden_act": inert("transformers' Gemma 2 and 3 read hidden_activation; hidden_act is unused"),
+    "hidden_activation": implemented(_one_of(*ACTIVATIONS), ", ".join(ACTIVATIONS)),
+    "attention_bias": implemented(_one_of(True, False), "true or false"),
+    "query_pre_attn_scalar": implemented(_positive_number, "a positive number (scores scale by its -1/2 power)"),
+    "sliding_window": implemented(_positive_int, "a positive integer"),
+    "layer_types": implemented(_attention_kinds, "a list of full_attention and sliding_attention, one per layer"),
+    "attn_logit_softcapping": implemented(_cap, "a positive number, or null for no capping"),
+    "final_logit_softcapping": implemented(_cap, "a positive number, or null for no capping"),
+    "use_bidirectional_attention": refused(lambda v: v is None or v is False, "null or false",
+                                           "bidirectional attention is an encoder's (EmbeddingGemma); evalrun "
+                                           "decodes causally"),
+    "cache_implementation": inert("the engine keeps its own KV cache"),
+}
+
+GEMMA3_TEXT: dict[str, Rule] = {  # Gemma 2 plus q/k RMSNorm per head and a rotary per attention kind
+    **GEMMA2,
+    "rope_parameters": implemented(_rope_per_kind, "for full_attention and sliding_attention each: rope_type "
+                                                   f"{', '.join(ROPE_TYPES)} over the whole head"),
+    # transformers' Gemma 3 keeps the field but never caps scores with it: a value would mean two models
+    "attn_logit_softcapping": refused(lambda v: v is None, "null", "Gemma 3 does not soft-cap attention scores "
+                                      "(transformers ignores the field); remove it from config.json"),
+    "_sliding_window_pattern": inert("transformers expands it into layer_types"),
+    "sliding_window_pattern": inert("transformers expands it into layer_types"),
+}
+
+# Qwen3 with mixture-of-experts feed-forwards (engine/moe.py). Which layers are MoE
+# (decoder_sparse_step, mlp_only_layers, num_experts) is read from the modules transformers built,
+# so every value that transformers computes is computed; the router is a softmax over the experts.
+QWEN3_MOE: dict[str, Rule] = {
+    **QWEN3,
+    "num_local_experts": implemented(_non_negative_int, "a non-negative integer (0: every layer dense)"),
+    "num_experts": implemented(_non_negative_int, "a non-negative integer (0: every layer dense)"),
+    "num_experts_per_tok": implemented(_positive_int, "a positive integer (at most num_experts)"),
+    "moe_intermediate_size": SHAPE,
+    "norm_topk_prob": implemented(_one_of(True, False), "true or false"),
+    "decoder_sparse_step": implemented(_positive_int, "a positive integer"),
+    "mlp_only_layers": implemented(lambda v: v is None or _layer_indices(v), "a list of layer indices"),
+    "output_router_logits": inert("outputs, not values"),
+    "router_aux_loss_coef": inert("a training loss only"),
+}
+
+FAMILIES: dict[str, dict[str, Rule]] = {"llama": LLAMA, "qwen2": QWEN2, "qwen3": QWEN3, "qwen3_moe": QWEN3_MOE,
+                                        "mistral": MISTRAL, "phi3": PHI3, "gemma2": GEMMA2, "gemma3_text": GEMMA3_TEXT}
+FAMILY_NAMES = {"llama": "Llama", "qwen2": "Qwen2/2.5", "qwen3": "Qwen3", "qwen3_moe": "Qwen3-MoE", "mistral": "Mistral",
+                "phi3": "Phi-3", "gemma2": "Gemma 2", "gemma3_text": "Gemma 3 text"}
 
 
 def supported_families() -> str:
     """One phrase naming every family the engine runs, e.g. for an error message."""
-    return ", ".join(f"{FAMILY_NAMES[t]} (model_type {t!r})" for t in FAMILIES)
+    return ", ".join(f"{FAMILY_NAMES[t]} ({t})" for t in FAMILIES)
 
 
 def _shown(value: Any) -> str:
@@ -181,8 +281,9 @@ def check_architecture(config: Mapping[str, Any]) -> str:
     UnsupportedModelError naming the supported families when the engine runs none of its kind."""
     model_type = config.get("model_type")
     if model_type not in FAMILIES:
-        raise UnsupportedModelError(f"model_type {_shown(model_type)} is not a family evalrun's engine runs; "
-                                    f"supported: {supported_families()}")
+        raise UnsupportedModelError(f"model_type {_shown(model_type)} is not a family evalrun's engine runs; run it "
+                                    "through transformers' own forward with --engine transformers, or use one of: "
+                                    f"{supported_families()}")
     architectures = config.get("architectures")
     if architectures not in (None, [], [ARCHITECTURES[model_type]]):
         raise UnsupportedModelError(f"architectures {_shown(architectures)} is not {ARCHITECTURES[model_type]}, "

@@ -6,7 +6,7 @@ Compilation modes (vLLM's names in brackets)
   trace-once  torch.compile(fullgraph=True, dynamic=False) per shape bucket;   [DYNAMO_TRACE_ONCE]
               a recompile after warm-up is a fallback
   piecewise   regional: the pieces (prologue: embedding, rotary, mask; norm +   [VLLM_COMPILE]
-              projections + rotary; output projection + MLP; head) compiled once,
+              projections + rotary; output projection + MLP or MoE; head) compiled once,
               the layer pieces shared by every layer; attention with its KV-cache
               write runs between them
 CUDA graph modes
@@ -20,7 +20,7 @@ Static modes (anything but none/none) pad prompts to prefill buckets and batches
 and keep one workspace per batch bucket for the whole run, so shapes repeat and graphs replay.
 
 Batch invariance (`batch_invariant=True`): every row of a batch is computed as a batch of one, in a
-workspace padded to its own prompt length (driver.generate_batch), so each reduction runs in the same
+workspace padded to its own prompt length (ExecutionMode.generate), so each reduction runs in the same
 order as when the prompt runs alone, whatever its companions and position. Measured on CPU (MKL,
 fp32): a linear layer's row changes bits between 1-3 rows and 4+ rows (gemv/small-M kernels), and
 SDPA's output changes with the left padding and the cache length a batch imposes; RMSNorm is
@@ -39,9 +39,11 @@ from typing import Any, Callable
 import torch
 
 from ..config import CompilationMode, CUDAGraphMode, EffectiveConfig
-from .generate import BatchSpec, Workspace, decode_step, prefill_step
-from .transformer import (StatePieces, Transformer, head, mlp_block, output_projection, post_attention, pre_attention,
-                          prologue)
+from .generate import (BatchOutput, BatchSpec, PaddedBatch, Workspace, decode_step, load_batch, prefill_step,
+                       stack_outputs)
+from .timing import StepClock
+from .transformer import (StatePieces, Transformer, head, mlp_block, moe_post_attention, output_projection,
+                          post_attention, pre_attention, prologue)
 
 DEFAULT_PREFILL_BUCKETS = (16, 32, 64, 128, 256, 512, 1024, 2048)
 DEFAULT_BATCH_BUCKETS = (1, 2, 4, 8, 16, 32)
@@ -82,7 +84,7 @@ class ExecutionMode:
     batch_buckets: tuple[int, ...] = DEFAULT_BATCH_BUCKETS
     inductor_options: dict[str, Any] = field(default_factory=dict)
     fallbacks: list[str] = field(default_factory=list)
-    batch_invariant: bool = False  # rows run one at a time (driver.generate_batch)
+    batch_invariant: bool = False  # rows run one at a time (generate)
 
     def __post_init__(self) -> None:
         self.static = (self.compilation_mode, self.cudagraph_mode) != (CompilationMode.NONE, CUDAGraphMode.NONE)
@@ -110,6 +112,7 @@ class ExecutionMode:
         view.prologue = self._compile(prologue, f"{tag}_prologue", graphs, True, False)
         view.pre_attention = self._compile(pre_attention, f"{tag}_pre", graphs, True, False)
         view.post_attention = self._compile(post_attention, f"{tag}_post", graphs, True, False)
+        view.moe_post_attention = self._compile(moe_post_attention, f"{tag}_moe_post", graphs, True, False)
         view.head = self._compile(head, f"{tag}_head", graphs, True, False)
         return view
 
@@ -142,6 +145,34 @@ class ExecutionMode:
                 return eager(*args)
 
         return call
+
+    @torch.no_grad()
+    def generate(self, spec: BatchSpec) -> BatchOutput:
+        """One batch in this mode (the engine seam's call: engine.engines.Engine): greedy (or seeded-sampled)
+        generation with on-device capture of every step. A batch-invariant mode runs each row as a batch of
+        one (its own padding, cache length and kernels: the bits of the prompt run alone)."""
+        if self.batch_invariant and len(spec.prompts) > 1:
+            return stack_outputs([self._generate(spec.row(index)) for index in range(len(spec.prompts))], spec.steps)
+        return self._generate(spec)
+
+    def _generate(self, spec: BatchSpec) -> BatchOutput:
+        """Pad the prompts as the mode wants, take the workspace for that shape, load the batch, then run
+        prefill and the decode steps with a step clock that never syncs inside the loop."""
+        prompts, device = spec.prompts, self.transformer.device
+        padded_length, batch = self.padded_length(prompts), self.padded_batch(len(prompts))
+        rows = prompts + [prompts[-1]] * (batch - len(prompts))  # batch-bucket filler rows repeat the last prompt
+        workspace = self.workspace(batch, padded_length, spec)
+        _, slots, _ = workspace.shape
+        padded = PaddedBatch.build(rows, spec.pad_id, padded_length, slots, device)
+        load_batch(workspace, padded, spec)
+        clock = StepClock(device)
+        clock.start()
+        self.prefill(workspace, padded.tokens, padded.positions)
+        clock.mark()
+        for _ in range(1, spec.steps):
+            self.decode(workspace)
+            clock.mark()
+        return workspace.buffers.to_host(len(prompts), spec.steps, clock.elapsed_ms(), padded_length)
 
     # ------------------------------------------------------------ shapes and workspaces
 

@@ -15,9 +15,18 @@ on every side and the additive mask [B, 1, R*T, S], built once per forward, serv
 keeps CUDA's SDPA on its fused memory-efficient kernel (one launch per layer) where `enable_gqa` with
 a mask falls back to the unfused math path.
 
-Families: Llama (optional attention and MLP biases), Qwen2/2.5 (q/k/v biases) and Qwen3 (RMSNorm of
-each query and key head before rotary); every config field is checked first (`model_support`), so a
-config asking for what this forward does not compute is refused, never run as another model.
+Families: Llama (optional attention and MLP biases), Qwen2/2.5 (q/k/v biases), Qwen3 (RMSNorm of
+each query and key head before rotary), Mistral (sliding-window attention), Phi-3 (q/k/v and gate/up
+stored fused; sliding window) and Gemma 2 / Gemma 3 text (RMSNorm scaling by 1 + w, embeddings scaled
+by sqrt(hidden), norms after attention and after the MLP, tanh soft-capping of attention scores and
+of the final logits, query_pre_attn_scalar, sliding and full layers alternating, Gemma 3's q/k norms
+and separate rotary base for sliding layers), Qwen3-MoE (its MoE layers' feed-forward runs in
+engine/moe.py; `moe_post_attention` is their piece). Every config field is checked first (`model_support`),
+so a config asking for what this forward does not compute is refused, never run as another model.
+
+A family's switches are one frozen `Variant` passed to the pieces (compiled code specialises on its
+values); what differs per layer (sliding or full mask, local or global rotary) is chosen in `forward`
+and passed as tensors of the same shapes, so one compiled piece still serves every layer.
 """
 
 from __future__ import annotations
@@ -28,9 +37,26 @@ from typing import Callable
 import torch
 import torch.nn.functional as F
 
-from .model_support import FAMILIES, check_config
+from . import moe
+from .model_support import ACTIVATION_FIELD, FAMILIES, OFFSET_NORM_FAMILIES, WINDOWED_FAMILIES, check_config
 
 SUPPORTED_ARCHITECTURES = tuple(FAMILIES)
+FULL, SLIDING = "full_attention", "sliding_attention"  # transformers' layer_types names
+
+
+@dataclass(frozen=True)
+class Variant:
+    """A family's switches, static for the whole model (the defaults are Llama's)."""
+
+    norm_offset: bool = False  # Gemma: RMSNorm scales by (1 + w), computed in fp32 and rounded once
+    embed_scale: float | None = None  # Gemma: embeddings x sqrt(hidden), rounded to the model dtype
+    attn_scale: float | None = None  # Gemma: query_pre_attn_scalar**-0.5; None: D**-0.5
+    attn_softcap: float | None = None  # Gemma 2: scores -> c * tanh(scores / c) before the mask
+    final_softcap: float | None = None  # Gemma 2: logits -> c * tanh(logits / c)
+    sliding_window: int | None = None  # a query sees the keys of its last `sliding_window` slots
+
+
+LLAMA_VARIANT = Variant()
 
 
 @dataclass
@@ -39,14 +65,17 @@ class LayerWeights:
     qkv: torch.Tensor  # [(H+2G)*D, hidden]: q, k and v projections stacked
     o: torch.Tensor  # [hidden, H*D]
     post_norm: torch.Tensor  # [hidden]
-    gate_up: torch.Tensor  # [2*inter, hidden]: gate and up projections stacked
-    down: torch.Tensor  # [hidden, inter]
+    gate_up: torch.Tensor | None  # [2*inter, hidden]: gate and up projections stacked (None in an MoE layer)
+    down: torch.Tensor | None  # [hidden, inter]
     qkv_bias: torch.Tensor | None = None  # [(H+2G)*D]
     o_bias: torch.Tensor | None = None  # [hidden]
     gate_up_bias: torch.Tensor | None = None  # [2*inter]
     down_bias: torch.Tensor | None = None  # [hidden]
-    q_norm: torch.Tensor | None = None  # [D], Qwen3's per-head query RMSNorm
-    k_norm: torch.Tensor | None = None  # [D], Qwen3's per-head key RMSNorm
+    q_norm: torch.Tensor | None = None  # [D], Qwen3's and Gemma 3's per-head query RMSNorm
+    k_norm: torch.Tensor | None = None  # [D], Qwen3's and Gemma 3's per-head key RMSNorm
+    attn_out_norm: torch.Tensor | None = None  # [hidden], Gemma: norm of the attention output before the residual
+    mlp_out_norm: torch.Tensor | None = None  # [hidden], Gemma: norm of the MLP output before the residual
+    moe: "moe.MoEWeights | None" = None  # the experts and router of an MoE layer (engine/moe.py)
 
 
 def stack_rows(module_weights: list[torch.nn.Parameter]) -> torch.Tensor:
@@ -79,6 +108,7 @@ class KVCache:
     def __init__(self, layers: int, batch: int, heads: int, slots: int, head_dim: int,
                  dtype: torch.dtype, device: torch.device):
         self.kv = torch.zeros((layers, 2, batch, heads, slots, head_dim), dtype=dtype, device=device)
+        self.routing: "moe.RoutingState | None" = None  # MoE models: each MoE layer's last routing
 
     @property
     def slots(self) -> int:
@@ -90,44 +120,84 @@ class Transformer:
 
     def __init__(self, hf_model: torch.nn.Module, attn_implementation: str = "sdpa"):
         config = hf_model.config
-        check_config(config.to_dict())  # refuses, with one line, any field this forward does not compute
+        family = check_config(config.to_dict())  # refuses, with one line, any field this forward does not compute
         inner = hf_model.model
         self.heads = config.num_attention_heads
         self.kv_heads = config.num_key_value_heads
         self.head_dim = getattr(config, "head_dim", None) or config.hidden_size // self.heads
         self.eps = config.rms_norm_eps
-        self.activation = config.hidden_act
+        self.activation = getattr(config, ACTIVATION_FIELD.get(family, "hidden_act"))
         self.attn_implementation = attn_implementation
         self.embed = inner.embed_tokens.weight  # [V, hidden]
         self.final_norm = inner.norm.weight
         self.lm_head = hf_model.lm_head.weight  # [V, hidden]
-        self.layers = [self._layer(layer) for layer in inner.layers]
+        self.layers = self._layers(inner.layers)
         rotary_embedding = inner.rotary_emb
         # The pieces the forward calls; an execution mode may replace them with compiled versions.
         self.prologue, self.pre_attention, self.post_attention, self.head = prologue, pre_attention, post_attention, head
+        self.moe_post_attention = moe_post_attention  # an MoE layer's piece (engine/moe.py)
+        moe_layers = [w.moe for w in self.layers if w.moe is not None]
+        # (L, k): the routing each step captures, for MoE models only
+        self.routing_shape = (len(moe_layers), moe_layers[0].top_k) if moe_layers else None
         self.dtype = self.embed.dtype
-        # [D/2]; rotary angles in fp32 (fp64 for an fp64 model)
-        self.inv_freq = rotary_embedding.inv_freq.to(torch.promote_types(self.dtype, torch.float32))
-        self.rope_scale = float(getattr(rotary_embedding, "attention_scaling", 1.0))
+        self.variant = _variant(config, family, inner, self.dtype)
+        # Each layer's attention kind: the config's layer_types (Gemma; Qwen's are all full, model_support
+        # checks), else every layer sliding where the family has a window (Mistral, Phi-3).
+        default_kind = SLIDING if self.variant.sliding_window else FULL
+        kinds = getattr(config, "layer_types", None) or [default_kind] * len(self.layers)
+        self.layer_kinds = tuple(kinds)
+        self.kinds_used = tuple(sorted(set(kinds)))  # the masks and rotaries the prologue builds
+        wide = torch.promote_types(self.dtype, torch.float32)  # rotary angles in fp32 (fp64 for an fp64 model)
+        # [D/2]: the rotary of full layers (and of every layer, except where Gemma 3 gives sliding layers their own)
+        global_rotary = f"{FULL}_inv_freq" if hasattr(rotary_embedding, f"{FULL}_inv_freq") else "inv_freq"
+        self.inv_freq = getattr(rotary_embedding, global_rotary).to(wide)
+        self.rope_scale = float(getattr(rotary_embedding, global_rotary.replace("inv_freq", "attention_scaling"), 1.0))
+        self.local_rotary = None  # (inv_freq [D/2], scale) of sliding layers, where they have their own
+        if hasattr(rotary_embedding, f"{SLIDING}_inv_freq"):
+            self.local_rotary = (getattr(rotary_embedding, f"{SLIDING}_inv_freq").to(wide),
+                                 float(getattr(rotary_embedding, f"{SLIDING}_attention_scaling", 1.0)))
         self.device = self.embed.device
         self.vocab_size = self.lm_head.shape[0]
 
+    @classmethod
+    def _layers(cls, layers: torch.nn.ModuleList) -> list[LayerWeights]:
+        weights, slots = [], 0
+        for layer in layers:
+            experts = moe.layer_weights(layer.mlp, slots)
+            slots += experts is not None
+            weights.append(cls._layer(layer, experts))
+        return weights
+
     @staticmethod
-    def _layer(layer: torch.nn.Module) -> LayerWeights:
+    def _layer(layer: torch.nn.Module, experts: "moe.MoEWeights | None" = None) -> LayerWeights:
         attention, mlp = layer.self_attn, layer.mlp
-        qkv_projections = [attention.q_proj, attention.k_proj, attention.v_proj]
+        # Phi-3 stores q/k/v and gate/up fused already (stack_rows takes one matrix as it is).
+        qkv_projections = ([attention.qkv_proj] if hasattr(attention, "qkv_proj")
+                           else [attention.q_proj, attention.k_proj, attention.v_proj])
+        gate_up_projections = [mlp.gate_up_proj] if hasattr(mlp, "gate_up_proj") else [mlp.gate_proj, mlp.up_proj]
         qkv = stack_rows([p.weight for p in qkv_projections])
-        gate_up = stack_rows([mlp.gate_proj.weight, mlp.up_proj.weight])
+        dense = experts is None
+        gate_up = stack_rows([p.weight for p in gate_up_projections]) if dense else None
         norms = [getattr(attention, name, None) for name in ("q_norm", "k_norm")]
-        return LayerWeights(layer.input_layernorm.weight, qkv, attention.o_proj.weight,
-                            layer.post_attention_layernorm.weight, gate_up, mlp.down_proj.weight,
-                            qkv_bias=_stacked_biases(qkv_projections), o_bias=attention.o_proj.bias,
-                            gate_up_bias=_stacked_biases([mlp.gate_proj, mlp.up_proj]), down_bias=mlp.down_proj.bias,
+        # Gemma's four norms per layer: its post_attention_layernorm normalises the attention output, and
+        # pre_feedforward_layernorm is the MLP's input norm (Llama's post_attention_layernorm).
+        sandwich = hasattr(layer, "pre_feedforward_layernorm")
+        mlp_norm = layer.pre_feedforward_layernorm if sandwich else layer.post_attention_layernorm
+        return LayerWeights(layer.input_layernorm.weight, qkv, attention.o_proj.weight, mlp_norm.weight, gate_up,
+                            mlp.down_proj.weight if dense else None, qkv_bias=_stacked_biases(qkv_projections),
+                            o_bias=attention.o_proj.bias,
+                            gate_up_bias=_stacked_biases(gate_up_projections) if dense else None,
+                            down_bias=mlp.down_proj.bias if dense else None,
                             q_norm=None if norms[0] is None else norms[0].weight,
-                            k_norm=None if norms[1] is None else norms[1].weight)
+                            k_norm=None if norms[1] is None else norms[1].weight,
+                            attn_out_norm=layer.post_attention_layernorm.weight if sandwich else None,
+                            mlp_out_norm=layer.post_feedforward_layernorm.weight if sandwich else None, moe=experts)
 
     def new_cache(self, batch: int, slots: int) -> KVCache:
-        return KVCache(len(self.layers), batch, self.kv_heads, slots, self.head_dim, self.dtype, self.device)
+        cache = KVCache(len(self.layers), batch, self.kv_heads, slots, self.head_dim, self.dtype, self.device)
+        if self.routing_shape is not None:
+            cache.routing = moe.RoutingState(batch, *self.routing_shape, self.device)
+        return cache
 
     # ------------------------------------------------------------ forward
 
@@ -136,20 +206,34 @@ class Transformer:
         """Write kv [2, B, G, T, D] into layer `index`'s cache at `slots` [T]; attend over all S slots."""
         layer = cache.kv[index]  # [2, B, G, S, D]
         layer.index_copy_(3, slots, kv)
-        return attention(q, layer[0], layer[1], mask, self.attn_implementation)
+        return attention(q, layer[0], layer[1], mask, self.attn_implementation, self.variant.attn_scale,
+                         self.variant.attn_softcap)
+
+    def _positional(self, prologue: Callable, tokens: torch.Tensor, positions: torch.Tensor, slots: torch.Tensor,
+                    key_valid: torch.Tensor) -> tuple[torch.Tensor, dict[str, tuple[torch.Tensor, ...]]]:
+        """`prologue` (eager or compiled) over this model: x and {attention kind: (cos, sin, mask)}."""
+        return prologue(tokens, positions, slots, key_valid, self.embed, self.inv_freq, self.rope_scale,
+                        self.heads // self.kv_heads, self.variant, self.local_rotary, self.kinds_used)
 
     def forward(self, tokens: torch.Tensor, positions: torch.Tensor, slots: torch.Tensor,
                 key_valid: torch.Tensor, cache: KVCache) -> torch.Tensor:
         """tokens/positions [B, T], slots [T], key_valid [B, S] -> logits of the last token [B, V]."""
-        x, cos, sin, mask = self.prologue(tokens, positions, slots, key_valid, self.embed, self.inv_freq,
-                                          self.rope_scale, self.heads // self.kv_heads)
-        shape = (self.heads, self.kv_heads, self.head_dim, self.eps)
+        x, kinds = self._positional(self.prologue, tokens, positions, slots, key_valid)
+        shape, variant = (self.heads, self.kv_heads, self.head_dim, self.eps), self.variant
         for index, w in enumerate(self.layers):
-            q, kv = self.pre_attention(x, cos, sin, w.input_norm, w.qkv, *shape, w.qkv_bias, w.q_norm, w.k_norm)
+            cos, sin, mask = kinds[self.layer_kinds[index]]
+            q, kv = self.pre_attention(x, cos, sin, w.input_norm, w.qkv, *shape, w.qkv_bias, w.q_norm, w.k_norm,
+                                       variant)
             attended = self.attend(index, q, kv, slots, mask, cache)
+            if w.moe is not None:
+                m = w.moe
+                x, experts, margin = self.moe_post_attention(x, attended, w.o, w.post_norm, m.router, m.gate_up, m.down,
+                                                             self.eps, self.activation, m.top_k, m.normalize, w.o_bias)
+                cache.routing.record(m.slot, experts, margin)
+                continue
             x = self.post_attention(x, attended, w.o, w.post_norm, w.gate_up, w.down, self.eps, self.activation,
-                                    w.o_bias, w.gate_up_bias, w.down_bias)
-        return self.head(x[:, -1], self.final_norm, self.lm_head, self.eps)
+                                    w.o_bias, w.gate_up_bias, w.down_bias, w.attn_out_norm, w.mlp_out_norm, variant)
+        return self.head(x[:, -1], self.final_norm, self.lm_head, self.eps, variant)
 
     def forward_states(self, tokens: torch.Tensor, positions: torch.Tensor, slots: torch.Tensor,
                        key_valid: torch.Tensor, cache: KVCache, pieces: "StatePieces | None" = None,
@@ -159,17 +243,37 @@ class Transformer:
         token [B, T, V]], each [B, T, hidden]. The same pieces as `forward`, post_attention run as its
         two halves; `pieces` may hold compiled versions (modes.state_pieces)."""
         p = pieces or StatePieces()
-        x, cos, sin, mask = p.prologue(tokens, positions, slots, key_valid, self.embed, self.inv_freq,
-                                       self.rope_scale, self.heads // self.kv_heads)
-        shape, states = (self.heads, self.kv_heads, self.head_dim, self.eps), []
+        x, kinds = self._positional(p.prologue, tokens, positions, slots, key_valid)
+        shape, variant, states = (self.heads, self.kv_heads, self.head_dim, self.eps), self.variant, []
         for index, w in enumerate(self.layers):
-            q, kv = p.pre_attention(x, cos, sin, w.input_norm, w.qkv, *shape, w.qkv_bias, w.q_norm, w.k_norm)
-            x = p.output_projection(x, self.attend(index, q, kv, slots, mask, cache), w.o, w.o_bias)
+            cos, sin, mask = kinds[self.layer_kinds[index]]
+            q, kv = p.pre_attention(x, cos, sin, w.input_norm, w.qkv, *shape, w.qkv_bias, w.q_norm, w.k_norm,
+                                    variant)
+            x = p.output_projection(x, self.attend(index, q, kv, slots, mask, cache), w.o, w.o_bias, w.attn_out_norm,
+                                    self.eps, variant)
             states.append(x)
-            x = p.mlp_block(x, w.post_norm, w.gate_up, w.down, self.eps, self.activation, w.gate_up_bias,
-                            w.down_bias)
+            if w.moe is not None:  # eager: the MoE block is not among the compiled state pieces yet
+                m = w.moe
+                x = moe.mlp_block(x, rms_norm(x, w.post_norm, self.eps), m.router, m.gate_up, m.down,
+                                  lambda t: activate(t, self.activation), m.top_k, m.normalize)[0]
+            else:
+                x = p.mlp_block(x, w.post_norm, w.gate_up, w.down, self.eps, self.activation, w.gate_up_bias,
+                                w.down_bias, w.mlp_out_norm, variant)
             states.append(x)
-        return states + [p.head(x, self.final_norm, self.lm_head, self.eps)]
+        return states + [p.head(x, self.final_norm, self.lm_head, self.eps, variant)]
+
+
+def _variant(config, family: str, inner: torch.nn.Module, dtype: torch.dtype) -> Variant:
+    """The family switches of a checked config (model_support has vouched for every value)."""
+    scale = getattr(inner.embed_tokens, "embed_scale", None)  # Gemma's sqrt(hidden), a buffer transformers rounds
+    scalar = getattr(config, "query_pre_attn_scalar", None)
+    return Variant(norm_offset=family in OFFSET_NORM_FAMILIES,
+                   embed_scale=None if scale is None else float(scale.to(dtype)),
+                   attn_scale=None if scalar is None else float(scalar) ** -0.5,
+                   attn_softcap=getattr(config, "attn_logit_softcapping", None),
+                   final_softcap=getattr(config, "final_logit_softcapping", None),
+                   # Qwen2's sliding_window is inert (use_sliding_window is refused): only these families use it
+                   sliding_window=getattr(config, "sliding_window", None) if family in WINDOWED_FAMILIES else None)
 
 
 def _stacked_biases(projections: list[torch.nn.Module]) -> torch.Tensor | None:
@@ -187,11 +291,23 @@ def _stacked_biases(projections: list[torch.nn.Module]) -> torch.Tensor | None:
 
 def prologue(tokens: torch.Tensor, positions: torch.Tensor, slots: torch.Tensor, key_valid: torch.Tensor,
              embed: torch.Tensor, inv_freq: torch.Tensor, rope_scale: float, rows_per_key_head: int,
-             ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-    """What every layer shares: embeddings x [B, T, hidden], rotary cos/sin [B, 1, T, D], attention mask."""
+             variant: Variant = LLAMA_VARIANT, local_rotary: tuple[torch.Tensor, float] | None = None,
+             kinds: tuple[str, ...] = (FULL,)) -> tuple[torch.Tensor, dict[str, tuple[torch.Tensor, ...]]]:
+    """What the layers share: embeddings x [B, T, hidden] and, for each attention kind in `kinds` (full,
+    sliding), its rotary cos/sin [B, 1, T, D] and mask [B, 1, R*T, S], built once per forward.
+
+    Sliding layers see only the last `variant.sliding_window` slots and rotate with `local_rotary`
+    (inv_freq [D/2], scale), where the family gives them their own (Gemma 3)."""
     x = F.embedding(tokens, embed)
-    cos, sin = rotary(positions, inv_freq, rope_scale, embed.dtype)
-    return x, cos, sin, build_mask(slots, key_valid, rows_per_key_head, embed.dtype)
+    if variant.embed_scale is not None:
+        x = x * variant.embed_scale
+    rotations = {FULL: (inv_freq, rope_scale), SLIDING: local_rotary or (inv_freq, rope_scale)}
+    out = {}
+    for kind in kinds:
+        cos, sin = rotary(positions, *rotations[kind], embed.dtype)
+        window = variant.sliding_window if kind == SLIDING else None
+        out[kind] = (cos, sin, build_mask(slots, key_valid, rows_per_key_head, embed.dtype, window))
+    return x, out
 
 
 def rotary(positions: torch.Tensor, inv_freq: torch.Tensor, scale: float,
@@ -208,6 +324,17 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     return weight * F.rms_norm(x, x.shape[-1:], eps=eps)
 
 
+def offset_rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """Gemma's RMSNorm: normalise and scale by (1 + weight) both in fp32 (fp64 for an fp64 model), round once."""
+    wide = torch.promote_types(x.dtype, torch.float32)
+    return F.rms_norm(x.to(wide), x.shape[-1:], 1.0 + weight.to(wide), eps).to(x.dtype)
+
+
+def norm(x: torch.Tensor, weight: torch.Tensor, eps: float, variant: Variant) -> torch.Tensor:
+    """The family's RMSNorm of x [..., n] with weight [n]."""
+    return offset_rms_norm(x, weight, eps) if variant.norm_offset else rms_norm(x, weight, eps)
+
+
 def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
     half = x.shape[-1] // 2
     rotated = torch.cat((-x[..., half:], x[..., :half]), dim=-1)
@@ -217,34 +344,38 @@ def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch
 def pre_attention(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, input_norm: torch.Tensor,
                   wqkv: torch.Tensor, heads: int, kv_heads: int, head_dim: int, eps: float,
                   bqkv: torch.Tensor | None = None, q_norm: torch.Tensor | None = None,
-                  k_norm: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+                  k_norm: torch.Tensor | None = None, variant: Variant = LLAMA_VARIANT,
+                  ) -> tuple[torch.Tensor, torch.Tensor]:
     """x [B, T, hidden] -> q [B, H, T, D] and kv [2, B, G, T, D] (keys, values), rotary applied to q and k.
 
-    bqkv [(H+2G)*D]: the q/k/v biases (Qwen2, Llama's attention_bias); q_norm, k_norm [D]: Qwen3's
-    RMSNorm of each query and key head, applied before rotary."""
+    bqkv [(H+2G)*D]: the q/k/v biases (Qwen2, Llama's attention_bias); q_norm, k_norm [D]: Qwen3's and
+    Gemma 3's RMSNorm of each query and key head, applied before rotary."""
     batch, tokens, _ = x.shape
-    qkv = F.linear(rms_norm(x, input_norm, eps), wqkv, bqkv).view(batch, tokens, heads + 2 * kv_heads, head_dim)
+    qkv = F.linear(norm(x, input_norm, eps, variant), wqkv, bqkv).view(batch, tokens, heads + 2 * kv_heads, head_dim)
     q, k, v = qkv.transpose(1, 2).split([heads, kv_heads, kv_heads], dim=1)
     if q_norm is not None:
-        q, k = rms_norm(q, q_norm, eps), rms_norm(k, k_norm, eps)
+        q, k = norm(q, q_norm, eps, variant), norm(k, k_norm, eps, variant)
     return apply_rotary(q, cos, sin), torch.stack((apply_rotary(k, cos, sin), v))
 
 
 def post_attention(x: torch.Tensor, attended: torch.Tensor, wo: torch.Tensor, post_norm: torch.Tensor,
                    gate_up: torch.Tensor, down: torch.Tensor, eps: float, activation: str = "silu",
                    bo: torch.Tensor | None = None, b_gate_up: torch.Tensor | None = None,
-                   b_down: torch.Tensor | None = None) -> torch.Tensor:
+                   b_down: torch.Tensor | None = None, attn_out_norm: torch.Tensor | None = None,
+                   mlp_out_norm: torch.Tensor | None = None, variant: Variant = LLAMA_VARIANT) -> torch.Tensor:
     """x [B, T, hidden], attended [B, H, T, D] -> x after the output projection and the MLP."""
-    return mlp_block(output_projection(x, attended, wo, bo), post_norm, gate_up, down, eps, activation, b_gate_up,
-                     b_down)
+    projected = output_projection(x, attended, wo, bo, attn_out_norm, eps, variant)
+    return mlp_block(projected, post_norm, gate_up, down, eps, activation, b_gate_up, b_down, mlp_out_norm, variant)
 
 
-def output_projection(x: torch.Tensor, attended: torch.Tensor, wo: torch.Tensor,
-                      bo: torch.Tensor | None = None) -> torch.Tensor:
+def output_projection(x: torch.Tensor, attended: torch.Tensor, wo: torch.Tensor, bo: torch.Tensor | None = None,
+                      out_norm: torch.Tensor | None = None, eps: float | None = None,
+                      variant: Variant = LLAMA_VARIANT) -> torch.Tensor:
     """The attention sub-block's end: x [B, T, hidden] + the output projection of attended [B, H, T, D]
-    (bo [hidden]: its bias, where the config has one)."""
+    (bo [hidden]: its bias, where the config has one; out_norm [hidden]: Gemma's norm of it before the add)."""
     batch, tokens, _ = x.shape
-    return x + F.linear(attended.transpose(1, 2).reshape(batch, tokens, -1), wo, bo)
+    out = F.linear(attended.transpose(1, 2).reshape(batch, tokens, -1), wo, bo)
+    return x + (out if out_norm is None else norm(out, out_norm, eps, variant))
 
 
 def activate(x: torch.Tensor, name: str) -> torch.Tensor:
@@ -262,28 +393,55 @@ def activate(x: torch.Tensor, name: str) -> torch.Tensor:
 
 def mlp_block(x: torch.Tensor, post_norm: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor,
               eps: float, activation: str = "silu", b_gate_up: torch.Tensor | None = None,
-              b_down: torch.Tensor | None = None) -> torch.Tensor:
+              b_down: torch.Tensor | None = None, out_norm: torch.Tensor | None = None,
+              variant: Variant = LLAMA_VARIANT) -> torch.Tensor:
     """The MLP sub-block with its residual: x [B, T, hidden] -> x + down(act(gate) * up) of norm(x);
-    b_gate_up [2*inter] and b_down [hidden] are its biases where the config has them."""
-    gate, up = F.linear(rms_norm(x, post_norm, eps), gate_up, b_gate_up).chunk(2, dim=-1)
-    return x + F.linear(activate(gate, activation) * up, down, b_down)
+    b_gate_up [2*inter] and b_down [hidden] are its biases where the config has them; out_norm [hidden]:
+    Gemma's norm of the MLP output before the add."""
+    gate, up = F.linear(norm(x, post_norm, eps, variant), gate_up, b_gate_up).chunk(2, dim=-1)
+    out = F.linear(activate(gate, activation) * up, down, b_down)
+    return x + (out if out_norm is None else norm(out, out_norm, eps, variant))
 
 
-def head(last: torch.Tensor, final_norm: torch.Tensor, lm_head: torch.Tensor, eps: float) -> torch.Tensor:
-    """last [B, hidden] -> logits [B, V]."""
-    return F.linear(rms_norm(last, final_norm, eps), lm_head)
+def moe_post_attention(x: torch.Tensor, attended: torch.Tensor, wo: torch.Tensor, post_norm: torch.Tensor,
+                       router: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor, eps: float, activation: str,
+                       top_k: int, normalize: bool, bo: torch.Tensor | None = None,
+                       ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """post_attention of an MoE layer (engine/moe.py): x [B, T, hidden], attended [B, H, T, D] -> x, and
+    the routing of each row's last token: experts [B, k], margin [B]. One piece (piecewise mode compiles it)."""
+    x = output_projection(x, attended, wo, bo)
+    return moe.mlp_block(x, rms_norm(x, post_norm, eps), router, gate_up, down, lambda t: activate(t, activation),
+                         top_k, normalize)
 
 
-def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor, implementation: str) -> torch.Tensor:
+
+
+def softcap(x: torch.Tensor, cap: float) -> torch.Tensor:
+    """Gemma's soft-capping, as transformers computes it: cap * tanh(x / cap)."""
+    return torch.tanh(x / cap) * cap
+
+
+def head(last: torch.Tensor, final_norm: torch.Tensor, lm_head: torch.Tensor, eps: float,
+         variant: Variant = LLAMA_VARIANT) -> torch.Tensor:
+    """last [B, hidden] -> logits [B, V] (soft-capped where the family caps them)."""
+    logits = F.linear(norm(last, final_norm, eps, variant), lm_head)
+    return logits if variant.final_softcap is None else softcap(logits, variant.final_softcap)
+
+
+def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor, implementation: str,
+              scale: float | None = None, cap: float | None = None) -> torch.Tensor:
     """q [B, H, T, D], k/v [B, G, S, D], mask [B, 1, R*T, S] additive -> [B, H, T, D].
 
-    Query head h attends with key/value head h // R (transformers' `repeat_kv` order)."""
+    Query head h attends with key/value head h // R (transformers' `repeat_kv` order). scale: the
+    scores' factor (None: D**-0.5); cap: Gemma's soft-capping of the scores before the mask, which
+    SDPA cannot compute, so a capped model takes the explicit path whatever `implementation` says."""
     batch, heads, tokens, dim = q.shape
     grouped = q.reshape(batch, k.shape[1], -1, dim)  # [B, G, R*T, D]
-    if implementation == "sdpa":
-        out = F.scaled_dot_product_attention(grouped, k, v, attn_mask=mask)
+    if implementation == "sdpa" and cap is None:
+        out = F.scaled_dot_product_attention(grouped, k, v, attn_mask=mask, scale=scale)
     else:  # explicit math, as transformers' eager attention: softmax in fp32 (fp64 for an fp64 model)
-        scores = (grouped @ k.transpose(-1, -2)) * dim**-0.5 + mask  # [B, G, R*T, S]
+        scores = (grouped @ k.transpose(-1, -2)) * (dim**-0.5 if scale is None else scale)  # [B, G, R*T, S]
+        scores = (scores if cap is None else softcap(scores, cap)) + mask
         wide = torch.promote_types(q.dtype, torch.float32)
         out = torch.softmax(scores, dim=-1, dtype=wide).to(q.dtype) @ v
     return out.reshape(batch, heads, tokens, dim)  # a copy only where the kernel's output layout needs one
@@ -292,9 +450,12 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Ten
 MASK_ALIGNMENT = 16  # fused attention kernels want the mask's row stride a multiple of 16 elements
 
 
-def build_mask(slots: torch.Tensor, key_valid: torch.Tensor, rows_per_key_head: int, dtype: torch.dtype) -> torch.Tensor:
+def build_mask(slots: torch.Tensor, key_valid: torch.Tensor, rows_per_key_head: int, dtype: torch.dtype,
+               window: int | None = None) -> torch.Tensor:
     """slots [T], key_valid [B, S] -> additive mask [B, 1, R*T, S] (0 or -inf): causal, padding hidden,
-    each query sees itself; row r*T + t belongs to query token t (R = rows_per_key_head).
+    each query sees itself; row r*T + t belongs to query token t (R = rows_per_key_head). With a
+    `window`, a query in slot s sees only slots > s - window (transformers' sliding window; a row's real
+    tokens fill consecutive slots, so slot distance is position distance).
 
     A padding query would otherwise see no key at all (a NaN row that poisons the cache). The mask is
     a view of rows padded to MASK_ALIGNMENT, so the fused kernels take it without a copy.
@@ -304,6 +465,8 @@ def build_mask(slots: torch.Tensor, key_valid: torch.Tensor, rows_per_key_head: 
     key_index = torch.arange(aligned, device=slots.device)  # [S']
     valid = F.pad(key_valid, (0, aligned - cache_slots))  # [B, S'], the padding columns never valid
     causal = key_index[None, :] <= slots[:, None]  # [T, S']
+    if window is not None:
+        causal = causal & (key_index[None, :] > slots[:, None] - window)
     itself = key_index[None, :] == slots[:, None]  # [T, S']
     visible = (causal[None] & valid[:, None, :]) | itself[None]  # [B, T, S']
     rows = visible[:, None].expand(-1, rows_per_key_head, -1, -1).reshape(key_valid.shape[0], 1, -1, aligned)

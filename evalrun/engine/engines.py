@@ -1,0 +1,73 @@
+"""The engine seam: what computes a run's logits, chosen by `config.engine` and built here, in one place.
+
+An `Engine` turns one `BatchSpec` into one `BatchOutput` (the same capture arrays whatever computes them:
+tokens, digests, top-k sketch, margins, kept logits, probe values) and proves what it ran (`evidence`).
+The runner (`runner.execute`) sees nothing else: warm-up, batching, results and the store are shared.
+
+  evalrun       evalrun's own forward (engine.transformer) under an `ExecutionMode`: every compilation
+                and CUDA-graph mode; runs the families `model_support` lists, refuses the rest
+  transformers  transformers' own forward of any causal LM it loads (engine.hf_engine): eager,
+                torch.compile of the forward, static cache + compile with CUDA graphs; refuses
+                piecewise modes
+  openai:URL    a running OpenAI-compatible server (not built yet: issue #15)
+"""
+
+from __future__ import annotations
+
+from typing import Any, Protocol
+
+from ..config import EffectiveConfig
+from ..errors import ConfigError
+from .generate import BatchOutput, BatchSpec
+
+
+class Engine(Protocol):
+    """What the runner needs of an engine. `static`: prompts padded to prefill buckets and batches to
+    batch buckets, so shapes repeat (warm-up then covers each shape); `calls_to_warm`: calls per shape
+    before one runs as measured."""
+
+    static: bool
+    batch_invariant: bool
+    calls_to_warm: int
+
+    def plan(self, max_prompt_length: int, max_steps: int) -> None: ...
+
+    def padded_length(self, prompts: list[list[int]]) -> int: ...
+
+    def padded_batch(self, rows: int) -> int: ...
+
+    def generate(self, spec: BatchSpec) -> BatchOutput: ...
+
+    def start_measuring(self) -> None: ...
+
+    def evidence(self) -> dict[str, Any]: ...
+
+
+def uses_engine_families(engine: str) -> bool:
+    """Whether the engine computes the model itself (evalrun's own forward), so the checkpoint's family and
+    every config field must be one it implements (`model_support`); other engines run what they load."""
+    return engine == "evalrun"
+
+
+def check_model(engine: str, model_config: dict[str, Any]) -> None:
+    """Refuse, with one line, a model the engine would not compute as its config asks."""
+    if uses_engine_families(engine):
+        from .model_support import check_config
+
+        check_config(model_config)
+
+
+def build_engine(model: Any, config: EffectiveConfig) -> Engine:
+    """The engine `config.engine` names over a loaded Hugging Face module, in `config`'s execution mode.
+    ConfigError (exit 2) when that engine cannot honour the mode; never another engine or mode instead."""
+    if config.engine == "evalrun":
+        from .modes import build_execution_mode
+        from .transformer import Transformer
+
+        return build_execution_mode(Transformer(model, config.attn_implementation), config)
+    if config.engine == "transformers":
+        from .hf_engine import TransformersEngine
+
+        return TransformersEngine(model, config)
+    raise ConfigError(f"engine={config.engine[:80]!r} is not implemented yet (issue #15); use --engine evalrun "
+                      "or --engine transformers")

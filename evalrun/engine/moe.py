@@ -1,0 +1,119 @@
+"""Mixture-of-experts feed-forward (Qwen3-MoE): a softmax router picks the top-k experts of each token.
+
+Pure functions with static shapes, so the block compiles with `fullgraph=True`, is captured in CUDA
+graphs and never syncs with the host: no `.item()`, no `nonzero`, no per-expert token lists. Two
+equivalent computations, chosen from the (static) token count when the graph is built:
+
+  gathered  N*k < E: each token's k experts' weights are gathered ([N, k, 2I, hidden]) and applied
+            to it alone (decode: reads k experts per token, not all E);
+  dense     otherwise: every expert runs on every token ([E, N, 2I]) and each token keeps its k
+            outputs (prefill: reads each expert once, whatever the token count).
+
+Both weight the k chosen outputs and sum them over k, as transformers' Qwen3MoeExperts does.
+
+Routing is itself a discrete decision, so the block also returns, for the last token of each row (the
+token whose logits a step captures), the chosen experts and the router margin: the gap between the
+k-th and (k+1)-th router probability. A flip of the chosen set at a margin near 0 is a near-tie.
+
+Shapes: B batch, T tokens, N = B*T, E experts, k experts per token, I expert inner size, L MoE layers.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Callable
+
+import torch
+import torch.nn.functional as F
+
+Activation = Callable[[torch.Tensor], torch.Tensor]  # the feed-forward activation, elementwise
+
+
+@dataclass
+class MoEWeights:
+    """One MoE layer's feed-forward; `slot` is its index among the model's MoE layers (routing capture)."""
+
+    router: torch.Tensor  # [E, hidden]
+    gate_up: torch.Tensor  # [E, 2I, hidden]: each expert's gate and up projections stacked
+    down: torch.Tensor  # [E, hidden, I]
+    top_k: int
+    normalize: bool  # norm_topk_prob: the k chosen probabilities rescaled to sum to 1
+    slot: int
+
+
+def layer_weights(mlp: torch.nn.Module, slot: int) -> MoEWeights | None:
+    """The MoE weights of a transformers Qwen3MoeSparseMoeBlock (views, no copies); None for a dense MLP."""
+    if not hasattr(mlp, "experts"):
+        return None
+    router = mlp.gate
+    return MoEWeights(router.weight, mlp.experts.gate_up_proj, mlp.experts.down_proj, router.top_k,
+                      bool(router.norm_topk_prob), slot)
+
+
+class RoutingState:
+    """The last forward's routing of each row's last token, in every MoE layer; lives with the KV cache
+    (one per workspace), written by the forward, read by the step's capture."""
+
+    def __init__(self, batch: int, layers: int, top_k: int, device: torch.device):
+        self.experts = torch.zeros((batch, layers, top_k), dtype=torch.int64, device=device)  # [B, L, k]
+        self.margins = torch.zeros((batch, layers), dtype=torch.float32, device=device)  # [B, L]
+
+    def record(self, slot: int, experts: torch.Tensor, margin: torch.Tensor) -> None:
+        """experts [B, k], margin [B] of MoE layer `slot`."""
+        self.experts.select(1, slot).copy_(experts)
+        self.margins.select(1, slot).copy_(margin)
+
+
+def route(x: torch.Tensor, router: torch.Tensor, top_k: int, normalize: bool,
+          ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """x [N, hidden] -> weights [N, k] (x's dtype), experts [N, k] int64, margin [N] float32.
+
+    Softmax in fp32 (fp64 for an fp64 model), as transformers' Qwen3MoeTopKRouter (which uses fp32)."""
+    wide = torch.promote_types(x.dtype, torch.float32)
+    probs = torch.softmax(F.linear(x, router), dim=-1, dtype=wide)  # [N, E]
+    values, experts = torch.topk(probs, min(top_k + 1, probs.shape[-1]), dim=-1)  # [N, k+1] (k when k = E)
+    runner_up = values[:, top_k] if values.shape[-1] > top_k else torch.zeros_like(values[:, 0])
+    margin = (values[:, top_k - 1] - runner_up).float()
+    chosen = values[:, :top_k]
+    if normalize:
+        chosen = chosen / chosen.sum(dim=-1, keepdim=True)
+    return chosen.to(x.dtype), experts[:, :top_k], margin
+
+
+def experts_gathered(x: torch.Tensor, experts: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor,
+                     act: Activation) -> torch.Tensor:
+    """x [N, hidden], experts [N, k] -> each token's chosen experts' outputs [N, k, hidden]."""
+    gate, up = torch.einsum("nh,nkih->nki", x, gate_up[experts]).chunk(2, dim=-1)  # [N, k, I] each
+    return torch.einsum("nki,nkhi->nkh", act(gate) * up, down[experts])
+
+
+def experts_dense(x: torch.Tensor, experts: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor,
+                  act: Activation) -> torch.Tensor:
+    """x [N, hidden], experts [N, k] -> the same [N, k, hidden], computed by every expert on every token."""
+    gate, up = torch.matmul(x, gate_up.transpose(1, 2)).chunk(2, dim=-1)  # [E, N, I] each
+    every = torch.matmul(act(gate) * up, down.transpose(1, 2)).transpose(0, 1)  # [N, E, hidden]
+    return every.gather(1, experts[..., None].expand(-1, -1, x.shape[-1]))  # [N, k, hidden]
+
+
+def sparse_mlp(x: torch.Tensor, router: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor, act: Activation,
+               top_k: int, normalize: bool) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """x [N, hidden] (normed) -> out [N, hidden], experts [N, k], margin [N]."""
+    weights, experts, margin = route(x, router, top_k, normalize)
+    compute = experts_gathered if x.shape[0] * top_k < gate_up.shape[0] else experts_dense  # static shapes
+    outputs = compute(x, experts, gate_up, down, act)  # [N, k, hidden]
+    return (outputs * weights[..., None]).sum(dim=1), experts, margin
+
+
+def mlp_block(x: torch.Tensor, normed: torch.Tensor, router: torch.Tensor, gate_up: torch.Tensor,
+              down: torch.Tensor, act: Activation, top_k: int, normalize: bool,
+              ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The MoE sub-block's residual update: x, normed (x after the layer's post-attention norm) [B, T, hidden]
+    -> x + experts(normed) [B, T, hidden], and the routing of each row's last token: experts [B, k], margin [B].
+
+    (engine.transformer.moe_post_attention applies the norm and the attention output first: this module
+    builds on no other, so the transformer can import it.)"""
+    batch, tokens, hidden = x.shape
+    out, experts, margin = sparse_mlp(normed.reshape(-1, hidden), router, gate_up, down, act, top_k, normalize)
+    last = tokens - 1
+    return (x + out.view(batch, tokens, hidden), experts.view(batch, tokens, top_k)[:, last],
+            margin.view(batch, tokens)[:, last])

@@ -1,0 +1,97 @@
+"""Routing flips of mixture-of-experts models: pure comparison of two runs' captured routing. No I/O.
+
+Top-k routing is a discrete decision inside the model, like a greedy token: two runs of one MoE model
+can send a token to different experts. An MoE run stores, per decode step and MoE layer, the chosen
+experts of the step's token (`routing_experts` [N, L, k]) and the router margin (`routing_margins`
+[N, L]: the k-th minus the (k+1)-th router probability).
+
+A flip's size is bounded below by the margins: if run A chose expert x and not y and run B chose y
+and not x, the gap pA(x) - pA(y) >= mA became pB(x) - pB(y) <= -mB, so a gap between two router
+probabilities changed by at least `needed` = mA + mB. Before the flip, where both runs chose the same
+experts, the margins (gaps between router probabilities too) changed by |mA - mB|; the largest of
+those is `moved`. A flip with needed <= moved is a **near-tie**: a change of the size the runs showed
+where nothing flipped tipped a balanced decision (drift-like evidence). A flip that needs more than
+the router moved anywhere before it is not explained by that movement.
+
+Shapes: N decode steps, L MoE layers, k experts per token.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Mapping
+
+import numpy as np
+
+ARRAYS = ("routing_experts", "routing_margins")
+
+
+@dataclass
+class RoutingFlip:
+    """The first (step, MoE layer) where two runs chose different experts for the same input."""
+
+    step: int
+    layer: int  # index among the model's MoE layers
+    experts_a: list[int]  # sorted
+    experts_b: list[int]
+    margin_a: float  # router margin of run A there
+    margin_b: float
+    needed: float  # margin_a + margin_b: a router-probability gap changed at least this much
+    moved: float  # largest |margin_a - margin_b| where both chose the same experts, before the flip
+    near_tie: bool  # needed <= moved
+    flipped: int  # (step, layer) entries whose chosen experts differ, over the compared steps
+    compared: int  # (step, layer) entries compared
+
+    def describe(self, name_a: str = "A", name_b: str = "B") -> str:
+        kind = ("a near-tie: drift-like" if self.near_tie else
+                "not a near-tie: more than the router moved anywhere before it")
+        return (f"routing flip at step {self.step}, MoE layer {self.layer}: experts {self.experts_a} ({name_a}) vs "
+                f"{self.experts_b} ({name_b}), router margin {self.margin_a:.3g} vs {self.margin_b:.3g}; the flip "
+                f"needs a router-probability gap to move {self.needed:.3g}, before it margins moved up to {self.moved:.3g} "
+                f"({kind}); {self.flipped} of {self.compared} step-layer routings differ")
+
+
+def has_routing(arrays: Mapping[str, np.ndarray]) -> bool:
+    return all(name in arrays for name in ARRAYS)
+
+
+def routing_flip(experts_a: np.ndarray, margins_a: np.ndarray, experts_b: np.ndarray, margins_b: np.ndarray,
+                 steps: int) -> RoutingFlip | None:
+    """experts [N, L, k], margins [N, L] of two runs over the same inputs for their first `steps` steps ->
+    the first flip, or None when every chosen set agrees (or the shapes differ: another model)."""
+    n = min(steps, len(experts_a), len(experts_b))
+    if experts_a.shape[1:] != experts_b.shape[1:] or n <= 0:
+        return None
+    sets_a, sets_b = np.sort(experts_a[:n], axis=-1), np.sort(experts_b[:n], axis=-1)  # [n, L, k]: order inside a set is no flip
+    agree = np.all(sets_a == sets_b, axis=-1).reshape(-1)  # [n*L], step-major
+    if agree.all():
+        return None
+    first = int(np.argmin(agree))
+    step, layer = divmod(first, experts_a.shape[1])
+    ma, mb = margins_a[:n].reshape(-1).astype(np.float64), margins_b[:n].reshape(-1).astype(np.float64)
+    before = np.abs(ma[:first] - mb[:first])  # every entry before the flip agrees
+    moved = float(before.max()) if before.size else 0.0
+    needed = ma[first] + mb[first]
+    return RoutingFlip(step, layer, sets_a[step, layer].tolist(), sets_b[step, layer].tolist(), float(ma[first]),
+                       float(mb[first]), float(needed), moved, bool(needed <= moved), int((~agree).sum()),
+                       int(agree.size))
+
+
+def result_flip(a: Mapping[str, np.ndarray], b: Mapping[str, np.ndarray], steps: int) -> RoutingFlip | None:
+    """The first routing flip between two prompt results' arrays (None for dense models)."""
+    if not (has_routing(a) and has_routing(b)):
+        return None
+    return routing_flip(a["routing_experts"], a["routing_margins"], b["routing_experts"], b["routing_margins"], steps)
+
+
+def shape_problem(arrays: Mapping[str, np.ndarray], steps: int) -> bool:
+    """True when routing arrays are present but inconsistent: one without the other, or shapes that
+    are not [steps, L, k] and [steps, L]."""
+    present = [name in arrays for name in ARRAYS]
+    if not any(present):
+        return False
+    if not all(present):
+        return True
+    experts, margins = arrays["routing_experts"], arrays["routing_margins"]
+    return not (experts.ndim == 3 and experts.shape[0] == steps and margins.shape == experts.shape[:2]
+                and experts.shape[2] > 0)

@@ -1,0 +1,121 @@
+"""Routing flips of MoE models: the pure comparison (evalrun/routing.py), and that `evalrun diff` and
+`golden verify` name a planted routing flip as such, with the router margin there."""
+
+from __future__ import annotations
+
+import json
+
+import numpy as np
+import pytest
+
+from evalrun.config import build_config
+from evalrun.engine.faults import Fault, fault_hook, plant
+from evalrun.golden import open_golden
+from evalrun.routing import routing_flip
+from evalrun.runner import execute_run, prepare
+from evalrun.store import Store
+from evalrun.verify import candidate_config, verify_golden
+from test_moe import moe_checkpoint
+
+# ---------------------------------------------------------------- the pure comparison
+
+EXPERTS = np.array([[[0, 1], [2, 3]], [[4, 5], [6, 7]], [[0, 2], [1, 3]]])  # [N=3, L=2, k=2]
+MARGINS = np.array([[0.10, 0.20], [0.30, 0.40], [0.05, 0.06]], dtype=np.float32)  # [N, L]
+
+
+def test_equal_routing_and_a_reordered_set_are_no_flip():
+    reordered = EXPERTS[..., ::-1].copy()
+    assert routing_flip(EXPERTS, MARGINS, EXPERTS, MARGINS, 3) is None
+    assert routing_flip(EXPERTS, MARGINS, reordered, MARGINS + 0.01, 3) is None
+
+
+def test_the_first_flip_is_found_in_step_then_layer_order_and_counted():
+    other, margins = EXPERTS.copy(), MARGINS.copy()
+    other[1, 1] = [6, 0]  # step 1, MoE layer 1
+    other[2, 0] = [3, 4]
+    margins[0, 0] += 0.002  # the router moved a little before the flip
+    flip = routing_flip(EXPERTS, MARGINS, other, margins, 3)
+    assert (flip.step, flip.layer, flip.experts_a, flip.experts_b) == (1, 1, [6, 7], [0, 6])
+    assert flip.margin_a == pytest.approx(0.4) and flip.flipped == 2 and flip.compared == 6
+    assert flip.needed == pytest.approx(0.8) and flip.moved == pytest.approx(0.002, rel=1e-3)
+    assert not flip.near_tie
+    assert routing_flip(EXPERTS, MARGINS, other, margins, 1) is None  # only the first step compared
+
+
+def test_a_flip_needing_less_than_the_router_moved_before_is_a_near_tie():
+    other, margins_a, margins_b = EXPERTS.copy(), MARGINS.copy(), MARGINS.copy()
+    other[2, 0] = [0, 3]
+    margins_a[2, 0], margins_b[2, 0] = 0.001, 0.002
+    margins_b[1, 0] += 0.01
+    flip = routing_flip(EXPERTS, margins_a, other, margins_b, 3)
+    assert flip.near_tie and flip.needed == pytest.approx(0.003) and flip.moved == pytest.approx(0.01, rel=1e-3)
+    assert "near-tie" in flip.describe()
+
+
+# ---------------------------------------------------------------- planted flips, end to end
+
+STEPS = 12
+ROUTER_FAULT = Fault("router", 1.0, layer=1)  # expert 0's router logit doubled in the second MoE layer
+
+
+@pytest.fixture(scope="module")
+def moe_dir(tmp_path_factory):
+    return moe_checkpoint(tmp_path_factory.mktemp("routing") / "moe")
+
+
+def test_verify_names_a_planted_routing_flip_with_its_router_margin(golden_factory, moe_dir):
+    directory = golden_factory(model=str(moe_dir), tokens=STEPS)
+    golden = open_golden("g", directory)
+    assert golden.results("pinned")[0].arrays["routing_experts"].shape == (STEPS, 2, 2)
+    config = candidate_config(golden, None, {}, ())
+    clean = verify_golden(golden, config)
+    assert clean.verdict == "identical" and not any("routing" in cause for cause in clean.causes)
+    verdict = verify_golden(golden, config, hook=fault_hook(ROUTER_FAULT))
+    assert verdict.verdict == "changed", verdict.causes
+    routing = [cause for cause in verdict.causes if cause.startswith("routing:")]
+    assert len(routing) == 1 and "routing flip at step" in routing[0] and "router margin" in routing[0], routing
+    assert "not a near-tie" in routing[0]  # doubling a router logit moves far more than anything did before
+    flips = [p.routing for p in verdict.prompts if p.routing is not None]
+    assert flips and all(f.layer == 1 for f in flips)  # layer 0 is untouched: only the faulted layer flips first
+    assert all(f.experts_a != f.experts_b and f.margin_a >= 0 for f in flips)
+    from evalrun.verdict_report import render
+    assert "routing flip at step" in render(verdict, "text")
+    assert json.loads(render(verdict, "json"))["prompts"][0]["routing"] is not None or len(flips) < len(verdict.prompts)
+
+
+def test_routing_flips_of_a_dtype_change_are_near_ties_and_the_verdict_is_drift(golden_factory, moe_dir):
+    """float32 golden, bfloat16 candidate: numerics alone differ; any routing flip sits at a near-tie."""
+    golden = open_golden("g", golden_factory(model=str(moe_dir), tokens=STEPS))
+    verdict = verify_golden(golden, candidate_config(golden, None, {"dtype": "bfloat16"}, ()))
+    assert verdict.verdict == "drift", verdict.causes
+    flips = [p.routing for p in verdict.prompts if p.routing is not None]
+    assert all(f.near_tie for f in flips), [f.describe() for f in flips]
+    assert all(("at near-ties" in c) for c in verdict.causes if c.startswith("routing:"))
+
+
+def test_diff_names_a_planted_routing_flip(cli, moe_dir, store_path):
+    config = build_config(None, {"model": str(moe_dir), "prompts": "smoke", "max_new_tokens": STEPS}, ())
+    store = Store(store_path)
+    clean = execute_run(config, store)
+    faulted = prepare(config)
+    plant(faulted, ROUTER_FAULT)
+    changed = execute_run(config, store, prepared=faulted)
+    code, out, err = cli("diff", clean.run_id, changed.run_id, "--store", str(store_path), "--format", "json")
+    assert code in (0, 1), err
+    prompts = json.loads(out)["prompts"]
+    flips = [p["routing"] for p in prompts if p["routing"]]
+    assert flips and all(f["layer"] == 1 for f in flips)
+    for prompt in prompts:  # routing is compared only where both runs had the same input
+        if prompt["routing"] and prompt["first_divergent_step"] >= 0:
+            assert prompt["routing"]["step"] <= prompt["first_divergent_step"]
+    code, text, _ = cli("diff", clean.run_id, changed.run_id, "--store", str(store_path))
+    assert "routing flip at step" in text and "router margin" in text
+    code, same, _ = cli("diff", clean.run_id, clean.run_id, "--store", str(store_path), "--format", "json")
+    assert all(p["routing"] is None for p in json.loads(same)["prompts"])
+
+
+def test_dense_runs_store_no_routing_arrays(cli, tiny_args, store_path):
+    code, out, err = cli("run", *tiny_args, "--json", "--quiet")
+    assert code == 0, err
+    results = Store(store_path).load_results(json.loads(out)["run_id"])
+    assert all("routing_experts" not in r.arrays and "routing_margins" not in r.arrays for r in results)
