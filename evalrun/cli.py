@@ -118,6 +118,25 @@ def phase_progress(quiet: bool):
     return start
 
 
+def shard_option(command: Callable) -> Callable:
+    return click.option("--shard", "shard_text", metavar="I/N", default=None,
+                        help="Run part I of N of the prompt set (whole batches; CI matrix jobs, Slurm arrays); "
+                             "join the stores with `evalrun store merge`. Under torchrun the ranks split it.")(command)
+
+
+def parsed_shard(text: str | None):
+    from .distributed import parse_shard
+
+    return parse_shard(text) if text is not None else None
+
+
+def leader() -> bool:
+    """Whether this process prints and writes: always, except on ranks > 0 under torchrun."""
+    from .distributed import world
+
+    return world().leader
+
+
 def store_option(command: Callable) -> Callable:
     return click.option("--store", "store_path", type=click.Path(path_type=Path), default=None,
                         help="Store file (default: $EVALRUN_STORE or store/evalrun.db).")(command)
@@ -153,24 +172,37 @@ def cli() -> None:
 
 @cli.command()
 @run_options
+@shard_option
 @store_option
 @click.option("--label", help="A note stored with the run.")
 @output_options("text", "json")
 @quiet_option
-def run(store_path, label, output_format, as_json, quiet, **kwargs) -> None:
+def run(store_path, label, output_format, as_json, quiet, shard_text, **kwargs) -> None:
     """Run the prompt set, capture every step's logits, store the run.
+
+    Under `torchrun --nproc-per-node N -m evalrun run ...` the ranks split the prompt set (rank 0 stores
+    one run), or the model with --tensor-parallel N.
 
     \b
     Example:
       evalrun run --model random:tiny --prompts smoke --max-new-tokens 8 --json
+      torchrun --nproc-per-node 2 -m evalrun run --model random:tiny --tensor-parallel 2
     """
     from .config import is_server_engine
-    from .runner import execute_run
     from .server_run import execute_server_run
+    from .sharding import execute_sharded_run
 
-    config = config_from(kwargs)
-    execute = execute_server_run if is_server_engine(config.engine) else execute_run
-    outcome = execute(config, open_store(store_path), label=label, progress_factory=progress_factory(quiet))
+    config, shard = config_from(kwargs), parsed_shard(shard_text)
+    store = open_store(store_path) if leader() else None
+    if is_server_engine(config.engine):  # a server computes: one process, no shards
+        if shard is not None:
+            raise click.UsageError("--shard splits evalrun's own runs; a server runs whole")
+        outcome = execute_server_run(config, store, label=label, progress_factory=progress_factory(quiet))
+    else:
+        outcome = execute_sharded_run(config, store, label=label, progress_factory=progress_factory(quiet),
+                                      shard=shard)
+    if not leader():
+        return
     if chosen_format(output_format, as_json) == "json":
         click.echo(report.to_json(report.run_json(outcome)))
     else:
@@ -259,6 +291,30 @@ def store_check(store_path, output_format, as_json) -> None:
         raise Exit(EXIT_CHANGED)
 
 
+@store.command("merge")
+@click.argument("out_path", metavar="OUT.db", type=click.Path(path_type=Path))
+@click.argument("sources", metavar="A.db B.db ...", nargs=-1, required=True, type=click.Path(path_type=Path))
+@output_options("text", "json")
+def store_merge(out_path, sources, output_format, as_json) -> None:
+    """Merge the runs of several stores into OUT (idempotent; each source must pass `store check`).
+
+    \b
+    Example:
+      evalrun store merge all.db shard0.db shard1.db
+    """
+    from .store_merge import merge_stores
+
+    outcome = merge_stores(out_path, list(sources))
+    if chosen_format(output_format, as_json) == "json":
+        click.echo(report.to_json(outcome))
+    else:
+        click.echo("\n".join(f"{entry['store']}: {entry['copied']} runs copied, {entry['already_there']} already there"
+                             for entry in outcome["sources"]))
+        click.echo(report.store_check_text(outcome["check"]))
+    if not outcome["check"]["ok"]:
+        raise Exit(EXIT_CHANGED)
+
+
 @cli.group()
 def golden() -> None:
     """Create, verify, list and show goldens (golden/NAME.db, committed to git).
@@ -293,7 +349,9 @@ def golden_create(name, directory, force, output_format, as_json, quiet, **kwarg
 
     config = config_from(kwargs)
     create = create_server_golden if is_server_engine(config.engine) else create_golden
-    created = create(name, config, directory, force, phase_progress(quiet))
+    created = create(name, config, directory, force, phase_progress(quiet or not leader()))
+    if created is None:
+        return
     summary = created.summary()
     json_out = chosen_format(output_format, as_json) == "json"
     click.echo(report.to_json(summary) if json_out else report.golden_created_text(summary))
@@ -306,28 +364,58 @@ def golden_create(name, directory, force, output_format, as_json, quiet, **kwarg
 @click.option("--strict", is_flag=True, help="Drift fails too (exit 1).")
 @output_options("text", "json", "markdown")
 @click.option("--junit", "junit_path", type=click.Path(path_type=Path), help="Also write a JUnit XML report here.")
+@shard_option
+@store_option
+@click.option("--from-shards", is_flag=True, help="Judge from the --shard jobs' runs in --store (after `store merge`); "
+                                                  "runs no model.")
 @quiet_option
-def golden_verify(name, directory, strict, output_format, as_json, junit_path, quiet, **kwargs) -> None:
+def golden_verify(name, directory, strict, output_format, as_json, junit_path, shard_text, store_path, from_shards,
+                  quiet, **kwargs) -> None:
     """Verify a candidate config against a golden: identical, drift, changed or incomparable.
 
-    Exit 0 identical or drift (1 with --strict), 1 changed, 2 incomparable or cannot compare.
+    Exit 0 identical or drift (1 with --strict), 1 changed, 2 incomparable or cannot compare. Under
+    torchrun the ranks split the prompts (or the model, --tensor-parallel N) and rank 0 reports.
 
     \b
     Example:
       evalrun golden verify smollm2-cpu -O3 --format markdown > comment.md
+      evalrun golden verify smollm2-cpu --shard 0/2 --store s0.db     # then --shard 1/2 --store s1.db
+      evalrun store merge all.db s0.db s1.db && evalrun golden verify smollm2-cpu --store all.db --from-shards
     """
     from . import verdict_report
     from .config import is_server_engine
+    from .distributed import broadcast_int
     from .golden import open_golden
     from .server_verify import verify_with_server
-    from .verify import candidate_config, verify_golden
+    from .sharding import ShardStored, verify_sharded
+    from .verify import candidate_config
 
     writable_output(junit_path, "--junit")
-    opened = open_golden(name, directory)
+    opened, shard = open_golden(name, directory), parsed_shard(shard_text)
+    if from_shards and shard is not None:
+        raise click.UsageError("--from-shards judges the stored shards; drop --shard")
     candidate = candidate_config(opened, *run_flags(kwargs))
-    verify = verify_with_server if is_server_engine(candidate.engine) else verify_golden
-    verdict = verify(opened, candidate, strict, phase_progress(quiet))
+    if is_server_engine(candidate.engine):  # a server computes: one process, no shards (server_verify)
+        if shard is not None or from_shards:
+            raise click.UsageError("--shard and --from-shards split evalrun's own runs; a server runs whole")
+        outcome = verify_with_server(opened, candidate, strict, phase_progress(quiet))
+    else:
+        stored = from_shards or (shard is not None and not shard.whole)
+        store = open_store(store_path, readonly=from_shards) if stored and leader() else None
+        outcome = verify_sharded(opened, candidate, strict, phase_progress(quiet or not leader()), shard, store,
+                                 from_shards)
     chosen = chosen_format(output_format, as_json)
+    if isinstance(outcome, ShardStored):
+        click.echo(report.to_json(outcome.as_dict()) if chosen == "json" else
+                   f"golden {name} shard {outcome.shard}: {outcome.prompts} prompts run, stored in {outcome.store}\n"
+                   f"next: {outcome.next_steps}")
+        return
+    code = broadcast_int(outcome.exit_code if outcome is not None else 0)  # every rank exits as rank 0 does
+    if outcome is None:
+        if code:
+            raise Exit(code)
+        return
+    verdict = outcome
     click.echo(verdict_report.render(verdict, chosen))
     _github_outputs(verdict, name, chosen)
     if junit_path:
@@ -606,7 +694,7 @@ def exit_code_of(error: BaseException) -> int:
         _say(f"evalrun: error: {_first_line(error)}")
         return EXIT_UNUSABLE
     if isinstance(error, click.exceptions.Abort | KeyboardInterrupt):
-        _say("evalrun: interrupted")
+        _say(f"evalrun: interrupted{': ' + _first_line(error) if str(error) else ''}")
         return EXIT_UNUSABLE
     if isinstance(error, click.exceptions.ClickException):
         _say(f"evalrun: error: {error.format_message()}; see evalrun --help")
@@ -643,8 +731,11 @@ def main(argv: list[str] | None = None) -> None:
     for stream in (sys.stdout, sys.stderr):  # text from a damaged file must never fail to print
         if hasattr(stream, "reconfigure"):
             stream.reconfigure(errors="backslashreplace")
+    from .distributed import leave
+
     try:
         cli.main(args=argv, prog_name="evalrun", standalone_mode=False)
+        leave()  # under torchrun: leave the process group so the launcher sees a clean exit
     except (Exception, KeyboardInterrupt) as error:  # noqa: BLE001 - the one place errors become exit codes
         sys.exit(exit_code_of(error))
     sys.exit(0)

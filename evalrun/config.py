@@ -591,7 +591,12 @@ def validate(config: EffectiveConfig, cuda_available: bool, gpu_count: int | Non
         raise ConfigError(f"engine={config.engine[:80]!r} is not valid; use --engine evalrun, --engine transformers "
                           "or --engine openai:http://HOST:PORT/v1")
     _check_engine_modes(config)
+    if config.tensor_parallel != 1 and config.engine != "evalrun":
+        raise ConfigError(f"tensor_parallel={config.tensor_parallel} splits evalrun's own engine only; use --engine "
+                          "evalrun, or --tensor-parallel 1")
     if config.tensor_parallel != 1:
-        raise ConfigError(f"tensor_parallel={config.tensor_parallel} is not implemented yet (issue #17); use 1")
+        from .distributed import check_world
+
+        check_world(config.tensor_parallel)  # N ranks launched by torchrun, or one line naming the command
     if config.dtype == "float16" and not config.on_gpu:
         raise ConfigError("dtype float16 is not supported on CPU here; use float32 or bfloat16")

@@ -31,7 +31,7 @@ from typing import Any, Callable
 import numpy as np
 import xxhash
 
-from . import __version__
+from . import __version__, distributed
 from .config import CompilationMode, CUDAGraphMode, EffectiveConfig, RunConfig, resolve
 from .errors import ConfigError, GoldenError, OutputError, StoreError
 from .runner import Prepared, Probes, Run, execute, prepare, record
@@ -388,17 +388,23 @@ def check_writable_folder(directory: str | Path) -> None:
 
 def create_golden(name: str, config: RunConfig, directory: str | Path = DEFAULT_DIR, force: bool = False,
                   progress: Callable[[str, int], Any] | None = None, hook: Hook | None = None,
-                  cuda_available: bool | None = None, make: Callable[..., CreatedRuns] | None = None) -> Golden:
-    """Make every run of a golden and write `directory/NAME.db` atomically; returns the opened golden.
+                  cuda_available: bool | None = None, make: Callable[..., CreatedRuns] | None = None) -> Golden | None:
+    """Make every run of a golden and write `directory/NAME.db` atomically; returns the opened golden
+    (None on torchrun ranks other than 0, which compute their share and write nothing).
     `make(request, progress, hook)` makes the runs (default `make_runs`; a server's: server_golden)."""
     import torch
 
+    if distributed.world().distributed and config.tensor_parallel == 1:
+        raise ConfigError("golden create is not split across torchrun ranks; run it in one process, or with "
+                          "--tensor-parallel N under torchrun")
     path = golden_path(name, directory)
     if path.exists() and not force:
         raise GoldenError(f"golden {path} exists; pass --force to overwrite it")
     check_writable_folder(directory)
     request = pinned_request(config, torch.cuda.is_available() if cuda_available is None else cuda_available)
     created = (make or make_runs)(request, progress, hook)
+    if not distributed.world().leader:  # tensor parallel under torchrun: every rank computed, rank 0 writes
+        return None
     write_golden(path, created, request)
     return open_golden(name, directory)
 

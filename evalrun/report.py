@@ -152,7 +152,7 @@ def store_check_text(outcome: dict[str, Any]) -> str:
     lines = [f"{outcome['path']}: {'ok' if outcome['ok'] else 'PROBLEMS'}  schema {outcome['schema_version']}  "
              f"runs {outcome['runs']}"]
     lines += [f"  {problem}" for problem in outcome["problems"]]
-    lines += [f"  note: run {run_id[:12]} was interrupted (its process is gone); it stays 'running', never complete"
+    lines += [f"  note: run {run_id[:12]} was interrupted (stopped, or its process is gone); never complete"
               for run_id in outcome["interrupted"]]
     return "\n".join(lines)
 

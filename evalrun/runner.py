@@ -14,6 +14,7 @@ from typing import Any, Callable
 import numpy as np
 import torch
 
+from . import distributed
 from .compile_cache import cache_counters, cache_evidence, use_evalrun_cache
 from .config import EffectiveConfig, RunConfig, is_server_engine, keep_logits_steps, resolve, validate
 from .engine.engines import Engine, build_engine, check_model
@@ -99,7 +100,7 @@ def build_header(config: EffectiveConfig, applied: dict[str, Any], loaded: Loade
 
 def shares_model(config: EffectiveConfig, other: Prepared) -> bool:
     """Whether `other`'s loaded model and prompt set serve `config` too (what `prepare(reuse=...)` shares)."""
-    keys = ("model", "device", "dtype", "attn_implementation", "prompts", "engine")
+    keys = ("model", "device", "dtype", "attn_implementation", "prompts", "engine", "tensor_parallel")  # TP: weights split
     return all(getattr(config, k) == getattr(other.config, k) for k in keys)
 
 
@@ -115,6 +116,7 @@ def prepare(config: RunConfig | EffectiveConfig, reuse: Prepared | None = None) 
         raise ConfigError(f"engine={effective.engine[:80]!r} is a server; its runs go through evalrun.server_run")
     baseline_backend_flags()  # read the environment's own flags before the config changes any
     applied = apply_numerics_flags(effective)  # before anything initialises CUDA
+    distributed.join(effective.device)  # under torchrun: the process group, this rank's GPU
     started = time.perf_counter()
     if reuse is not None and shares_model(effective, reuse):
         loaded, prompt_set = reuse.loaded, reuse.prompt_set
@@ -290,6 +292,7 @@ def execute(prepared: Prepared, forced: dict[int, np.ndarray] | None = None, pro
     generate_seconds = time.perf_counter() - started
     evidence = {"engine": config.engine, **mode.evidence()}
     evidence["config_adjustments"] = list(config.adjustments)
+    evidence["tensor_parallel"] = getattr(mode.transformer, "tensor_parallel", None)  # this rank's share when sharded
     evidence["compile_cache"] = cache_evidence(cache_before, cache_folders)
     timings = _timings(prepared, outputs, warmup_seconds, evidence["compile_s"], generate_seconds, device, cold_ttft_ms)
     batch_plan = [{"batch": number, "prompt_ids": [prompt_set.records[j].id for j in indices],
@@ -313,6 +316,9 @@ def record(store: Store | None, header: dict[str, Any], produce: Callable[[], Ru
         run = produce()
         store.finish_run(run_id, run.results, {"timings": run.timings, "evidence": run.evidence,
                                                "batches": run.plan}, run.tokens_digest, run.logits_digest)
+    except KeyboardInterrupt as error:  # Ctrl-C, or a torchrun rank gone (distributed.RankInterrupted)
+        store.fail_run(run_id, f"interrupted: {str(error)[:500]}", status="interrupted")
+        raise
     except BaseException as error:
         store.fail_run(run_id, f"{type(error).__name__}: {str(error)[:500]}")
         raise

@@ -297,10 +297,11 @@ class Store:
             assignments = ", ".join(f"{column} = ?" for column in sets)
             conn.execute(f"UPDATE runs SET {assignments} WHERE id = ?", [*sets.values(), run_id])
 
-    def fail_run(self, run_id: str, error: str) -> None:
+    def fail_run(self, run_id: str, error: str, status: str = "failed") -> None:
+        """Mark a run `failed` (an error) or `interrupted` (stopped: Ctrl-C, or a torchrun rank gone)."""
         with self.transaction() as conn:
             conn.execute("UPDATE runs SET status = ?, error = ?, finished_at = ? WHERE id = ?",
-                         ["failed", error, now(), run_id])
+                         [status, error, now(), run_id])
 
     # ------------------------------------------------------------ reading
 
@@ -438,7 +439,8 @@ class Store:
 
     def _check_complete_runs(self, problems: list[str]) -> None:
         for run_id, expected, found in self.db.execute(
-                "SELECT r.id, json_extract(r.prompt_set_json, '$.count'), count(x.prompt_index) FROM runs r "
+                "SELECT r.id, coalesce(json_extract(r.prompt_set_json, '$.shard.prompts'), "
+                "json_extract(r.prompt_set_json, '$.count')), count(x.prompt_index) FROM runs r "
                 "LEFT JOIN results x ON x.run_id = r.id WHERE r.status = 'complete' GROUP BY r.id").fetchall():
             if expected != found:
                 problems.append(f"run {str(run_id)[:12]} is complete with {found} of {expected} results")
@@ -476,10 +478,13 @@ class Store:
                 problems.append(f"run {str(run_id)[:12]} prompt {index}: {name} do not match the result's digest")
 
     def interrupted_runs(self) -> list[str]:
-        """Runs still `running` whose process on this host is gone (killed): never complete, never counted."""
+        """Runs marked `interrupted`, and runs still `running` whose process on this host is gone (killed):
+        never complete, never counted."""
         host = socket.gethostname()
-        rows = self.db.execute("SELECT id, host, pid FROM runs WHERE status = 'running'").fetchall()
-        return [run_id for run_id, run_host, pid in rows if run_host == host and not _alive(pid)]
+        rows = self.db.execute("SELECT id, host, pid, status FROM runs WHERE status IN ('running', 'interrupted') "
+                               "ORDER BY created_at").fetchall()
+        return [run_id for run_id, run_host, pid, status in rows
+                if status == "interrupted" or (run_host == host and not _alive(pid))]
 
 
 def _alive(pid: int | None) -> bool:

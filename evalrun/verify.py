@@ -251,6 +251,16 @@ def verify_golden(golden: Golden, config: RunConfig, strict: bool = False,
     sees every run made (phases: candidate, forced, function, envelope); `reuse` shares an already
     loaded model (several configs verified in one process load the weights once).
     """
+    context = begin(golden, config, strict, progress, hook, function_check, observe, reuse)
+    if isinstance(context, Verdict):
+        return context
+    return judge_runs(context, compute_runs(context), function_check)
+
+
+def begin(golden: Golden, config: RunConfig, strict: bool = False, progress: Callable[[str, int], Any] | None = None,
+          hook: Hook | None = None, function_check: str = "auto", observe: Callable[[str, Run], None] | None = None,
+          reuse: Prepared | None = None) -> "Context | Verdict":
+    """Prepare the candidate and pass the gates: the verification's context, or the verdict a gate gave."""
     if function_check not in FUNCTION_CHECK_MODES:
         raise ValueError(f"function_check must be one of {FUNCTION_CHECK_MODES}")
     started = time.perf_counter()
@@ -279,28 +289,65 @@ def verify_golden(golden: Golden, config: RunConfig, strict: bool = False,
         causes.append(f"verified the first {max(steps.values())} of {max(len(r.arrays['tokens']) for r in golden_results)} "
                       "new tokens per prompt (the candidate asks fewer)")
     context.oracle = [_cut(r, steps[r.prompt_index]) for r in golden.results("oracle")]
-    return _verify_runs(context, function_check)
+    return context
 
 
-def _verify_runs(context: Context, function_check: str) -> Verdict:
+@dataclass
+class VerifyRuns:
+    """The model runs a verification makes, per prompt index; what a shard computes for its prompts
+    (sharding.py joins the shards' by union). `function` is None when the function config is the
+    candidate's own (its forced results serve); `envelope` is None when the golden holds the envelope."""
+
+    free: dict[int, PromptResult]
+    forced: dict[int, PromptResult]  # free results, with the diverged prompts' forced re-runs in their place
+    function: dict[int, PromptResult] | None = None
+    envelope: dict[int, PromptResult] | None = None
+
+
+def compute_runs(context: Context, only: set[int] | None = None,
+                 checks_needed: Callable[[bool], bool] = lambda identical: not identical) -> VerifyRuns:
+    """Run the candidate free, then (when `checks_needed(every prompt here identical)`: by default when
+    one is not) the forced re-runs, the function config and, where the golden has no envelope of the
+    candidate's dtype, the reference here; each over the batches holding a prompt of `only` (all when
+    None). A shard's `checks_needed` asks the other shards too (sharding.py)."""
     candidate = context.candidate
-    free = context.ran("candidate", execute(candidate, probes=context.probes(),
+    free = context.ran("candidate", execute(candidate, probes=context.probes(), only=only,
                                             progress=context.tick("candidate", candidate)))
     context.timings["candidate_s"] = free.timings["generate_s"]
-    prompts = _free_verdicts(context.golden_results, free.results)
+    runs = VerifyRuns(free.by_index(), free.by_index())
+    mine = [r for r in context.golden_results if r.prompt_index in runs.free]
+    prompts = _free_verdicts(mine, [runs.free[r.prompt_index] for r in mine])
+    if not checks_needed(all(p.verdict == "identical" for p in prompts)):
+        return runs
+    runs.forced = _forced_results(context, free, prompts, mine)
+    if _function_config(context).compute_hash() != candidate.config.compute_hash():
+        started = time.perf_counter()
+        runs.function = _run_forced(context, _function_config(context), "function", only)
+        context.timings["function_s"] = time.perf_counter() - started
+    if not _envelope_roles(context):
+        started = time.perf_counter()
+        runs.envelope = _run_forced(context, reference_config(candidate.config), "envelope", only)
+        context.timings["envelope_s"] = time.perf_counter() - started
+    return runs
+
+
+def judge_runs(context: Context, runs: VerifyRuns, function_check: str = "auto") -> Verdict:
+    """The verdict from the runs of every prompt (`compute_runs`, or the shards' joined)."""
+    results = [runs.free[r.prompt_index] for r in context.golden_results]
+    prompts = _free_verdicts(context.golden_results, results)
     if all(p.verdict == "identical" for p in prompts):
         context.causes = context.causes or ["every token and logits digest equal"]
         return context.verdict("identical", prompts, "skipped: identical", "skipped: identical")
     if not context.config_diff and not context.env_diff:
         context.causes.append("nondeterminism: same config and environment, different bits")
-    composition = batch_composition_cause(context.config_diff, context.env_diff, context.golden_results, free.results)
+    composition = batch_composition_cause(context.config_diff, context.env_diff, context.golden_results, results)
     if composition:
         context.causes.append(composition)
-    forced = _forced_results(context, free, prompts)
-    _routing_flips(context, forced, prompts)
-    function_line, function_reports, function_set = _function_check(context, forced, function_check)
-    envelope_names, members = _envelope(context)
-    execution = _execution_check(context, forced, members, prompts)
+    _routing_flips(context, runs.forced, prompts)
+    function_line, function_reports, function_set = _function_check(context, runs.forced, runs.function,
+                                                                     function_check)
+    envelope_names, members = _envelope(context, runs.envelope)
+    execution = _execution_check(context, runs.forced, members, prompts)
     return _decide(context, prompts, function_line, function_reports, function_set, envelope_names, execution)
 
 
@@ -337,11 +384,12 @@ def _free_verdicts(golden_results: list[PromptResult], results: list[PromptResul
     return verdicts
 
 
-def _forced_results(context: Context, free: Run, prompts: list[PromptVerdict]) -> dict[int, PromptResult]:
+def _forced_results(context: Context, free: Run, prompts: list[PromptVerdict],
+                    golden_results: list[PromptResult]) -> dict[int, PromptResult]:
     """Every prompt's numbers along the golden's tokens: free results where the tokens stayed on the
-    path, a forced re-run of the batches where they did not."""
+    path, a forced re-run of the batches where they did not (`prompts` are `golden_results`' verdicts)."""
     results = free.by_index()
-    diverged = {r.prompt_index for r, p in zip(context.golden_results, prompts) if p.first_divergent_step >= 0}
+    diverged = {r.prompt_index for r, p in zip(golden_results, prompts) if p.first_divergent_step >= 0}
     if diverged:
         started = time.perf_counter()
         rerun = context.ran("forced", execute(context.candidate, forced=context.tokens(), probes=context.probes(),
@@ -369,11 +417,12 @@ def _routing_flips(context: Context, forced: dict[int, PromptResult], prompts: l
                           f"{first.routing.describe('golden', 'candidate')}")
 
 
-def _run_forced(context: Context, config: EffectiveConfig, phase: str) -> dict[int, PromptResult]:
+def _run_forced(context: Context, config: EffectiveConfig, phase: str,
+                only: set[int] | None = None) -> dict[int, PromptResult]:
     prepared = prepare(config, reuse=context.candidate)
     if context.hook:
         context.hook(prepared)
-    return context.ran(phase, execute(prepared, forced=context.tokens(), probes=context.probes(),
+    return context.ran(phase, execute(prepared, forced=context.tokens(), probes=context.probes(), only=only,
                                       progress=context.tick(phase, prepared), timed=False)).by_index()
 
 
@@ -384,15 +433,12 @@ def _function_config(context: Context) -> EffectiveConfig:
     return golden_function.replace(device=context.candidate.config.device, **workload)
 
 
-def _function_check(context: Context, forced: dict[int, PromptResult], mode: str):
-    """Returns (one-line summary, per-prompt reports, set distance)."""
+def _function_check(context: Context, forced: dict[int, PromptResult], function: dict[int, PromptResult] | None,
+                    mode: str):
+    """Returns (one-line summary, per-prompt reports, set distance). `function`: the function config's
+    forced results, None when that config is the candidate's (then `forced` serve)."""
     config = _function_config(context)
-    started = time.perf_counter()
-    if config.compute_hash() == context.candidate.config.compute_hash():
-        results = forced
-    else:
-        results = _run_forced(context, config, "function")
-        context.timings["function_s"] = time.perf_counter() - started
+    results = forced if function is None else function
     golden_function = {r.prompt_index: _cut(r, context.steps[r.prompt_index]) for r in context.golden.results("function")}
     same_environment = not context.env_diff and config.compute_hash() == context.golden.config("function").compute_hash()
     reproduced = {i: np.array_equal(golden_function[i].arrays["digests"], results[i].arrays["digests"])
@@ -429,23 +475,31 @@ def _error(result: PromptResult, oracle: PromptResult) -> float:
     return aggregate(step_errors(result.arrays["probe_values"], oracle.arrays["probe_values"]))
 
 
-def _envelope(context: Context) -> tuple[list[str], list[dict[int, PromptResult]]]:
-    """The known-good implementations of the candidate's dtype: the golden's, else one run here."""
-    dtype = context.candidate.config.dtype
-    names, members, seen = [], [], set()
+def _envelope_roles(context: Context) -> list[str]:
+    """The golden's roles that are known-good implementations of the candidate's dtype (one per run)."""
+    roles, seen = [], set()
     for role in (*ENVELOPE_ROLES, "function"):
         run_id = context.golden.run_id(role)
-        if run_id in seen or context.golden.config(role).dtype != dtype:
-            continue
-        seen.add(run_id)
+        if run_id not in seen and context.golden.config(role).dtype == context.candidate.config.dtype:
+            seen.add(run_id)
+            roles.append(role)
+    return roles
+
+
+def _envelope(context: Context, here: dict[int, PromptResult] | None
+              ) -> tuple[list[str], list[dict[int, PromptResult]]]:
+    """The known-good implementations of the candidate's dtype: the golden's, else `here`, the reference
+    config run in this environment (`compute_runs`)."""
+    names, members = [], []
+    for role in _envelope_roles(context):
         names.append(f"{role} ({_describe(context.golden.config(role))})")
         members.append({r.prompt_index: _cut(r, context.steps[r.prompt_index]) for r in context.golden.results(role)})
     if not members:
+        assert here is not None, "no envelope in the golden and none run here"
         config = reference_config(context.candidate.config)
-        started = time.perf_counter()
-        members.append(_run_forced(context, config, "envelope"))
-        context.timings["envelope_s"] = time.perf_counter() - started
-        names.append(f"reference run here ({_describe(config)}): the golden has no {dtype} implementation")
+        members.append(here)
+        names.append(f"reference run here ({_describe(config)}): the golden has no "
+                     f"{context.candidate.config.dtype} implementation")
     return names, members
 
 

@@ -64,6 +64,13 @@ def build_engine(model: Any, config: EffectiveConfig) -> Engine:
         from .modes import build_execution_mode
         from .transformer import Transformer
 
+        if config.tensor_parallel > 1:  # this rank's share of the projections (config.validate checked the world)
+            from .. import distributed
+            from .tensor_parallel import sharded_transformer
+
+            here = distributed.world()
+            return build_execution_mode(sharded_transformer(model, config.attn_implementation, here.rank, here.size,
+                                                            distributed.model_group()), config)
         return build_execution_mode(Transformer(model, config.attn_implementation), config)
     if config.engine == "transformers":
         from .hf_engine import TransformersEngine

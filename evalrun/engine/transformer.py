@@ -158,6 +158,7 @@ class Transformer:
                                  float(getattr(rotary_embedding, f"{SLIDING}_attention_scaling", 1.0)))
         self.device = self.embed.device
         self.vocab_size = self.lm_head.shape[0]
+        self.reduce: Callable | None = None  # tensor parallelism (tensor_parallel.py): sums row-parallel outputs
 
     @classmethod
     def _layers(cls, layers: torch.nn.ModuleList) -> list[LayerWeights]:
@@ -174,9 +175,10 @@ class Transformer:
         # Phi-3 stores q/k/v and gate/up fused already (stack_rows takes one matrix as it is).
         qkv_projections = ([attention.qkv_proj] if hasattr(attention, "qkv_proj")
                            else [attention.q_proj, attention.k_proj, attention.v_proj])
-        gate_up_projections = [mlp.gate_up_proj] if hasattr(mlp, "gate_up_proj") else [mlp.gate_proj, mlp.up_proj]
+        dense = experts is None  # an MoE layer's experts and router are in `experts` (engine/moe.py)
+        gate_up_projections = ([] if not dense else [mlp.gate_up_proj] if hasattr(mlp, "gate_up_proj")
+                               else [mlp.gate_proj, mlp.up_proj])
         qkv = stack_rows([p.weight for p in qkv_projections])
-        dense = experts is None
         gate_up = stack_rows([p.weight for p in gate_up_projections]) if dense else None
         norms = [getattr(attention, name, None) for name in ("q_norm", "k_norm")]
         # Gemma's four norms per layer: its post_attention_layernorm normalises the attention output, and
@@ -232,7 +234,8 @@ class Transformer:
                 cache.routing.record(m.slot, experts, margin)
                 continue
             x = self.post_attention(x, attended, w.o, w.post_norm, w.gate_up, w.down, self.eps, self.activation,
-                                    w.o_bias, w.gate_up_bias, w.down_bias, w.attn_out_norm, w.mlp_out_norm, variant)
+                                    w.o_bias, w.gate_up_bias, w.down_bias, w.attn_out_norm, w.mlp_out_norm, variant,
+                                    self.reduce)
         return self.head(x[:, -1], self.final_norm, self.lm_head, self.eps, variant)
 
     def forward_states(self, tokens: torch.Tensor, positions: torch.Tensor, slots: torch.Tensor,
@@ -250,7 +253,7 @@ class Transformer:
             q, kv = p.pre_attention(x, cos, sin, w.input_norm, w.qkv, *shape, w.qkv_bias, w.q_norm, w.k_norm,
                                     variant)
             x = p.output_projection(x, self.attend(index, q, kv, slots, mask, cache), w.o, w.o_bias, w.attn_out_norm,
-                                    self.eps, variant)
+                                    self.eps, variant, self.reduce)
             states.append(x)
             if w.moe is not None:  # eager: the MoE block is not among the compiled state pieces yet
                 m = w.moe
@@ -258,7 +261,7 @@ class Transformer:
                                   lambda t: activate(t, self.activation), m.top_k, m.normalize)[0]
             else:
                 x = p.mlp_block(x, w.post_norm, w.gate_up, w.down, self.eps, self.activation, w.gate_up_bias,
-                                w.down_bias, w.mlp_out_norm, variant)
+                                w.down_bias, w.mlp_out_norm, variant, self.reduce)
             states.append(x)
         return states + [p.head(x, self.final_norm, self.lm_head, self.eps, variant)]
 
@@ -362,20 +365,32 @@ def post_attention(x: torch.Tensor, attended: torch.Tensor, wo: torch.Tensor, po
                    gate_up: torch.Tensor, down: torch.Tensor, eps: float, activation: str = "silu",
                    bo: torch.Tensor | None = None, b_gate_up: torch.Tensor | None = None,
                    b_down: torch.Tensor | None = None, attn_out_norm: torch.Tensor | None = None,
-                   mlp_out_norm: torch.Tensor | None = None, variant: Variant = LLAMA_VARIANT) -> torch.Tensor:
+                   mlp_out_norm: torch.Tensor | None = None, variant: Variant = LLAMA_VARIANT,
+                   reduce: Callable | None = None) -> torch.Tensor:
     """x [B, T, hidden], attended [B, H, T, D] -> x after the output projection and the MLP."""
-    projected = output_projection(x, attended, wo, bo, attn_out_norm, eps, variant)
-    return mlp_block(projected, post_norm, gate_up, down, eps, activation, b_gate_up, b_down, mlp_out_norm, variant)
+    projected = output_projection(x, attended, wo, bo, attn_out_norm, eps, variant, reduce)
+    return mlp_block(projected, post_norm, gate_up, down, eps, activation, b_gate_up, b_down, mlp_out_norm, variant,
+                     reduce)
 
 
 def output_projection(x: torch.Tensor, attended: torch.Tensor, wo: torch.Tensor, bo: torch.Tensor | None = None,
                       out_norm: torch.Tensor | None = None, eps: float | None = None,
-                      variant: Variant = LLAMA_VARIANT) -> torch.Tensor:
+                      variant: Variant = LLAMA_VARIANT, reduce: Callable | None = None) -> torch.Tensor:
     """The attention sub-block's end: x [B, T, hidden] + the output projection of attended [B, H, T, D]
     (bo [hidden]: its bias, where the config has one; out_norm [hidden]: Gemma's norm of it before the add)."""
     batch, tokens, _ = x.shape
-    out = F.linear(attended.transpose(1, 2).reshape(batch, tokens, -1), wo, bo)
+    out = row_parallel_linear(attended.transpose(1, 2).reshape(batch, tokens, -1), wo, bo, reduce)
     return x + (out if out_norm is None else norm(out, out_norm, eps, variant))
+
+
+def row_parallel_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
+                        reduce: Callable | None) -> torch.Tensor:
+    """F.linear, or under tensor parallelism (`reduce` set, tensor_parallel.py) this rank's partial
+    product [.., out] summed over the ranks, the bias added once after the sum."""
+    if reduce is None:
+        return F.linear(x, weight, bias)
+    summed = reduce(F.linear(x, weight))
+    return summed if bias is None else summed + bias
 
 
 def activate(x: torch.Tensor, name: str) -> torch.Tensor:
@@ -394,12 +409,12 @@ def activate(x: torch.Tensor, name: str) -> torch.Tensor:
 def mlp_block(x: torch.Tensor, post_norm: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor,
               eps: float, activation: str = "silu", b_gate_up: torch.Tensor | None = None,
               b_down: torch.Tensor | None = None, out_norm: torch.Tensor | None = None,
-              variant: Variant = LLAMA_VARIANT) -> torch.Tensor:
+              variant: Variant = LLAMA_VARIANT, reduce: Callable | None = None) -> torch.Tensor:
     """The MLP sub-block with its residual: x [B, T, hidden] -> x + down(act(gate) * up) of norm(x);
     b_gate_up [2*inter] and b_down [hidden] are its biases where the config has them; out_norm [hidden]:
-    Gemma's norm of the MLP output before the add."""
+    Gemma's norm of the MLP output before the add; reduce: the tensor-parallel sum (row_parallel_linear)."""
     gate, up = F.linear(norm(x, post_norm, eps, variant), gate_up, b_gate_up).chunk(2, dim=-1)
-    out = F.linear(activate(gate, activation) * up, down, b_down)
+    out = row_parallel_linear(activate(gate, activation) * up, down, b_down, reduce)
     return x + (out if out_norm is None else norm(out, out_norm, eps, variant))
 
 

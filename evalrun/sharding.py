@@ -1,0 +1,273 @@
+"""Work split across ranks or jobs: which prompts a shard runs, and how shard results travel and join.
+
+A shard runs whole batches of the run's plan (`distributed.shard_batches`), so every prompt keeps the
+batch companions, padding and bits it has in the unsharded run. Two launches:
+  torchrun, tensor_parallel 1  rank r of W is shard r/W; every rank sends its results to rank 0 as a
+                               SQLite store file (bytes on a gloo group), rank 0 stores one run
+                               holding every prompt: the run an unsharded process would have stored
+  --shard I/N                  one job of N (CI matrix, Slurm array): it stores a run of its prompts,
+                               marked with its shard; `evalrun store merge` joins the jobs' stores
+Under tensor parallelism every rank computes every prompt (the ranks split the model instead) and
+rank 0 alone writes.
+"""
+
+from __future__ import annotations
+
+import copy
+import json
+import dataclasses
+import tempfile
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Callable
+
+from . import distributed, runner
+from .distributed import Shard
+from .errors import StoreError
+from .golden import Golden
+from .hashing import hash_value
+from .runner import Prepared, Run, NullBar, plan_batches, record
+from .store import PromptResult, Store
+from .verify import Verdict, VerifyRuns, _envelope_roles, _function_config, begin, compute_runs, judge_runs
+
+
+def active_shard(tensor_parallel: int, requested: Shard | None) -> Shard:
+    """The shard this process runs: its rank under a data-parallel torchrun world, else --shard, else all."""
+    here = distributed.world()
+    distributed.check_world(tensor_parallel, requested)
+    if here.distributed and tensor_parallel == 1:
+        return Shard(here.rank, here.size)
+    return requested or Shard()
+
+
+def shard_prompts(prepared: Prepared, shard: Shard) -> set[int] | None:
+    """Prompt indices of the batches `shard` runs (None: all of them)."""
+    if shard.whole:
+        return None
+    plan = plan_batches(prepared.prompt_set, prepared.config)
+    return {index for number in distributed.shard_batches(len(plan), shard) for index in plan[number]}
+
+
+def shard_header(header: dict[str, Any], shard: Shard, prompts: set[int] | None) -> dict[str, Any]:
+    """A run header naming the part of the prompt set the run holds (not hashed: the prompt set's hash
+    stays the whole set's, so a shard's results compare with any run of that set)."""
+    if shard.whole or prompts is None:
+        return header
+    marked = copy.deepcopy(header)
+    marked["prompt_set"]["shard"] = {**shard.as_dict(), "prompts": len(prompts)}
+    return marked
+
+
+# ---------------------------------------------------------------- results as bytes between ranks
+
+def runs_to_bytes(runs: list[tuple[str, dict[str, Any], Run]]) -> bytes:
+    """(label, header, run) triples as the bytes of a SQLite store file (validated again where read)."""
+    with tempfile.TemporaryDirectory(prefix="evalrun-shard-") as folder:
+        path = Path(folder) / "shard.db"
+        store = Store(path)
+        for label, header, run in runs:
+            run_id = store.begin_run(header, label)
+            store.finish_run(run_id, run.results, {"timings": run.timings, "evidence": run.evidence,
+                                                   "batches": run.plan}, run.tokens_digest, run.logits_digest)
+        store.compact()
+        return path.read_bytes()
+
+
+def runs_from_bytes(data: bytes) -> dict[str, Run]:
+    """label -> Run, from `runs_to_bytes` output (another rank's: read as any store, validated)."""
+    with tempfile.TemporaryDirectory(prefix="evalrun-shard-") as folder:
+        path = Path(folder) / "shard.db"
+        path.write_bytes(data)
+        store = Store(path, readonly=True)
+        runs = {}
+        for stored in store.list_runs():
+            runs[stored.label or ""] = Run({}, store.load_results(stored.id), stored.json.get("timings") or {},
+                                           stored.json.get("evidence") or {}, stored.json.get("batches") or [])
+        store.close()
+        return runs
+
+
+def join_results(parts: list[list[PromptResult]]) -> list[PromptResult]:
+    """Every shard's results as one list in prompt order (a prompt in two shards is an invariant broken)."""
+    by_index: dict[int, PromptResult] = {}
+    for results in parts:
+        for result in results:
+            assert result.prompt_index not in by_index, f"prompt {result.prompt_id} ran in two shards"
+            by_index[result.prompt_index] = result
+    return [by_index[index] for index in sorted(by_index)]
+
+
+def join_runs(header: dict[str, Any], runs: list[Run]) -> Run:
+    """The ranks' runs as the one run of the whole prompt set: results and batches joined; timings are
+    rank 0's with the ranks' own listed and throughput over the slowest rank's generation time."""
+    first = runs[0]
+    timings = dict(first.timings)
+    generated = sum(run.timings.get("tokens_generated", 0) for run in runs)
+    slowest = max(run.timings.get("generate_s", 0.0) for run in runs)
+    timings.update(tokens_generated=generated, generate_s=slowest,
+                   tokens_per_s=generated / slowest if slowest > 0 else 0.0, ranks=[run.timings for run in runs])
+    evidence = dict(first.evidence, ranks=len(runs))
+    plan = sorted((entry for run in runs for entry in run.plan), key=lambda entry: entry["batch"])
+    return Run(header, join_results([run.results for run in runs]), timings, evidence, plan)
+
+
+def empty_run(header: dict[str, Any]) -> Run:
+    """The run of a shard with no batch (more shards than batches)."""
+    return Run(header, [], {"tokens_generated": 0, "generate_s": 0.0, "tokens_per_s": 0.0}, {}, [])
+
+
+def gather_runs(label: str, header: dict[str, Any], mine: Run) -> list[Run] | None:
+    """Every rank's `mine` on rank 0, in rank order (None elsewhere)."""
+    if not distributed.world().distributed:
+        return [mine]
+    gathered = distributed.gather_bytes(runs_to_bytes([(label, header, mine)]))
+    return None if gathered is None else [runs_from_bytes(data)[label] for data in gathered]
+
+
+# ---------------------------------------------------------------- evalrun run, sharded
+
+def execute_sharded_run(config, store: Store | None, label: str | None = None,
+                        progress_factory: Callable[[int], Any] | None = None, shard: Shard | None = None) -> Run:
+    """`evalrun run` on this process's shard: under torchrun rank 0 stores the joined run (the others
+    return theirs, unstored); with --shard the job stores its part, marked as such."""
+    prepared = runner.prepare(config)  # through the module: tests replace its functions
+    here, current = distributed.world(), active_shard(prepared.config.tensor_parallel, shard)
+    only = shard_prompts(prepared, current)
+    joined_by_ranks = here.distributed and prepared.config.tensor_parallel == 1
+    header = prepared.header if joined_by_ranks else shard_header(prepared.header, current, only)
+
+    def produce() -> Run:
+        total = len(only) if only is not None else len(prepared.prompt_set.records)
+        bar = progress_factory(total) if progress_factory and here.leader else None
+        with (bar if bar is not None else NullBar()) as active:
+            mine = runner.execute(prepared, progress=active.update, only=only) if only != set() else empty_run(header)
+        if here.distributed and not joined_by_ranks:  # tensor parallel: each rank's peak memory on rank 0
+            peaks = distributed.gather_bytes(json.dumps(mine.timings.get("peak_memory")).encode())
+            if peaks is not None:
+                mine.timings["ranks_peak_memory"] = [json.loads(peak) for peak in peaks]
+        if not joined_by_ranks:
+            return mine
+        runs = gather_runs("shard", header, mine)
+        return join_runs(header, runs) if runs is not None else mine
+
+    return record(store if here.leader else None, header, produce, label)
+
+
+# ---------------------------------------------------------------- evalrun golden verify, sharded
+
+VERIFY_PHASES = ("free", "forced", "function", "envelope")
+
+
+@dataclass
+class ShardStored:
+    """What a `--shard I/N` verify job did: its phase runs stored for the joining verify."""
+
+    golden: str
+    shard: str
+    prompts: int
+    store: str
+    run_ids: dict[str, str]
+    next_steps: str
+
+    def as_dict(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+
+def _phase_runs(runs: VerifyRuns) -> dict[str, dict[int, PromptResult]]:
+    return {phase: getattr(runs, phase) for phase in VERIFY_PHASES if getattr(runs, phase) is not None}
+
+
+def _as_run(header: dict[str, Any], results: dict[int, PromptResult]) -> Run:
+    ordered = [results[index] for index in sorted(results)]
+    return Run(header, ordered, {}, {}, [])
+
+
+def _join_verify_runs(parts: list[dict[str, Run]]) -> VerifyRuns:
+    """The shards' phase runs as one VerifyRuns over every prompt (a phase no shard ran stays None)."""
+    joined: dict[str, dict[int, PromptResult] | None] = {}
+    for phase in VERIFY_PHASES:
+        found = [part[phase].results for part in parts if phase in part]
+        joined[phase] = {r.prompt_index: r for r in join_results(found)} if found else None
+    return VerifyRuns(joined["free"] or {}, joined["forced"] or {}, joined["function"], joined["envelope"])
+
+
+def _shard_key(golden: Golden, header: dict[str, Any]) -> str:
+    """Names one verification's shards: the golden (its pinned run), the candidate config and environment."""
+    return hash_value([golden.run_id("pinned"), header["config_hash"], header["environment_hash"]])[:16]
+
+
+def verify_label(golden: Golden, header: dict[str, Any], phase: str) -> str:
+    return f"verify:{golden.name}:{_shard_key(golden, header)}:{phase}"
+
+
+def verify_sharded(golden: Golden, config, strict: bool = False, progress=None, shard: Shard | None = None,
+                   store: Store | None = None, from_shards: bool = False) -> "Verdict | ShardStored | None":
+    """`evalrun golden verify` split across shards. Under torchrun (tensor_parallel 1) each rank runs its
+    batches and rank 0 judges every prompt (the others return None); with --shard I/N the job stores its
+    phase runs; with `from_shards` the verdict is judged from the shards a store holds (after `store
+    merge`), running no model. Ranks run the function check's configs when a prompt of any rank differs;
+    a --shard job always runs them (it cannot know whether the other jobs' prompts stayed identical; when
+    all did, the verdict ignores them)."""
+    here = distributed.world()
+    context = begin(golden, config, strict, progress)
+    if isinstance(context, Verdict):  # a gate: the same verdict on every shard
+        return context if here.leader else None
+    current = active_shard(context.candidate.config.tensor_parallel, shard)
+    if from_shards:
+        return judge_runs(context, _stored_shards(golden, context, store))
+    if current.whole:  # one process, or tensor-parallel ranks (each computes every prompt; rank 0 reports)
+        verdict = judge_runs(context, compute_runs(context))
+        return verdict if here.leader else None
+    only = shard_prompts(context.candidate, current)
+    # torchrun ranks agree whether any prompt anywhere differs; a --shard job cannot ask, so it always checks
+    needed = (lambda identical: distributed.any_rank(not identical)) if here.distributed else (lambda _: True)
+    runs = compute_runs(context, only, needed) if only else _no_prompts(needed)
+    if here.distributed:
+        mine = {phase: _as_run(context.candidate.header, results) for phase, results in _phase_runs(runs).items()}
+        gathered = distributed.gather_bytes(runs_to_bytes([(phase, context.candidate.header, run)
+                                                           for phase, run in mine.items()]))
+        return None if gathered is None else judge_runs(context, _join_verify_runs([runs_from_bytes(data)
+                                                                                   for data in gathered]))
+    return _store_shard(golden, context, runs, current, store)
+
+
+def _no_prompts(checks_needed) -> VerifyRuns:
+    """A shard without a batch (more shards than batches) still takes part in the ranks' agreement."""
+    checks_needed(True)
+    return VerifyRuns({}, {})
+
+
+def _store_shard(golden: Golden, context, runs: VerifyRuns, shard: Shard, store: Store | None) -> ShardStored:
+    assert store is not None, "a --shard verify stores its runs"
+    ids = {}
+    for phase, results in _phase_runs(runs).items():
+        header = shard_header(context.candidate.header, shard, set(results))
+        run = _as_run(header, results)
+        ids[phase] = record(store, header, lambda run=run: run, verify_label(golden, context.candidate.header, phase)
+                            ).run_id
+    return ShardStored(golden.name, shard.label(), len(runs.free), str(store.path), ids,
+                       f"when all {shard.count} shards are stored: evalrun store merge ALL.db SHARD.db ...; "
+                       f"evalrun golden verify {golden.name} --store ALL.db --from-shards (same options)")
+
+
+def _stored_shards(golden: Golden, context, store: Store | None) -> VerifyRuns:
+    """The phase runs the store holds for this verification (newest first per prompt), checked complete."""
+    assert store is not None, "--from-shards reads a store"
+    newest: dict[str, dict[int, PromptResult]] = {}
+    for phase in VERIFY_PHASES:
+        label = verify_label(golden, context.candidate.header, phase)
+        for stored in store.list_runs():  # newest first: the first result seen for a prompt wins
+            if stored.label == label and stored.status == "complete":
+                for result in store.load_results(stored.id):
+                    newest.setdefault(phase, {}).setdefault(result.prompt_index, result)
+    wanted = {r.prompt_index for r in context.golden_results}
+    needed = ["free", "forced"]
+    needed += ["function"] if _function_config(context).compute_hash() != context.candidate.config.compute_hash() else []
+    needed += [] if _envelope_roles(context) else ["envelope"]
+    for phase in needed:
+        missing = wanted - set(newest.get(phase, {}))
+        if missing:
+            raise StoreError(f"{store.path} holds {len(wanted) - len(missing)} of {len(wanted)} prompts of golden "
+                             f"{golden.name}'s {phase} runs for this config and environment; run the missing "
+                             "`golden verify --shard I/N` jobs with the same options and merge their stores")
+    return VerifyRuns(newest["free"], newest["forced"], newest.get("function"), newest.get("envelope"))

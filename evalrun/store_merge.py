@@ -1,0 +1,91 @@
+"""`evalrun store merge OUT A B ...`: the runs of several stores in one (the jobs of a sharded run).
+
+Each source must pass `store check` first (nothing damaged is copied). A run is copied with its results
+and arrays, rows as they are, in one transaction per run; a run already in OUT with the same content is
+skipped, so merging twice changes nothing (idempotent). A run id in OUT with other content is a
+conflict: refused with one line, nothing of that run written. A run still `running` in a source (its job
+killed) is copied as `interrupted`: OUT is not the store its process would ever finish. OUT is checked
+with the same rules afterwards.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+from .errors import StoreError
+from .hashing import hash_value
+from .store import ARRAY_COLUMNS, RESULT_COLUMNS, Store, _insert
+
+
+def _run_row(store: Store, run_id: str) -> dict[str, Any]:
+    return dict(next(store.db["runs"].rows_where("id = ?", [run_id])))
+
+
+def run_content(store: Store, run_id: str) -> str:
+    """Digest of a run's row (its final state), its results and its arrays' digests: what makes two
+    copies of a run the same run."""
+    row = _run_row(store, run_id)
+    results = store.db.execute(f"SELECT {', '.join(RESULT_COLUMNS)} FROM results WHERE run_id = ? ORDER BY prompt_index",
+                               [run_id]).fetchall()
+    arrays = store.db.execute("SELECT prompt_index, name, digest FROM arrays WHERE run_id = ? ORDER BY prompt_index, "
+                              "name", [run_id]).fetchall()
+    return hash_value([sorted(row.items()), [list(r) for r in results], [list(a) for a in arrays]])
+
+
+def _copy_run(source: Store, out: Store, run_id: str) -> None:
+    row = _run_row(source, run_id)
+    if row["status"] == "running":
+        row.update(status="interrupted", error=row.get("error") or f"interrupted: still running in {source.path} "
+                   "when merged (its job stopped?)")
+    with out.transaction() as conn:
+        conn.execute(_insert("runs", tuple(row)), list(row.values()))
+        results = source.db.execute(f"SELECT {', '.join(RESULT_COLUMNS)} FROM results WHERE run_id = ?", [run_id])
+        conn.executemany(_insert("results", RESULT_COLUMNS), results.fetchall())
+        arrays = source.db.execute(f"SELECT {', '.join(ARRAY_COLUMNS)} FROM arrays WHERE run_id = ?", [run_id])
+        for chunk in iter(lambda: arrays.fetchmany(256), []):  # arrays can be large: a chunk at a time
+            conn.executemany(_insert("arrays", ARRAY_COLUMNS), chunk)
+
+
+def merge_stores(out_path: str | Path, sources: list[str | Path]) -> dict[str, Any]:
+    """Copy every run of `sources` into the store at `out_path` (created when missing). Returns counts
+    per source and OUT's check; StoreError (one line) for a damaged source or a conflicting run id."""
+    out_path = Path(out_path)
+    if any(Path(s).resolve() == out_path.resolve() for s in sources if out_path.exists()):
+        raise StoreError(f"{out_path} is among the stores to merge into it; pass another OUT path")
+    opened = []
+    for path in sources:
+        source = Store(path, readonly=True)
+        problems = source.check()["problems"]
+        if problems:
+            raise StoreError(f"{path} fails `evalrun store check` ({problems[0]}); repair or leave it out")
+        opened.append(source)
+    out = Store(out_path)
+    counts = []
+    for source in opened:
+        copied = skipped = 0
+        for (run_id,) in source.db.execute("SELECT id FROM runs ORDER BY created_at").fetchall():
+            if out.db.execute("SELECT 1 FROM runs WHERE id = ?", [run_id]).fetchone():
+                if not _same_run(source, out, run_id):
+                    raise StoreError(f"run {run_id[:12]} differs between {source.path} and {out_path}; merge it "
+                                     "into another OUT store")
+                skipped += 1
+                continue
+            _copy_run(source, out, run_id)
+            copied += 1
+        counts.append({"store": str(source.path), "copied": copied, "already_there": skipped})
+        source.close()
+    check = out.check()
+    out.close()
+    return {"out": str(out_path), "sources": counts, "check": check}
+
+
+def _same_run(source: Store, out: Store, run_id: str) -> bool:
+    """The copy in OUT is this run: equal content, or equal but for `running` merged as `interrupted`."""
+    if run_content(source, run_id) == run_content(out, run_id):
+        return True
+    mine, theirs = _run_row(source, run_id), _run_row(out, run_id)
+    if mine["status"] == "running" and theirs["status"] == "interrupted":
+        keys = set(mine) - {"status", "error"}
+        return all(mine[k] == theirs[k] for k in keys)
+    return False

@@ -1,0 +1,267 @@
+"""Past one process: tensor parallelism and sharded runs/verifies on torch.distributed (torchrun, gloo on
+CPU), `--shard I/N` jobs and `evalrun store merge`, and a killed rank.
+
+torchrun sets OMP_NUM_THREADS=1 in its ranks; the single-process references here run with the same, so
+that the thread count (an environment key that changes CPU matmul bits) is not what differs.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import psutil
+import pytest
+import torch
+
+from evalrun.distributed import Shard, parse_shard, shard_batches
+from evalrun.engine.tensor_parallel import check_divisible, shard_columns, shard_gate_up, shard_qkv
+from evalrun.errors import ConfigError, StoreError
+from evalrun.store import Store
+from evalrun.store_merge import merge_stores
+
+ROOT = Path(__file__).resolve().parent.parent
+TINY = ["--model", "random:tiny", "--prompts", "smoke", "--max-new-tokens", "4", "-q"]
+ENV = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=str(ROOT))
+
+
+def evalrun(*args: str, ranks: int = 1, check: bool = True) -> subprocess.CompletedProcess:
+    """`evalrun ARGS` in a fresh process, or under `torchrun --nproc-per-node RANKS`."""
+    launcher = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(ranks)] \
+        if ranks > 1 else [sys.executable]
+    done = subprocess.run([*launcher, "-m", "evalrun", *args], cwd=ROOT, env=ENV, capture_output=True, text=True,
+                          timeout=600)
+    if check:
+        assert done.returncode == 0, done.stderr[-3000:]
+    return done
+
+
+def stored(path: Path) -> dict[str, dict]:
+    """prompt id -> (tokens digest, logits digest, tokens) over every complete run of a store."""
+    store = Store(path, readonly=True)
+    out = {}
+    for record in store.list_runs():
+        assert record.status == "complete"
+        for result in store.load_results(record.id):
+            assert result.prompt_id not in out
+            out[result.prompt_id] = (result.tokens_digest, result.logits_digest, result.arrays["tokens"].tolist(),
+                                     result.arrays["topk_values"].tobytes())
+    return out
+
+
+@pytest.fixture(scope="module")
+def golden_dir(tmp_path_factory) -> Path:
+    folder = tmp_path_factory.mktemp("golden")
+    evalrun("golden", "create", "tiny", *TINY, "--dir", str(folder))
+    return folder
+
+
+@pytest.fixture(scope="module")
+def single_verdict(golden_dir) -> dict:
+    """The unsharded, single-process verify of the golden (OMP_NUM_THREADS=1, like the ranks)."""
+    return json.loads(evalrun("golden", "verify", "tiny", *TINY, "--dir", str(golden_dir), "--json").stdout)
+
+
+def _without_timings(verdict: dict) -> dict:
+    return {key: value for key, value in verdict.items() if key != "timings"}
+
+
+# ---------------------------------------------------------------- the shard arithmetic
+
+def test_column_and_row_shards_recompose_the_full_projections():
+    torch.manual_seed(0)
+    heads, kv_heads, dim, hidden, inter, ranks = 4, 2, 8, 32, 48, 2
+    qkv = torch.randn((heads + 2 * kv_heads) * dim, hidden, dtype=torch.float64)
+    x = torch.randn(3, hidden, dtype=torch.float64)
+    full = (x @ qkv.T).view(3, heads + 2 * kv_heads, dim)
+    parts = [(x @ shard_qkv(qkv, heads, kv_heads, dim, r, ranks).T).view(3, -1, dim) for r in range(ranks)]
+    q = torch.cat([p[:, :heads // ranks] for p in parts], 1)
+    k = torch.cat([p[:, heads // ranks: heads // ranks + kv_heads // ranks] for p in parts], 1)
+    assert torch.equal(q, full[:, :heads]) and torch.equal(k, full[:, heads:heads + kv_heads])
+    gate_up = torch.randn(2 * inter, hidden, dtype=torch.float64)
+    gate, up = (x @ gate_up.T).chunk(2, -1)
+    halves = [(x @ shard_gate_up(gate_up, r, ranks).T).chunk(2, -1) for r in range(ranks)]
+    assert torch.equal(torch.cat([h[0] for h in halves], -1), gate) and torch.equal(torch.cat([h[1] for h in halves], -1), up)
+    down, y = torch.randn(hidden, inter, dtype=torch.float64), torch.randn(3, inter, dtype=torch.float64)
+    partial = sum(y[:, r * inter // ranks:(r + 1) * inter // ranks] @ shard_columns(down, r, ranks).T for r in range(ranks))
+    assert torch.allclose(partial, y @ down.T, rtol=0, atol=1e-12)
+
+
+def test_a_split_model_releases_its_whole_projections_and_is_built_once():
+    from evalrun.engine.tensor_parallel import sharded_transformer
+    from evalrun.models import load_model
+
+    model = load_model("random:tiny", "cpu", "float32", "sdpa").model
+    parameters = sum(p.numel() for p in model.parameters())
+    split = sharded_transformer(model, "sdpa", 1, 2, group=None)
+    assert sharded_transformer(model, "sdpa", 1, 2, group=None) is split
+    layer = model.model.layers[0]
+    projections = [layer.self_attn.q_proj, layer.self_attn.o_proj, layer.mlp.gate_proj, layer.mlp.down_proj]
+    assert all(p.weight.stride() == (0, 0) and not p.weight.any() for p in projections)  # released
+    assert model.model.embed_tokens.weight.stride() != (0, 0) and layer.input_layernorm.weight.any()
+    assert sum(p.numel() for p in model.parameters()) == parameters  # the identity's count is unchanged
+    assert (split.heads, split.kv_heads, split.layers[0].qkv.shape, split.layers[0].down.shape) == (2, 1, (64, 64),
+                                                                                                    (64, 64))
+
+
+def test_sizes_the_ranks_do_not_divide_are_refused_with_one_line():
+    with pytest.raises(ConfigError, match="does not divide the model's 4 attention heads"):
+        check_divisible(4, 2, 128, 3)
+    with pytest.raises(ConfigError, match="key/value heads"):
+        check_divisible(8, 2, 128, 4)
+
+
+def test_tensor_parallel_outside_torchrun_names_the_torchrun_command(cli, tiny_args):
+    code, _, err = cli("run", *tiny_args, "--tensor-parallel", "2")
+    assert code == 2 and len(err.strip().splitlines()) == 1
+    assert "torchrun --nproc-per-node 2 -m evalrun" in err
+
+
+def test_shards_take_whole_batches_round_robin():
+    assert parse_shard("1/3") == Shard(1, 3)
+    assert [shard_batches(7, Shard(i, 3)) for i in range(3)] == [[0, 3, 6], [1, 4], [2, 5]]
+    for bad in ("3/3", "-1/2", "1", "a/b"):
+        with pytest.raises(ConfigError, match="--shard"):
+            parse_shard(bad)
+
+
+# ---------------------------------------------------------------- torchrun, gloo
+
+def test_tensor_parallel_2_matches_the_single_process_run_within_the_envelope(golden_dir, single_verdict):
+    """TP=2 under torchrun against a golden made by one process: drift or identical, never changed; the
+    verdict says which (bit-identical or not), and the run really was split (each rank half the heads)."""
+    done = evalrun("golden", "verify", "tiny", *TINY, "--dir", str(golden_dir), "--tensor-parallel", "2", "--json",
+                   ranks=2)
+    verdict = json.loads(done.stdout)
+    assert verdict["verdict"] in ("identical", "drift"), verdict["causes"]
+    assert verdict["candidate_config"]["tensor_parallel"] == 2
+    assert ("config: tensor_parallel 1 -> 2" in verdict["causes"]) == (verdict["verdict"] != "identical")
+    print(f"TP=2 vs the single process: {verdict['verdict']} (bit-identical: {verdict['verdict'] == 'identical'}), "
+          f"distance {verdict['distance']:.3f}")
+
+
+def test_tensor_parallel_run_shards_the_heads_and_rank_0_alone_stores(tmp_path):
+    store = tmp_path / "tp.db"
+    evalrun("run", *TINY, "--store", str(store), "--tensor-parallel", "2", "--json", ranks=2)
+    db = Store(store, readonly=True)
+    (record,) = db.list_runs()
+    assert record.json["evidence"]["tensor_parallel"] == {"rank": 0, "ranks": 2, "heads": 2, "kv_heads": 1,
+                                                          "intermediate": 64}
+    assert record.config["tensor_parallel"] == 2 and db.check()["ok"]
+
+
+def test_sharded_run_under_torchrun_stores_the_unsharded_results(tmp_path):
+    evalrun("run", *TINY, "--store", str(tmp_path / "one.db"))
+    evalrun("run", *TINY, "--store", str(tmp_path / "two.db"), ranks=2)
+    (record,) = Store(tmp_path / "two.db", readonly=True).list_runs()
+    assert record.json["evidence"]["ranks"] == 2
+    assert stored(tmp_path / "two.db") == stored(tmp_path / "one.db")
+
+
+def test_sharded_verify_under_torchrun_gives_the_unsharded_verdict(golden_dir, single_verdict):
+    """Identical (the golden's environment): the ranks agree that no check needs to run."""
+    done = evalrun("golden", "verify", "tiny", *TINY, "--dir", str(golden_dir), "--json", ranks=2)
+    assert single_verdict["verdict"] == "identical"
+    assert _without_timings(json.loads(done.stdout)) == _without_timings(single_verdict)
+
+
+def test_sharded_verify_of_drift_with_two_prompt_batches_gives_the_unsharded_verdict(golden_dir):
+    """Batches of 2 (3 prompts: rank 0 runs a batch of two, rank 1 one of one): drift, so every rank runs the
+    forced and function runs of its batches, and rank 0 judges them all."""
+    args = ["golden", "verify", "tiny", *TINY, "--dir", str(golden_dir), "--batch-size", "2", "--json"]
+    single = json.loads(evalrun(*args).stdout)
+    sharded = json.loads(evalrun(*args, ranks=2).stdout)
+    assert single["verdict"] == "drift" and "function_s" in single["timings"]
+    assert _without_timings(sharded) == _without_timings(single)
+
+
+def test_shard_jobs_merged_give_the_unsharded_results_and_verdict(cli, tmp_path, golden_dir):
+    """--shard I/N jobs (in this process, like the unsharded reference), their stores merged."""
+    verify = ["golden", "verify", "tiny", *TINY, "--dir", str(golden_dir), "--json"]
+    assert cli("run", *TINY, "--store", str(tmp_path / "one.db"))[0] == 0
+    code, out, _ = cli(*verify)
+    unsharded = json.loads(out)
+    for index in range(2):
+        assert cli("run", *TINY, "--store", str(tmp_path / f"run{index}.db"), "--shard", f"{index}/2")[0] == 0
+        assert cli(*verify, "--shard", f"{index}/2", "--store", str(tmp_path / f"verify{index}.db"))[0] == 0
+    parts = [tmp_path / name for name in ("run0.db", "run1.db", "verify0.db", "verify1.db")]
+    first = merge_stores(tmp_path / "all.db", parts)
+    again = merge_stores(tmp_path / "all.db", parts)
+    assert first["check"]["ok"] and sum(s["copied"] for s in first["sources"]) > 2
+    assert [s["copied"] for s in again["sources"]] == [0, 0, 0, 0]  # idempotent
+    run_shards = tmp_path / "runs.db"
+    merge_stores(run_shards, parts[:2])
+    assert stored(run_shards) == stored(tmp_path / "one.db")
+    code, out, _ = cli(*verify, "--store", str(tmp_path / "all.db"), "--from-shards")
+    assert code == 0 and _without_timings(json.loads(out)) == _without_timings(unsharded)
+    code, _, err = cli(*verify, "--store", str(tmp_path / "verify0.db"), "--from-shards")  # a shard missing
+    assert code == 2 and "run the missing `golden verify --shard I/N` jobs" in err
+
+
+def test_merge_refuses_a_run_id_with_other_content(cli, tmp_path):
+    assert cli("run", *TINY, "--store", str(tmp_path / "a.db"))[0] == 0
+    merge_stores(tmp_path / "out.db", [tmp_path / "a.db"])
+    db = Store(tmp_path / "a.db")
+    db.db.execute("UPDATE runs SET label = 'edited'")
+    db.close()
+    with pytest.raises(StoreError, match="differs between"):
+        merge_stores(tmp_path / "out.db", [tmp_path / "a.db"])
+
+
+def _rank_process(launcher: psutil.Process, rank: int) -> psutil.Process | None:
+    for child in launcher.children(recursive=True):
+        try:
+            if child.environ().get("RANK") == str(rank) and "evalrun" in " ".join(child.cmdline()):
+                return child
+        except psutil.Error:
+            continue
+    return None
+
+
+def test_killing_one_rank_leaves_the_store_consistent_and_the_run_interrupted(tmp_path):
+    store = tmp_path / "killed.db"
+    args = [*TINY[:4], "--max-new-tokens", "4000", "--store", str(store), "-q"]
+    launcher = subprocess.Popen([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node",
+                                 "2", "-m", "evalrun", "run", *args], cwd=ROOT, env=ENV,
+                                stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    try:
+        deadline = time.monotonic() + 300
+        while time.monotonic() < deadline:  # rank 0 has begun the run in the store
+            if store.exists() and Store(store, readonly=True).db.execute(
+                    "SELECT count(*) FROM runs WHERE status = 'running'").fetchone()[0]:
+                break
+            time.sleep(0.2)
+        victim = _rank_process(psutil.Process(launcher.pid), 1)
+        assert victim is not None, "rank 1 not found"
+        os.kill(victim.pid, signal.SIGKILL)
+        _, err = launcher.communicate(timeout=300)
+    finally:
+        if launcher.poll() is None:
+            launcher.kill()
+    assert launcher.returncode != 0
+    db = Store(store, readonly=True)
+    check = db.check()
+    (record,) = db.list_runs()
+    assert check["ok"], check["problems"]
+    assert check["interrupted"] == [record.id] and record.status in ("interrupted", "running")
+    assert db.db.execute("SELECT count(*) FROM results").fetchone()[0] == 0  # nothing half-written
+    print(f"after the kill: status {record.status}, error {record.error!r}")
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs 2 GPUs")
+@pytest.mark.parametrize("level", ["-O0", "-O2"])
+def test_tensor_parallel_on_two_gpus_with_nccl(tmp_path, level):
+    """nccl, compiled pieces with the all-reduce inside them and (-O2) CUDA graphs around them: the run
+    completes, rank 0 stores it, and its evidence names any fallback (not run here: CPU only)."""
+    store = tmp_path / "gpu.db"
+    done = evalrun("run", *TINY, "--device", "cuda", "--dtype", "bfloat16", level, "--tensor-parallel", "2",
+                   "--strict-config", "--store", str(store), "--json", ranks=2)
+    run = json.loads(done.stdout)
+    assert run["evidence"]["tensor_parallel"]["ranks"] == 2 and run["evidence"]["fallbacks"] == []
+    assert len(run["timings"]["ranks_peak_memory"]) == 2
