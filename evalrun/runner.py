@@ -54,7 +54,11 @@ class Prepared:
     def execution_mode(self) -> Engine:
         """The config's engine in its execution mode (engine.engines.build_engine: the one place engines plug in)."""
         if self.mode is None:
-            self.mode = build_engine(self.loaded.model, self.config)
+            shard = None
+            if self.config.tensor_parallel > 1:
+                here = distributed.world()
+                shard = (here.rank, here.size, distributed.model_group())
+            self.mode = build_engine(self.loaded.model, self.config, shard)
         return self.mode
 
 

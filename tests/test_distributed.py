@@ -223,6 +223,15 @@ def _rank_process(launcher: psutil.Process, rank: int) -> psutil.Process | None:
     return None
 
 
+def _has_running_run(store: Path) -> bool:
+    """Whether the store has a run marked running (a store still being created is not ready yet)."""
+    try:
+        return store.exists() and bool(Store(store, readonly=True).db.execute(
+            "SELECT count(*) FROM runs WHERE status = 'running'").fetchone()[0])
+    except StoreError:
+        return False
+
+
 def test_killing_one_rank_leaves_the_store_consistent_and_the_run_interrupted(tmp_path):
     store = tmp_path / "killed.db"
     args = [*TINY[:4], "--max-new-tokens", "4000", "--store", str(store), "-q"]
@@ -231,10 +240,7 @@ def test_killing_one_rank_leaves_the_store_consistent_and_the_run_interrupted(tm
                                 stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
     try:
         deadline = time.monotonic() + 300
-        while time.monotonic() < deadline:  # rank 0 has begun the run in the store
-            if store.exists() and Store(store, readonly=True).db.execute(
-                    "SELECT count(*) FROM runs WHERE status = 'running'").fetchone()[0]:
-                break
+        while time.monotonic() < deadline and not _has_running_run(store):  # rank 0 has begun the run in the store
             time.sleep(0.2)
         victim = _rank_process(psutil.Process(launcher.pid), 1)
         assert victim is not None, "rank 1 not found"

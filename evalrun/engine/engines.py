@@ -57,20 +57,19 @@ def check_model(engine: str, model_config: dict[str, Any]) -> None:
         check_config(model_config)
 
 
-def build_engine(model: Any, config: EffectiveConfig) -> Engine:
+def build_engine(model: Any, config: EffectiveConfig, shard: tuple[int, int, Any] | None = None) -> Engine:
     """The engine `config.engine` names over a loaded Hugging Face module, in `config`'s execution mode.
-    ConfigError (exit 2) when that engine cannot honour the mode; never another engine or mode instead."""
+    ConfigError (exit 2) when that engine cannot honour the mode; never another engine or mode instead.
+    `shard` (rank, ranks, process group): this rank's place in a tensor-parallel world (runner gives it)."""
     if config.engine == "evalrun":
         from .modes import build_execution_mode
         from .transformer import Transformer
 
         if config.tensor_parallel > 1:  # this rank's share of the projections (config.validate checked the world)
-            from .. import distributed
             from .tensor_parallel import sharded_transformer
 
-            here = distributed.world()
-            return build_execution_mode(sharded_transformer(model, config.attn_implementation, here.rank, here.size,
-                                                            distributed.model_group()), config)
+            assert shard is not None, "a tensor-parallel engine needs its rank, rank count and process group"
+            return build_execution_mode(sharded_transformer(model, config.attn_implementation, *shard), config)
         return build_execution_mode(Transformer(model, config.attn_implementation), config)
     if config.engine == "transformers":
         from .hf_engine import TransformersEngine
