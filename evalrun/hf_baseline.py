@@ -32,15 +32,32 @@ def _synchronize(device: torch.device) -> None:
         torch.cuda.synchronize(device)
 
 
-def _generate(model, ids: list[int], new_tokens: int, kind: str, device: torch.device) -> float:
+class _StepTimes:
+    """A logits processor that only records when each step's scores are ready (synchronised on GPU):
+    the first is the time to first token, the gaps between them the decode steps of the same call."""
+
+    def __init__(self, device: torch.device):
+        self.device, self.times = device, []
+
+    def __call__(self, input_ids: torch.Tensor, scores: torch.Tensor) -> torch.Tensor:
+        _synchronize(self.device)
+        self.times.append(time.perf_counter())
+        return scores
+
+
+def _generate(model, ids: list[int], new_tokens: int, kind: str, device: torch.device) -> tuple[float, np.ndarray]:
+    """One greedy generate of `new_tokens`: (total seconds, [new_tokens] seconds from the start to each step's scores)."""
+    from transformers import LogitsProcessorList
+
     inputs = torch.tensor([ids], device=device)
     options = {"cache_implementation": "static"} if kind == "static-compile" else {}
+    clock = _StepTimes(device)
     _synchronize(device)
     started = time.perf_counter()
     model.generate(inputs, attention_mask=torch.ones_like(inputs), max_new_tokens=new_tokens,
-                   min_new_tokens=new_tokens, do_sample=False, **options)
+                   min_new_tokens=new_tokens, do_sample=False, logits_processor=LogitsProcessorList([clock]), **options)
     _synchronize(device)
-    return time.perf_counter() - started
+    return time.perf_counter() - started, np.array(clock.times) - started
 
 
 def main() -> None:
@@ -64,7 +81,7 @@ def main() -> None:
     started = time.perf_counter()
     prompts = load_prompt_set(effective.prompts, loaded.tokenizer)
     steps = effective.max_new_tokens
-    first_request = _generate(model, prompts.token_ids[0], 1, args.kind, device)
+    first_request = _generate(model, prompts.token_ids[0], 1, args.kind, device)[0]
     # Warm-up, as evalrun warms each shape: a static cache is sized prompt + new tokens, so every
     # prompt length compiles its own decoding graph, and CUDA graphs record on a second call.
     for ids in prompts.token_ids:
@@ -72,11 +89,13 @@ def main() -> None:
             _generate(model, ids, steps, args.kind, device)
     compile_s = time.perf_counter() - started
     reset_peak_memory(device)
-    ttft, totals = [], []
-    for ids in prompts.token_ids:
-        ttft.append(_generate(model, ids, 1, args.kind, device))
-        totals.append(_generate(model, ids, steps, args.kind, device))
-    decode_ms = [(total - first) / max(1, steps - 1) * 1000 for total, first in zip(totals, ttft)]
+    ttft, totals, decode_ms = [], [], []
+    for ids in prompts.token_ids:  # one call per prompt: TTFT and each decode step measured within it
+        total, ready = _generate(model, ids, steps, args.kind, device)
+        totals.append(total)
+        ttft.append(ready[0])
+        decode_ms.extend(np.diff(ready) * 1000)
+    decode_ms = decode_ms or [0.0]  # one new token: no decode step
     print(json.dumps({"timings": {
         "compile_s": compile_s, "ttft_ms": {"p50": float(np.median(ttft)) * 1000, "first_request": first_request * 1000},
         "tokens_per_s": steps * len(totals) / sum(totals), "step_latency": latency_summary(np.array(decode_ms)),
