@@ -109,6 +109,58 @@ def test_a_split_model_releases_its_whole_projections_and_is_built_once():
                                                                                                     (64, 64))
 
 
+def _split_forward_logits(model, ids: list[int], ranks: int):
+    """Logits of a `ranks`-way tensor-parallel decode in one process: each rank's forward in a thread, the
+    all-reduce a sum over the threads' partial products (same arithmetic as the ranks' gloo all-reduce)."""
+    import threading
+
+    from evalrun.engine.driver import generate_batch
+    from evalrun.engine.generate import BatchSpec
+    from evalrun.engine.tensor_parallel import shard
+    from evalrun.engine.transformer import Transformer
+
+    barrier, partials, outs = threading.Barrier(ranks), [None] * ranks, [None] * ranks
+
+    def rank(r: int) -> None:
+        def reduce(x):
+            partials[r] = x
+            barrier.wait()
+            total = sum(partials[1:], partials[0])
+            barrier.wait()
+            return total
+        split = shard(Transformer(model, "sdpa"), r, ranks, group=None)
+        split.reduce = reduce
+        outs[r] = generate_batch(split, BatchSpec([ids], 4, pad_id=0, keep_logits=True)).logits
+
+    threads = [threading.Thread(target=rank, args=(r,)) for r in range(ranks)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+    return outs[0]
+
+
+@pytest.mark.parametrize("case", ["gemma2", "gemma3", "llama-gelu-tanh-biases"])
+def test_a_tensor_parallel_split_keeps_every_norm_and_bias_of_the_family(tmp_path, case):
+    """TP=2 computes the unsplit model (to float32 rounding): no norm or bias dropped in the split (Gemma's
+    norms of the attention and MLP outputs were, silently)."""
+    import numpy as np
+
+    from test_model_support import CASES, _checkpoint
+
+    from evalrun.engine.driver import generate_batch
+    from evalrun.engine.generate import BatchSpec
+    from evalrun.engine.transformer import Transformer
+    from evalrun.models import load_model
+
+    family, overrides = CASES[case]
+    model = load_model(str(_checkpoint(tmp_path / case, family, **overrides)), "cpu", "float32").model
+    ids = list(range(5, 30))
+    whole = generate_batch(Transformer(model, "sdpa"), BatchSpec([ids], 4, pad_id=0, keep_logits=True)).logits
+    split = _split_forward_logits(model, ids, 2)
+    assert np.abs(split.view(np.float32) - whole.view(np.float32)).max() < 1e-4
+
+
 def test_sizes_the_ranks_do_not_divide_are_refused_with_one_line():
     with pytest.raises(ConfigError, match="does not divide the model's 4 attention heads"):
         check_divisible(4, 2, 128, 3)
