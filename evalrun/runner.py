@@ -292,7 +292,8 @@ def execute(prepared: Prepared, forced: dict[int, np.ndarray] | None = None, pro
     generate_seconds = time.perf_counter() - started
     evidence = {"engine": config.engine, **mode.evidence()}
     evidence["config_adjustments"] = list(config.adjustments)
-    evidence["tensor_parallel"] = getattr(mode.transformer, "tensor_parallel", None)  # this rank's share when sharded
+    # this rank's share when sharded (evalrun's engine only: another engine has no `transformer`)
+    evidence["tensor_parallel"] = getattr(getattr(mode, "transformer", None), "tensor_parallel", None)
     evidence["compile_cache"] = cache_evidence(cache_before, cache_folders)
     timings = _timings(prepared, outputs, warmup_seconds, evidence["compile_s"], generate_seconds, device, cold_ttft_ms)
     batch_plan = [{"batch": number, "prompt_ids": [prompt_set.records[j].id for j in indices],
