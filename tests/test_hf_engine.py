@@ -125,6 +125,22 @@ def test_a_family_evalruns_engine_does_not_run_runs_under_transformers(tmp_path,
         assert float(np.abs(result.arrays["logits"].view(np.float32) - logits).max()) < MAX_ABS_LOGITS
 
 
+def test_a_stateful_model_is_refused_under_transformers_with_one_line(tmp_path, cli, store_path):
+    """Mamba keeps a recurrent state, not a KV cache: the engine's padded decode computed another model
+    (greedy tokens off from transformers' own after two steps), so it is refused before any token."""
+    from transformers import MambaConfig, MambaForCausalLM
+
+    from evalrun.models import byte_tokenizer
+
+    directory = tmp_path / "mamba"
+    MambaForCausalLM(MambaConfig(vocab_size=320, hidden_size=32, num_hidden_layers=2, state_size=4)).save_pretrained(
+        directory)
+    byte_tokenizer().save_pretrained(directory)
+    refused = cli("run", "--model", str(directory), "--prompts", "smoke", "--engine", "transformers", "--set",
+                  "attn_implementation=eager", "--max-new-tokens", "2", "--store", str(store_path))
+    one_line_exit_2(refused, "MambaForCausalLM keeps a recurrent state", "--engine transformers")
+
+
 @pytest.mark.parametrize("kind", ["gpt2", "gpt_neox"])
 def test_faults_plant_in_a_private_copy_of_a_transformers_module(kind):
     import copy

@@ -49,12 +49,21 @@ def uses_engine_families(engine: str) -> bool:
     return engine == "evalrun"
 
 
-def check_model(engine: str, model_config: dict[str, Any]) -> None:
-    """Refuse, with one line, a model the engine would not compute as its config asks."""
+def check_model(engine: str, model: Any) -> None:
+    """Refuse, with one line, a model (a loaded Hugging Face module) the engine would not compute as its
+    config asks."""
     if uses_engine_families(engine):
         from .model_support import check_config
 
-        check_config(model_config)
+        check_config(model.config.to_dict())
+    elif engine == "transformers" and getattr(model, "_is_stateful", False):
+        # A recurrent state (Mamba, RWKV, hybrids) is not an attention KV cache: the transformers engine's
+        # left-padded decode with a 2D padding mask computes another model for it (Mamba: logits off by ~30)
+        from ..errors import UnsupportedModelError
+
+        raise UnsupportedModelError(f"{type(model).__name__} keeps a recurrent state (transformers marks it "
+                                    "stateful); --engine transformers decodes attention models with a KV cache and "
+                                    "padding mask only and would compute another model; use an attention model")
 
 
 def build_engine(model: Any, config: EffectiveConfig, shard: tuple[int, int, Any] | None = None) -> Engine:
