@@ -319,6 +319,9 @@ def _load_directory(ref: str, directory: Path | str, device: torch.device, dtype
         tokenizer = load_tokenizer(directory)
     except Exception as error:  # noqa: BLE001 - any failure to read a user's model files is bad input
         first = str(error).strip().splitlines()[0][:200] if str(error).strip() else type(error).__name__
+        if attn == "sdpa" and "scaled_dot_product_attention" in str(error):  # e.g. Gemma 2 under --engine transformers
+            raise ModelError(f"transformers has no SDPA attention for the model in {directory}; pass --set "
+                             "attn_implementation=eager") from None
         raise ModelError(f"cannot load model from {directory}: {first}; check the files (a complete config.json, "
                          "safetensors and tokenizer)") from None
     check_loading(directory, info)

@@ -125,6 +125,16 @@ def test_a_family_evalruns_engine_does_not_run_runs_under_transformers(tmp_path,
         assert float(np.abs(result.arrays["logits"].view(np.float32) - logits).max()) < MAX_ABS_LOGITS
 
 
+def test_a_model_without_sdpa_in_transformers_names_the_eager_option(tmp_path, cli, store_path):
+    """Gemma 2 has no SDPA path in transformers: the line names the option that runs it (it said 'check the
+    files'), and with that option it runs."""
+    directory = _checkpoint(tmp_path / "gemma2", "gemma2", head_dim=16)
+    args = ("run", "--model", str(directory), "--prompts", "smoke", "--engine", "transformers", "--max-new-tokens", "2",
+            "--store", str(store_path), "-q")
+    one_line_exit_2(cli(*args), "no SDPA attention", "--set attn_implementation=eager")
+    assert cli(*args, "--set", "attn_implementation=eager")[0] == 0
+
+
 def test_a_stateful_model_is_refused_under_transformers_with_one_line(tmp_path, cli, store_path):
     """Mamba keeps a recurrent state, not a KV cache: the engine's padded decode computed another model
     (greedy tokens off from transformers' own after two steps), so it is refused before any token."""
