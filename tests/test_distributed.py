@@ -174,6 +174,21 @@ def test_tensor_parallel_outside_torchrun_names_the_torchrun_command(cli, tiny_a
     assert "torchrun --nproc-per-node 2 -m evalrun" in err
 
 
+@pytest.mark.parametrize("env,needle", [
+    ({"WORLD_SIZE": "2", "RANK": "0"}, "MASTER_ADDR"),  # a cluster's variables without torchrun's rendezvous
+    ({"WORLD_SIZE": "2", "RANK": "5"}, "0 <= RANK < WORLD_SIZE"),
+    ({"WORLD_SIZE": "-3", "RANK": "0"}, "0 <= RANK < WORLD_SIZE"),
+])
+def test_a_torchrun_environment_that_is_not_one_is_refused_with_one_line(cli, tiny_args, monkeypatch, env, needle):
+    """It crashed (internal error, exit 3) in init_process_group, or ran rank 5 of 2 as a shard."""
+    from conftest import one_line_exit_2
+
+    monkeypatch.delenv("MASTER_ADDR", raising=False)
+    for name, value in env.items():
+        monkeypatch.setenv(name, value)
+    one_line_exit_2(cli("run", *tiny_args), needle, "launch with torchrun, or unset them")
+
+
 def test_shards_take_whole_batches_round_robin():
     assert parse_shard("1/3") == Shard(1, 3)
     assert [shard_batches(7, Shard(i, 3)) for i in range(3)] == [[0, 3, 6], [1, 4], [2, 5]]
