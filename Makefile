@@ -4,7 +4,7 @@ VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 
-.PHONY: setup demo test fuzz bench clean
+.PHONY: setup demo test test-servers fuzz bench clean
 
 setup: $(STAMP)
 
@@ -23,6 +23,12 @@ demo: setup
 
 test: setup
 	$(BIN)/python -m pytest -n 2 -q
+
+# Against a real server nobody here wrote: llama.cpp's, through llama-cpp-python, which builds llama.cpp from
+# source on install (minutes on 2 cores; pip caches the wheel, and PIP_FIND_LINKS=DIR reuses one built before).
+test-servers: setup
+	$(BIN)/python -m pip install -q -e ".[test,servers]"
+	$(BIN)/python -m pytest -q -m servers tests/test_llama_server.py
 
 # Property-based fuzzing of the CLI contract with many more examples than `make test` runs (fresh random inputs).
 FUZZ_EXAMPLES ?= 500

@@ -22,7 +22,7 @@ from .config import build_config, parse_opt_level
 from .errors import EXIT_CHANGED, EXIT_INTERNAL, EXIT_UNUSABLE, EvalrunError, OutputError
 from .store import Store, default_store_path
 
-RUN_FLAG_NAMES = ("model", "prompts", "engine", "tensor_parallel", "opt_level", "compilation_mode", "cudagraph_mode", "dtype", "device",
+RUN_FLAG_NAMES = ("model", "prompts", "engine", "served_model", "tensor_parallel", "opt_level", "compilation_mode", "cudagraph_mode", "dtype", "device",
                   "max_new_tokens", "batch_size", "deterministic", "strict_config", "keep_logits")
 
 
@@ -42,6 +42,7 @@ def run_options(command: Callable) -> Callable:
                                         "DIR, FILE.gguf."),
         click.option("--prompts", metavar="FILE.jsonl", help="Prompt set: default, smoke, or a JSONL file."),
         click.option("--engine", metavar="E", help="evalrun (default) | transformers | openai:http://HOST:PORT/v1."),
+        click.option("--served-model", metavar="NAME", help="With --engine openai:URL: the served model's name."),
         click.option("--tensor-parallel", type=int, metavar="N", help="Split the model across N ranks (torchrun)."),
         click.option("-O", "--opt-level", "opt_level", metavar="N", help="Optimization level 0-3."),
         click.option("--compilation-mode", metavar="M", help="none|stock|trace-once|piecewise (or vLLM names)."),
@@ -187,11 +188,19 @@ def run(store_path, label, output_format, as_json, quiet, shard_text, **kwargs) 
       evalrun run --model random:tiny --prompts smoke --max-new-tokens 8 --json
       torchrun --nproc-per-node 2 -m evalrun run --model random:tiny --tensor-parallel 2
     """
+    from .config import is_server_engine
+    from .server_run import execute_server_run
     from .sharding import execute_sharded_run
 
     config, shard = config_from(kwargs), parsed_shard(shard_text)
     store = open_store(store_path) if leader() else None
-    outcome = execute_sharded_run(config, store, label=label, progress_factory=progress_factory(quiet), shard=shard)
+    if is_server_engine(config.engine):  # a server computes: one process, no shards
+        if shard is not None:
+            raise click.UsageError("--shard splits evalrun's own runs; a server runs whole")
+        outcome = execute_server_run(config, store, label=label, progress_factory=progress_factory(quiet))
+    else:
+        outcome = execute_sharded_run(config, store, label=label, progress_factory=progress_factory(quiet),
+                                      shard=shard)
     if not leader():
         return
     if chosen_format(output_format, as_json) == "json":
@@ -210,9 +219,12 @@ def fingerprint(output_format, as_json, **kwargs) -> None:
     Example:
       evalrun fingerprint --model random:tiny --json
     """
+    from .config import is_server_engine
     from .runner import prepare
+    from .server_run import prepare_server
 
-    header = prepare(config_from(kwargs)).header
+    config = config_from(kwargs)
+    header = (prepare_server(config) if is_server_engine(config.engine) else prepare(config)).header
     json_out = chosen_format(output_format, as_json) == "json"
     click.echo(report.to_json(header) if json_out else report.fingerprint_text(header))
 
@@ -331,9 +343,13 @@ def golden_create(name, directory, force, output_format, as_json, quiet, **kwarg
     Example:
       evalrun golden create smollm2-cpu --config debug
     """
+    from .config import is_server_engine
     from .golden import create_golden
+    from .server_golden import create_server_golden
 
-    created = create_golden(name, config_from(kwargs), directory, force, phase_progress(quiet or not leader()))
+    config = config_from(kwargs)
+    create = create_server_golden if is_server_engine(config.engine) else create_golden
+    created = create(name, config, directory, force, phase_progress(quiet or not leader()))
     if created is None:
         return
     summary = created.summary()
@@ -367,8 +383,10 @@ def golden_verify(name, directory, strict, output_format, as_json, junit_path, s
       evalrun store merge all.db s0.db s1.db && evalrun golden verify smollm2-cpu --store all.db --from-shards
     """
     from . import verdict_report
+    from .config import is_server_engine
     from .distributed import broadcast_int
     from .golden import open_golden
+    from .server_verify import verify_with_server
     from .sharding import ShardStored, verify_sharded
     from .verify import candidate_config
 
@@ -376,10 +394,16 @@ def golden_verify(name, directory, strict, output_format, as_json, junit_path, s
     opened, shard = open_golden(name, directory), parsed_shard(shard_text)
     if from_shards and shard is not None:
         raise click.UsageError("--from-shards judges the stored shards; drop --shard")
-    stored = from_shards or (shard is not None and not shard.whole)
-    store = open_store(store_path, readonly=from_shards) if stored and leader() else None
-    outcome = verify_sharded(opened, candidate_config(opened, *run_flags(kwargs)), strict,
-                             phase_progress(quiet or not leader()), shard, store, from_shards)
+    candidate = candidate_config(opened, *run_flags(kwargs))
+    if is_server_engine(candidate.engine):  # a server computes: one process, no shards (server_verify)
+        if shard is not None or from_shards:
+            raise click.UsageError("--shard and --from-shards split evalrun's own runs; a server runs whole")
+        outcome = verify_with_server(opened, candidate, strict, phase_progress(quiet))
+    else:
+        stored = from_shards or (shard is not None and not shard.whole)
+        store = open_store(store_path, readonly=from_shards) if stored and leader() else None
+        outcome = verify_sharded(opened, candidate, strict, phase_progress(quiet or not leader()), shard, store,
+                                 from_shards)
     chosen = chosen_format(output_format, as_json)
     if isinstance(outcome, ShardStored):
         click.echo(report.to_json(outcome.as_dict()) if chosen == "json" else

@@ -106,12 +106,14 @@ OPT_LEVEL_KNOBS = ("compilation_mode", "cudagraph_mode", *INDUCTOR_KNOBS)  # wha
 # knobs before precision flags before shapes (torch's bisector: backends before subsystems).
 NUMERICS_FACTORS = ("engine", "device", "tensor_parallel", "dtype", "compilation_mode", "cudagraph_mode", *INDUCTOR_KNOBS, "attn_implementation",
                     "tf32", "deterministic", "batch_invariant", "batch_size", "prefill_buckets", "batch_buckets")
-WORKLOAD_FACTORS = ("model", "prompts", "max_new_tokens", "top_k", "temperature", "seed")
+WORKLOAD_FACTORS = ("model", "prompts", "max_new_tokens", "top_k", "temperature", "seed", "served_model",
+                    "server_config")
 # Knobs added after runs and goldens were first stored: a stored config without one ran at this value.
-OPTIONAL_STORED = {"batch_invariant": False, "engine": "evalrun", "tensor_parallel": 1}
+OPTIONAL_STORED = {"batch_invariant": False, "engine": "evalrun", "tensor_parallel": 1, "served_model": "",
+                   "server_config": "", "server_timeout": 60.0}
 # Factors added after config hashes were first stored: left out of the hash at these values, so every
 # hash stored before them (runs, goldens, bisect records) still names the same config.
-HASHED_ONLY_WHEN_SET = {"engine": "evalrun", "tensor_parallel": 1}
+HASHED_ONLY_WHEN_SET = {"engine": "evalrun", "tensor_parallel": 1, "served_model": "", "server_config": ""}
 # What computes the logits: evalrun's own engine (every execution mode), transformers' forward, or a
 # running OpenAI-compatible server (`openai:URL`).
 ENGINES = ("evalrun", "transformers")
@@ -127,6 +129,9 @@ class RunConfig:
     prompts: str = "default"
     engine: str = "evalrun"  # evalrun | transformers | openai:URL (ENGINES)
     tensor_parallel: int = 1  # ranks the projections are split across (torch.distributed)
+    served_model: str = ""  # with engine openai:URL, the served model's name ('' = the server's only one)
+    server_config: str = ""  # free-text notes on how the server runs (e.g. "-O3 cudagraph_mode=FULL"): hashed
+    server_timeout: float = 60.0  # seconds one server request may take (not hashed)
     opt_level: int | None = None
     compilation_mode: str | None = None
     cudagraph_mode: str | None = None
@@ -164,6 +169,9 @@ class EffectiveConfig:
     prompts: str
     engine: str
     tensor_parallel: int
+    served_model: str
+    server_config: str
+    server_timeout: float
     opt_level: int
     compilation_mode: CompilationMode
     cudagraph_mode: CUDAGraphMode
@@ -434,6 +442,12 @@ def normalize(config: RunConfig) -> RunConfig:
         value = getattr(config, key)
         if not low <= value <= high:
             raise ConfigError(f"{key}={value} is out of range; use a value from {low} to {high}")
+    if not 0 < config.server_timeout <= 3600:
+        raise ConfigError(f"server_timeout={config.server_timeout} is out of range; use seconds from 0.1 to 3600")
+    if len(config.server_config) > 1000 or len(config.served_model) > 300:
+        raise ConfigError("server_config or served_model is too long; keep notes under 1,000 characters")
+    if (config.served_model or config.server_config) and not config.engine.startswith(OPENAI_ENGINE_PREFIX):
+        raise ConfigError("served_model and server_config describe a server; use them with --engine openai:URL")
     if not 0 <= config.temperature <= 100:
         raise ConfigError(f"temperature={config.temperature} is out of range; use 0 (greedy) or a positive number")
     for key in ("prefill_buckets", "batch_buckets"):
@@ -455,6 +469,11 @@ def parse_engine(value: Any) -> str:
             return OPENAI_ENGINE_PREFIX + url.rstrip("/")
         raise ConfigError(f"engine={text[:80]!r} has no usable URL; use openai:http://HOST:PORT/v1")
     raise ConfigError(f"engine={text[:80]!r} is not valid; use evalrun, transformers or openai:http://HOST:PORT/v1")
+
+
+def is_server_engine(engine: str) -> bool:
+    """Whether `engine` names an OpenAI-compatible server (evalrun/server_run.py runs those)."""
+    return str(engine).startswith(OPENAI_ENGINE_PREFIX)
 
 
 def keep_logits_steps(keep_logits: str, prompt_id: str, steps: int) -> list[int]:
@@ -568,9 +587,9 @@ def validate(config: EffectiveConfig, cuda_available: bool, gpu_count: int | Non
     if config.cudagraph_mode.requires_piecewise_compilation() and config.compilation_mode is not CompilationMode.PIECEWISE:
         raise ConfigError(f"cudagraph_mode={config.cudagraph_mode} wraps compiled pieces and needs --compilation-mode "
                           "piecewise; use it, or --cudagraph-mode full / full-decode-only / none")
-    if config.engine not in ENGINES:
-        raise ConfigError(f"engine={config.engine[:80]!r} is not implemented yet (issue #15); use --engine evalrun "
-                          "or --engine transformers")
+    if config.engine not in ENGINES and not config.engine.startswith(OPENAI_ENGINE_PREFIX):
+        raise ConfigError(f"engine={config.engine[:80]!r} is not valid; use --engine evalrun, --engine transformers "
+                          "or --engine openai:http://HOST:PORT/v1")
     _check_engine_modes(config)
     if config.tensor_parallel != 1 and config.engine != "evalrun":
         raise ConfigError(f"tensor_parallel={config.tensor_parallel} splits evalrun's own engine only; use --engine "

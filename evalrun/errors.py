@@ -58,3 +58,11 @@ class OutputError(EvalrunError):
 
 class BisectError(EvalrunError):
     """GOOD and BAD cannot be bisected: a bad SPEC, a GOOD that fails the predicate, a missing golden."""
+
+
+class ServerError(EvalrunError):
+    """An OpenAI-compatible server did not answer, answered with an error, or answered malformed."""
+
+    def __init__(self, message: str, status: int | None = None):
+        super().__init__(message)
+        self.status = status  # the HTTP status when the server refused the request

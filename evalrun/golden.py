@@ -327,6 +327,7 @@ class CreatedRuns:
 
     runs: dict[str, Run]
     seconds: dict[str, float]
+    meta: dict[str, Any] = field(default_factory=dict)  # more keys for the golden table (a server golden's)
 
 
 def _forced_probed(prepared: Prepared, tokens: dict[int, np.ndarray], probes: Probes, progress, role: str) -> Run:
@@ -387,9 +388,10 @@ def check_writable_folder(directory: str | Path) -> None:
 
 def create_golden(name: str, config: RunConfig, directory: str | Path = DEFAULT_DIR, force: bool = False,
                   progress: Callable[[str, int], Any] | None = None, hook: Hook | None = None,
-                  cuda_available: bool | None = None) -> Golden | None:
+                  cuda_available: bool | None = None, make: Callable[..., CreatedRuns] | None = None) -> Golden | None:
     """Make every run of a golden and write `directory/NAME.db` atomically; returns the opened golden
-    (None on torchrun ranks other than 0, which compute their share and write nothing)."""
+    (None on torchrun ranks other than 0, which compute their share and write nothing).
+    `make(request, progress, hook)` makes the runs (default `make_runs`; a server's: server_golden)."""
     import torch
 
     if distributed.world().distributed and config.tensor_parallel == 1:
@@ -400,7 +402,7 @@ def create_golden(name: str, config: RunConfig, directory: str | Path = DEFAULT_
         raise GoldenError(f"golden {path} exists; pass --force to overwrite it")
     check_writable_folder(directory)
     request = pinned_request(config, torch.cuda.is_available() if cuda_available is None else cuda_available)
-    created = make_runs(request, progress, hook)
+    created = (make or make_runs)(request, progress, hook)
     if not distributed.world().leader:  # tensor parallel under torchrun: every rank computed, rank 0 writes
         return None
     write_golden(path, created, request)
@@ -424,7 +426,7 @@ def write_golden(path: Path, created: CreatedRuns, request: RunConfig) -> None:
         meta = {"format": GOLDEN_FORMAT, "name": path.stem, "created_at": store.get_run(roles["pinned"]).created_at,
                 "roles": roles, "requested_config": dataclasses.asdict(request), "evalrun_version": __version__,
                 "create_seconds": created.seconds,
-                "probes": {"own_topk": PROBE_TOPK, "sample": PROBE_SAMPLE, "seed": PROBE_SEED}}
+                "probes": {"own_topk": PROBE_TOPK, "sample": PROBE_SAMPLE, "seed": PROBE_SEED}, **created.meta}
         with store.transaction() as conn:
             conn.execute("CREATE TABLE golden (key TEXT PRIMARY KEY, value TEXT)")
             conn.executemany("INSERT INTO golden VALUES (?, ?)", [(k, json.dumps(v, sort_keys=True)) for k, v in meta.items()])

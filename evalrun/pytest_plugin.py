@@ -229,12 +229,15 @@ class SessionState:
         from .golden import open_golden
         from .runner import effective_config, prepare, record, shares_model
         from .store import Store, default_store_path
+        from .config import is_server_engine
+        from .server_verify import verify_with_server
         from .verify import candidate_config, verify_golden
 
         golden = open_golden(check.name, check.directory)
         config = effective_config(candidate_config(golden, None, check.options, ()))
-        loaded = next((prepared for prepared in self.prepared if shares_model(config, prepared)), None)
-        if loaded is None:
+        server = is_server_engine(config.engine)  # a server computes the candidate (server_verify)
+        loaded = None if server else next((p for p in self.prepared if shares_model(config, p)), None)
+        if loaded is None and not server:
             loaded = prepare(config)
             self.prepared.append(loaded)
         store_path = self.config.getoption("evalrun_store") or default_store_path()
@@ -246,7 +249,8 @@ class SessionState:
                 recorded.append(record(store, run.header, lambda: run, label=f"pytest:{nodeid}"))
 
         try:
-            verdict = verify_golden(golden, config, check.strict, observe=observe, reuse=loaded)
+            verdict = (verify_with_server(golden, config, check.strict, observe=observe) if server else
+                       verify_golden(golden, config, check.strict, observe=observe, reuse=loaded))
         finally:
             store.close()
         return verdict, (recorded[0].run_id if recorded else None), str(store_path)
@@ -280,8 +284,10 @@ class SessionState:
     def _create_once(self, check: GoldenCheck) -> str:
         """Make the golden once per session, whichever worker gets here first; 'created' (it did not exist)
         or 'updated'. The lock and the marks live in the session's own folder, not beside the goldens."""
+        from .config import is_server_engine
         from .errors import GoldenError
         from .golden import create_golden
+        from .server_golden import create_server_golden
 
         with open(self.marks / "update.lock", "w") as lock:
             fcntl.flock(lock, fcntl.LOCK_EX)  # xdist workers: one creates, the others find it made
@@ -294,7 +300,9 @@ class SessionState:
                 raise GoldenError(f"cannot make the golden folder {check.directory}: {error.strerror or error}; "
                                   "pass golden_dir= or --evalrun-golden-dir with a folder") from None
             made = "updated" if check.path.exists() else "created"
-            create_golden(check.name, _creation_config(check), check.directory, force=True)
+            config = _creation_config(check)
+            create = create_server_golden if is_server_engine(config.engine) else create_golden
+            create(check.name, config, check.directory, force=True)
             self._mark(check).write_text(made)
             return made
 

@@ -16,7 +16,7 @@ import torch
 
 from . import distributed
 from .compile_cache import cache_counters, cache_evidence, use_evalrun_cache
-from .config import EffectiveConfig, RunConfig, keep_logits_steps, resolve, validate
+from .config import EffectiveConfig, RunConfig, is_server_engine, keep_logits_steps, resolve, validate
 from .engine.engines import Engine, build_engine, check_model
 from .engine.generate import BatchOutput, BatchSpec
 from .engine.timing import latency_summary, peak_memory_bytes, reset_peak_memory
@@ -116,6 +116,8 @@ def prepare(config: RunConfig | EffectiveConfig, reuse: Prepared | None = None) 
     """
     use_evalrun_cache()  # before anything reads Inductor's cache folder (the first read fixes it for the process)
     effective = config if isinstance(config, EffectiveConfig) else effective_config(config)
+    if is_server_engine(effective.engine):  # a server computes those runs: server_run, not this engine
+        raise ConfigError(f"engine={effective.engine[:80]!r} is a server; its runs go through evalrun.server_run")
     baseline_backend_flags()  # read the environment's own flags before the config changes any
     applied = apply_numerics_flags(effective)  # before anything initialises CUDA
     distributed.join(effective.device)  # under torchrun: the process group, this rank's GPU
@@ -200,6 +202,8 @@ def to_results(prepared: Prepared, batch_index: int, indices: list[int], output:
         if output.probe_values is not None:
             arrays["probe_ids"] = output.probe_ids[row, :steps]
             arrays["probe_values"] = output.probe_values[row, :steps]
+            if output.probe_logsumexp is not None:  # log-probabilities at the probes: probe_values - this
+                arrays["probe_logsumexp"] = output.probe_logsumexp[row, :steps]
         if output.routing_experts is not None:  # MoE models: [steps, L, k] experts (int16), [steps, L] margins
             arrays["routing_experts"] = output.routing_experts[row, :steps].astype(np.int16)
             arrays["routing_margins"] = output.routing_margins[row, :steps]
@@ -292,7 +296,7 @@ def execute(prepared: Prepared, forced: dict[int, np.ndarray] | None = None, pro
     generate_seconds = time.perf_counter() - started
     evidence = {"engine": config.engine, **mode.evidence()}
     evidence["config_adjustments"] = list(config.adjustments)
-    # this rank's share when sharded (evalrun's engine only: another engine has no `transformer`)
+    # this rank's share of a tensor-parallel model (evalrun's engine; other engines have no split)
     evidence["tensor_parallel"] = getattr(getattr(mode, "transformer", None), "tensor_parallel", None)
     evidence["compile_cache"] = cache_evidence(cache_before, cache_folders)
     timings = _timings(prepared, outputs, warmup_seconds, evidence["compile_s"], generate_seconds, device, cold_ttft_ms)
@@ -334,13 +338,13 @@ def execute_run(config: RunConfig | EffectiveConfig, store: Store | None, label:
 
     def produce() -> Run:
         bar = progress_factory(len(prepared.prompt_set.records)) if progress_factory else None
-        with (bar if bar is not None else _NullBar()) as active:
+        with (bar if bar is not None else NullBar()) as active:
             return execute(prepared, progress=active.update)
 
     return record(store, prepared.header, produce, label)
 
 
-class _NullBar:
+class NullBar:
     def __enter__(self):
         return self
 

@@ -26,7 +26,7 @@ from .distributed import Shard
 from .errors import StoreError
 from .golden import Golden
 from .hashing import hash_value
-from .runner import Prepared, Run, _NullBar, plan_batches, record
+from .runner import Prepared, Run, NullBar, plan_batches, record
 from .store import PromptResult, Store
 from .verify import Verdict, VerifyRuns, _envelope_roles, _function_config, begin, compute_runs, judge_runs
 
@@ -139,7 +139,7 @@ def execute_sharded_run(config, store: Store | None, label: str | None = None,
     def produce() -> Run:
         total = len(only) if only is not None else len(prepared.prompt_set.records)
         bar = progress_factory(total) if progress_factory and here.leader else None
-        with (bar if bar is not None else _NullBar()) as active:
+        with (bar if bar is not None else NullBar()) as active:
             mine = runner.execute(prepared, progress=active.update, only=only) if only != set() else empty_run(header)
         if here.distributed and not joined_by_ranks:  # tensor parallel: each rank's peak memory on rank 0
             peaks = distributed.gather_bytes(json.dumps(mine.timings.get("peak_memory")).encode())

@@ -180,7 +180,7 @@ class Context:
 def _cut(result: PromptResult, steps: int) -> PromptResult:
     """A result limited to its first `steps` steps (the prefix a shorter candidate verifies)."""
     per_step = ("tokens", "digests", "topk_ids", "topk_values", "margins", "probe_ids", "probe_values",
-                "routing_experts", "routing_margins")
+                "probe_logsumexp", "routing_experts", "routing_margins")
     arrays = {name: (array[:steps] if name in per_step else array) for name, array in result.arrays.items()}
     return dataclasses.replace(result, arrays=arrays, new_tokens=min(result.new_tokens, steps))
 

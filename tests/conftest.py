@@ -12,6 +12,11 @@ from evalrun.cli import main
 
 
 def pytest_collection_modifyitems(config, items):
+    servers = pytest.mark.skip(reason="starts llama.cpp's server: run `make test-servers` (pytest -m servers)")
+    if "servers" not in (config.getoption("-m") or ""):
+        for item in items:
+            if "servers" in item.keywords:
+                item.add_marker(servers)
     if torch.cuda.is_available():
         return
     skip = pytest.mark.skip(reason="needs CUDA")

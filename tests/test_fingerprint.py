@@ -52,7 +52,7 @@ def test_fields_that_change_no_numbers_are_not_hashed(key):
 
 
 def test_every_field_is_a_factor_or_declared_unhashed():
-    unhashed = {"opt_level", "warmup", "strict_config", "keep_logits", "adjustments"}
+    unhashed = {"opt_level", "warmup", "strict_config", "keep_logits", "adjustments", "server_timeout"}
     fields = {f.name for f in dataclasses.fields(EffectiveConfig)}
     assert fields == set(NUMERICS_FACTORS) | set(WORKLOAD_FACTORS) | unhashed
 

@@ -4,7 +4,7 @@ import json
 
 import pytest
 
-from evalrun.engine.modes import bucket_size
+from evalrun.engine.shapes import bucket_size
 
 MODES = ["stock", "trace-once", "piecewise"]
 

@@ -81,6 +81,7 @@ class BatchOutput:
     probe_values: np.ndarray | None = None  # [B, N, K'] float64 logits at the probe ids, when probed
     routing_experts: np.ndarray | None = None  # [B, N, L, k] int64: MoE models, each MoE layer's chosen experts
     routing_margins: np.ndarray | None = None  # [B, N, L] float32: their router margins (k-th - (k+1)-th prob)
+    probe_logsumexp: np.ndarray | None = None  # [B, N] float64 logsumexp over the whole vocabulary, when probed
 
 
 def stack_outputs(outputs: list[BatchOutput], steps: int) -> BatchOutput:
@@ -102,7 +103,7 @@ def stack_outputs(outputs: list[BatchOutput], steps: int) -> BatchOutput:
     return BatchOutput(stacked("tokens"), stacked("digests"), stacked("topk_ids"), stacked("topk_values"),
                        stacked("margins"), stacked("logits"), step_ms, max(o.padded_length for o in outputs),
                        stacked("probe_ids"), stacked("probe_values"), stacked("routing_experts"),
-                       stacked("routing_margins"))
+                       stacked("routing_margins"), probe_logsumexp=stacked("probe_logsumexp"))
 
 
 @dataclass
@@ -120,6 +121,7 @@ class CaptureBuffers:
     probe_own_topk: int = 0  # the first k probe columns are filled by the step's own top-k ids
     routing_experts: torch.Tensor | None = None  # [B, N, L, k] int64: MoE models, the step token's experts
     routing_margins: torch.Tensor | None = None  # [B, N, L] float32: its router margin in each MoE layer
+    probe_logsumexp: torch.Tensor | None = None  # [B, N] float64: turns probe logits into log-probabilities
 
     @classmethod
     def allocate(cls, batch: int, steps: int, vocab: int, spec: BatchSpec, dtype: torch.dtype,
@@ -138,6 +140,7 @@ class CaptureBuffers:
             probe_own_topk=spec.probe_own_topk,
             routing_experts=zeros(batch, steps, *routing_shape) if routing else None,
             routing_margins=zeros(batch, steps, routing_shape[0], kind=torch.float32) if routing else None,
+            probe_logsumexp=zeros(batch, steps, kind=torch.float64) if probe_width else None,
         )
 
     def to_host(self, rows: int, steps: int, step_ms: np.ndarray, padded_length: int) -> BatchOutput:
@@ -148,7 +151,8 @@ class CaptureBuffers:
             logits = self.logits[:rows, :steps].to("cpu", copy=True).view(BITS_VIEW[self.logits.dtype]).numpy()
         return BatchOutput(cut(self.tokens), cut(self.digests), cut(self.topk_ids), cut(self.topk_values),
                            cut(self.margins), logits, step_ms, padded_length, cut(self.probe_ids),
-                           cut(self.probe_values), cut(self.routing_experts), cut(self.routing_margins))
+                           cut(self.probe_values), cut(self.routing_experts), cut(self.routing_margins),
+                           probe_logsumexp=cut(self.probe_logsumexp))
 
 
 def choose_token(logits: torch.Tensor, temperature: float, row_seeds: torch.Tensor, step: torch.Tensor) -> torch.Tensor:
@@ -191,6 +195,7 @@ def capture_step(logits: torch.Tensor, step: torch.Tensor, buffers: CaptureBuffe
             buffers.probe_ids[:, :, :buffers.probe_own_topk].index_copy_(1, step, own[:, None])
         probe = buffers.probe_ids.index_select(1, step)[:, 0]  # [B, K']
         buffers.probe_values.index_copy_(1, step, logits.gather(1, probe).double()[:, None])
+        buffers.probe_logsumexp.index_copy_(1, step, torch.logsumexp(logits.double(), dim=-1)[:, None])
     return token
 
 

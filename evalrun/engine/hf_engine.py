@@ -31,7 +31,8 @@ import torch
 
 from ..config import CompilationMode, CUDAGraphMode, EffectiveConfig
 from .generate import BatchOutput, BatchSpec, CaptureBuffers, PaddedBatch, capture_step, row_matrix, stack_outputs
-from .modes import _clone, _dynamo_snapshot, allow_recompiles_for, bucket_size
+from .modes import allow_recompiles_for, clone_function, dynamo_snapshot
+from .shapes import ShapePlan
 from .timing import StepClock
 
 
@@ -55,7 +56,7 @@ def forward_for(model: torch.nn.Module) -> Callable[..., torch.Tensor]:
     return hf_forward if accepts else hf_forward_all_positions
 
 
-class TransformersEngine:
+class TransformersEngine(ShapePlan):
     """The transformers engine in one execution mode (the engine seam: engine.engines.Engine)."""
 
     name = "transformers"
@@ -82,7 +83,7 @@ class TransformersEngine:
         options = config.inductor_options()
         self.prefill_forward = self._forward("prefill", options, self.cudagraph_mode is CUDAGraphMode.FULL)
         self.decode_forward = self._forward("decode", options, self.inductor_graphs)
-        self.started = self.measuring = _dynamo_snapshot()
+        self.started = self.measuring = dynamo_snapshot()
 
     # ------------------------------------------------------------ compilation
 
@@ -91,7 +92,7 @@ class TransformersEngine:
             return self.eager_forward
         fullgraph, dynamic = (True, False) if self.compilation_mode is CompilationMode.TRACE_ONCE else (False, None)
         name = f"hf_{tag}_{self.compilation_mode.value.replace('-', '_')}"
-        compiled = torch.compile(_clone(self.eager_forward, name),
+        compiled = torch.compile(clone_function(self.eager_forward, name),
                                  fullgraph=fullgraph, dynamic=dynamic,
                                  options=dict(options, **{"triton.cudagraphs": graphs}))
         return self._guarded(compiled)
@@ -114,20 +115,6 @@ class TransformersEngine:
         return call
 
     # ------------------------------------------------------------ shapes and caches
-
-    def plan(self, max_prompt_length: int, max_steps: int) -> None:
-        """Fix the cache size and step count of every static cache of the run."""
-        self.plan_slots = self.padded_length_for(max_prompt_length) + max_steps
-        self.plan_steps = max_steps
-
-    def padded_length_for(self, length: int) -> int:
-        return bucket_size(length, self.prefill_buckets) if self.static else length
-
-    def padded_length(self, prompts: list[list[int]]) -> int:
-        return self.padded_length_for(max(len(ids) for ids in prompts))
-
-    def padded_batch(self, rows: int) -> int:
-        return bucket_size(rows, self.batch_buckets) if self.static else rows
 
     def _cache(self, batch: int, slots: int) -> Any:
         """A fresh DynamicCache (eager), or the run's StaticCache for this batch bucket, reset."""
@@ -224,7 +211,7 @@ class TransformersEngine:
         belongs to warm-up)."""
         if self.device.type == "cuda" and self.next_decode is not None:
             self.launches = self._count_launches()
-        self.measuring = _dynamo_snapshot()
+        self.measuring = dynamo_snapshot()
 
     def _count_launches(self) -> tuple[int, int]:
         """(kernel and graph launches, CUDA graph launches) the host issues for one decode step.
@@ -253,7 +240,7 @@ class TransformersEngine:
         return sum(name in launches for name in names), names.count("cudaGraphLaunch")
 
     def evidence(self) -> dict[str, Any]:
-        now, start, measured = _dynamo_snapshot(), self.started, self.measuring
+        now, start, measured = dynamo_snapshot(), self.started, self.measuring
         breaks = {reason.splitlines()[0][:200]: count - start["breaks"].get(reason, 0)
                   for reason, count in now["breaks"].items() if count > start["breaks"].get(reason, 0)}
         evidence = {

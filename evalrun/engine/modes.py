@@ -41,6 +41,7 @@ import torch
 from ..config import CompilationMode, CUDAGraphMode, EffectiveConfig
 from .generate import (BatchOutput, BatchSpec, PaddedBatch, Workspace, decode_step, load_batch, prefill_step,
                        stack_outputs)
+from .shapes import ShapePlan
 from .timing import StepClock
 from .transformer import (StatePieces, Transformer, head, mlp_block, moe_post_attention, output_projection,
                           post_attention, pre_attention, prologue)
@@ -49,23 +50,14 @@ DEFAULT_PREFILL_BUCKETS = (16, 32, 64, 128, 256, 512, 1024, 2048)
 DEFAULT_BATCH_BUCKETS = (1, 2, 4, 8, 16, 32)
 
 
-def bucket_size(value: int, buckets: list[int]) -> int:
-    """Smallest bucket >= value; past the largest, the next multiple of the largest."""
-    for bucket in sorted(buckets):
-        if bucket >= value:
-            return bucket
-    largest = max(buckets)
-    return -(-value // largest) * largest
-
-
-def _clone(function: Callable, tag: str) -> Callable:
+def clone_function(function: Callable, tag: str) -> Callable:
     """The same function under a new code object: torch.compile keeps one cache per code object, so
     two differently compiled versions of one function must not share it."""
     code = function.__code__.replace(co_name=f"{function.__name__}_{tag}")
     return types.FunctionType(code, function.__globals__, code.co_name, function.__defaults__)
 
 
-def _dynamo_snapshot() -> dict[str, Any]:
+def dynamo_snapshot() -> dict[str, Any]:
     from torch._dynamo.utils import compile_times, counters
 
     names, values = compile_times(repr="csv", aggregate=True)
@@ -76,7 +68,7 @@ def _dynamo_snapshot() -> dict[str, Any]:
 
 
 @dataclass
-class ExecutionMode:
+class ExecutionMode(ShapePlan):
     transformer: Transformer
     compilation_mode: CompilationMode = CompilationMode.NONE
     cudagraph_mode: CUDAGraphMode = CUDAGraphMode.NONE
@@ -98,14 +90,14 @@ class ExecutionMode:
         self.plan_steps: int | None = None
         self.kernel_launches_per_decode_step: int | None = None
         self.prefill_forward, self.decode_forward = self._build_forwards()
-        self.started = _dynamo_snapshot()
+        self.started = dynamo_snapshot()
         self.measuring = self.started
 
     # ------------------------------------------------------------ compilation
 
     def _compile(self, function: Callable, tag: str, graphs: bool, fullgraph: bool, dynamic: bool | None) -> Callable:
         options = dict(self.inductor_options, **{"triton.cudagraphs": graphs})
-        return torch.compile(_clone(function, tag), fullgraph=fullgraph, dynamic=dynamic, options=options)
+        return torch.compile(clone_function(function, tag), fullgraph=fullgraph, dynamic=dynamic, options=options)
 
     def _pieces(self, tag: str, graphs: bool) -> Transformer:
         view = copy.copy(self.transformer)
@@ -175,20 +167,6 @@ class ExecutionMode:
         return workspace.buffers.to_host(len(prompts), spec.steps, clock.elapsed_ms(), padded_length)
 
     # ------------------------------------------------------------ shapes and workspaces
-
-    def plan(self, max_prompt_length: int, max_steps: int) -> None:
-        """Fix the cache size and step count of every workspace of the run (static modes)."""
-        self.plan_slots = self.padded_length_for(max_prompt_length) + max_steps
-        self.plan_steps = max_steps
-
-    def padded_length_for(self, length: int) -> int:
-        return bucket_size(length, self.prefill_buckets) if self.static else length
-
-    def padded_length(self, prompts: list[list[int]]) -> int:
-        return self.padded_length_for(max(len(ids) for ids in prompts))
-
-    def padded_batch(self, rows: int) -> int:
-        return bucket_size(rows, self.batch_buckets) if self.static else rows
 
     def workspace(self, batch: int, padded_length: int, spec: BatchSpec) -> Workspace:
         """A fresh workspace (eager), or the run's one workspace for this batch bucket and layout (static)."""
@@ -276,7 +254,7 @@ class ExecutionMode:
         workspace = next(iter(self.workspaces.values()), self.last_workspace)
         if self.transformer.device.type == "cuda" and workspace is not None:
             self.kernel_launches_per_decode_step = self._count_launches(workspace)
-        self.measuring = _dynamo_snapshot()
+        self.measuring = dynamo_snapshot()
         self.counts = {"cudagraph_captures_warmup": self.counts["cudagraph_captures"], "cudagraph_captures": 0,
                        "cudagraph_replays": 0}
 
@@ -293,7 +271,7 @@ class ExecutionMode:
         return sum(1 for event in profiler.events() if event.name in names)
 
     def evidence(self) -> dict[str, Any]:
-        now, start, measured = _dynamo_snapshot(), self.started, self.measuring
+        now, start, measured = dynamo_snapshot(), self.started, self.measuring
         breaks = {reason.splitlines()[0][:200]: count - start["breaks"].get(reason, 0)
                   for reason, count in now["breaks"].items() if count > start["breaks"].get(reason, 0)}
         evidence = {
@@ -365,7 +343,7 @@ def state_pieces(config: EffectiveConfig) -> StatePieces:
     options = dict(config.inductor_options(), **{"triton.cudagraphs": False})
 
     def compiled(function: Callable) -> Callable:
-        return torch.compile(_clone(function, "states"), fullgraph=True, dynamic=False, options=options)
+        return torch.compile(clone_function(function, "states"), fullgraph=True, dynamic=False, options=options)
 
     return StatePieces(compiled(prologue), compiled(pre_attention), compiled(output_projection), compiled(mlp_block),
                        compiled(head))

@@ -1,0 +1,230 @@
+"""--engine openai:URL against a local stub server (tests/openai_stub.py): verdicts, and every misbehaviour
+ending in one line, exit 2, nothing stored as complete."""
+
+from __future__ import annotations
+
+import json
+import socket
+import sqlite3
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from evalrun.config import build_config
+from evalrun.engine.openai_server import OpenAIClient, TokenIndex, parse_completion
+from evalrun.errors import ServerError
+from evalrun.golden import content_digest, open_golden
+from evalrun.models import byte_tokenizer
+from evalrun.server_golden import create_server_golden
+from openai_stub import StubServer
+
+pytest_plugins = ["pytester"]
+
+LOCAL = ["--model", "random:tiny", "--prompts", "smoke", "--max-new-tokens", "5"]
+
+
+@pytest.fixture(scope="module")
+def stub():
+    server = StubServer()
+    yield server
+    server.close()
+
+
+@pytest.fixture(scope="module")
+def server_golden(stub, tmp_path_factory) -> Path:
+    """A golden made from the well-behaved stub."""
+    directory = tmp_path_factory.mktemp("golden")
+    config = build_config(flags={"model": "random:tiny", "prompts": "smoke", "max_new_tokens": 5,
+                                 "engine": f"openai:{stub.url}"})
+    create_server_golden("served", config, directory, cuda_available=False)
+    return directory
+
+
+@pytest.fixture
+def behaving(stub):
+    """The module's stub, reset to `ok` after the test whatever it set."""
+    yield stub
+    stub.behaviour = "ok"
+
+
+def _complete_runs(store_path: Path) -> list[tuple[str, str]]:
+    if not store_path.exists():
+        return []
+    with sqlite3.connect(store_path) as conn:
+        return conn.execute("SELECT id, status FROM runs").fetchall()
+
+
+def test_a_server_golden_holds_the_server_run_and_a_float64_oracle(server_golden):
+    golden = open_golden("served", server_golden)
+    assert golden.config("pinned").engine.startswith("openai:")
+    assert golden.config("oracle").dtype == "float64" and golden.config("oracle").engine == "evalrun"
+    assert golden.meta["server"]["values"] == "log-probabilities"
+    pinned, oracle = golden.results("pinned")[0], golden.results("oracle")[0]
+    np.testing.assert_array_equal(pinned.arrays["probe_ids"], oracle.arrays["probe_ids"])
+    # the stub computes in float32, the oracle in float64, both log_softmax over the whole vocabulary
+    assert np.abs(pinned.arrays["probe_values"] - oracle.arrays["probe_values"]).max() < 1e-4
+    assert np.all(pinned.arrays["probe_values"] <= 0)
+    assert golden.pinned.json["model"]["served_model"] == "stub-model"
+
+
+def test_the_same_server_verifies_identical(cli, stub, server_golden):
+    code, out, err = cli("golden", "verify", "served", "--dir", str(server_golden), "-q", "--engine",
+                         f"openai:{stub.url}", *LOCAL, "--json")
+    assert code == 0, err
+    assert '"verdict": "identical"' in out
+
+
+@pytest.mark.parametrize("behaviour, verdict, code", [("noise", "drift", 0), ("changed", "changed", 1)])
+def test_ulp_noise_is_drift_and_another_function_is_changed(cli, behaving, server_golden, behaviour, verdict, code):
+    behaving.behaviour = behaviour
+    code_seen, out, err = cli("golden", "verify", "served", "--dir", str(server_golden), "-q", "--engine",
+                              f"openai:{behaving.url}", *LOCAL, "--set", f"server_config={behaviour} build",
+                              "--format", "text")
+    assert code_seen == code, out + err
+    assert f"{verdict.upper()} (exit {code})" in out
+    assert f"config: server_config  -> {behaviour} build" in out  # the notes are a hashed factor: named
+    assert "function check: not run" in out and "execution check: server vs the envelope" in out
+
+
+def test_a_golden_made_by_evalrun_verifies_against_a_server_computing_the_same_model(cli, stub, tmp_path):
+    code, _, err = cli("golden", "create", "ours", "--dir", str(tmp_path), "-q", *LOCAL)
+    assert code == 0, err
+    code, out, err = cli("golden", "verify", "ours", "--dir", str(tmp_path), "-q", "--engine", f"openai:{stub.url}",
+                         *LOCAL)
+    assert code == 0, out + err  # the stub computes the same float32 model: drift, never identical
+    assert "DRIFT" in out and "log-probabilities over the whole vocabulary" in out
+    assert "model identity: not checkable through the API" in out
+    forget_logsumexp(tmp_path / "ours.db")  # a golden made before evalrun stored each step's logsumexp
+    code, out, err = cli("golden", "verify", "ours", "--dir", str(tmp_path), "-q", "--engine", f"openai:{stub.url}",
+                         *LOCAL)
+    assert code == 0 and "DRIFT" in out and "renormalised over the compared ids" in out, out + err
+
+
+def forget_logsumexp(path: Path) -> None:
+    """Drop the probe_logsumexp arrays and re-seal the file, as an older evalrun wrote goldens."""
+    with sqlite3.connect(path) as conn:
+        assert conn.execute("DELETE FROM arrays WHERE name = 'probe_logsumexp'").rowcount > 0
+        conn.execute("UPDATE golden SET value = ? WHERE key = 'content_digest'", [content_digest(conn)])
+
+
+def test_run_on_a_server_is_stored_complete(cli, stub, store_path):
+    code, out, err = cli("run", "--engine", f"openai:{stub.url}", *LOCAL, "--store", str(store_path), "-q", "--json")
+    assert code == 0, err
+    assert '"prompt_format": "token ids"' in out
+    assert [status for _, status in _complete_runs(store_path)] == ["complete"]
+
+
+@pytest.mark.parametrize("behaviour", ["slow", "error500", "truncated", "fewer"])
+def test_a_misbehaving_server_gives_one_line_exit_2_and_nothing_complete(cli, behaving, server_golden, tmp_path,
+                                                                         store_path, behaviour):
+    behaving.behaviour, behaving.delay = behaviour, 2.0
+    target = ["--engine", f"openai:{behaving.url}", *LOCAL, "--set", "server_timeout=0.4", "-q"]
+    calls = behaving.calls
+    code, out, err = cli("run", *target, "--store", str(store_path))
+    assert (code, out) == (2, "") and len(err.strip().splitlines()) == 1 and err.startswith("evalrun: error: ")
+    assert [status for _, status in _complete_runs(store_path)] == ["failed"]
+    if behaviour != "fewer":  # the token-id probe (one try), then the request, retried a bounded number of times
+        assert behaving.calls - calls == 4
+    code, out, err = cli("golden", "create", "broken", "--dir", str(tmp_path / "g"), *target)
+    assert code == 2 and len(err.strip().splitlines()) == 1
+    assert not (tmp_path / "g").exists() or not list((tmp_path / "g").iterdir())
+    code, out, err = cli("golden", "verify", "served", "--dir", str(server_golden), *target)
+    assert code == 2 and len(err.strip().splitlines()) == 1 and "server" in err
+
+
+def test_the_fingerprint_of_a_server_holds_its_identity(cli, stub):
+    code, out, err = cli("fingerprint", "--engine", f"openai:{stub.url}", "--model", "random:tiny", "--prompts", "smoke",
+                         "--set", "server_config=vllm -O3", "--json")
+    assert code == 0, err
+    header = json.loads(out)
+    assert header["environment"]["server"] == {"version": {"version": "stub-1.0"}, "headers": {"server": "evalrun-stub/1"},
+                                               "entry": {"id": "stub-model", "object": "model", "owned_by": "stub"}}
+    assert header["model"]["served_model"] == "stub-model" and header["config"]["server_config"] == "vllm -O3"
+
+
+def test_no_server_at_the_url_is_one_line(cli, tmp_path):
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        port = probe.getsockname()[1]  # closed when the block ends: nothing listens there
+    code, out, err = cli("run", "--engine", f"openai:http://127.0.0.1:{port}/v1", *LOCAL, "--store",
+                         str(tmp_path / "s.db"), "-q")
+    assert code == 2 and len(err.strip().splitlines()) == 1 and "no answer" in err
+
+
+def test_a_model_the_server_does_not_serve_is_refused(cli, stub, tmp_path):
+    code, _, err = cli("run", "--engine", f"openai:{stub.url}", "--served-model", "other", *LOCAL, "--store",
+                       str(tmp_path / "s.db"), "-q")
+    assert code == 2 and "does not serve 'other'" in err and "stub-model" in err
+
+
+def test_served_model_without_a_server_engine_is_refused(cli, tmp_path):
+    code, _, err = cli("run", "--served-model", "x", *LOCAL, "--store", str(tmp_path / "s.db"), "-q")
+    assert code == 2 and "use them with --engine openai:URL" in err
+
+
+def test_token_strings_map_to_ids_and_ambiguous_ones_are_left_out():
+    tokenizer = byte_tokenizer()
+    index = TokenIndex(tokenizer, len(tokenizer))
+    a = tokenizer.convert_tokens_to_ids("a")
+    assert index.lookup("a") == a and index.lookup("token_id:7") == 7
+    assert index.lookup("") is None and index.ambiguous == 1  # every special token prints as "" in llama.cpp
+    assert index.top_ids({"a": -0.1, "": -2.0, "no such token": -3.0}) == {a: -0.1}
+
+
+def test_a_completion_without_logprobs_or_with_a_broken_shape_is_refused():
+    with pytest.raises(ServerError, match="no log-probabilities"):
+        parse_completion({"choices": [{"text": "x", "logprobs": None}]}, "here")
+    broken = {"choices": [{"text": "x", "logprobs": {"tokens": ["a"], "token_logprobs": [], "top_logprobs": []}}]}
+    with pytest.raises(ServerError, match="malformed completion"):
+        parse_completion(broken, "here")
+
+
+def test_the_client_learns_whether_token_ids_are_accepted(stub):
+    client = OpenAIClient(stub.url)
+    assert client.identity()["model"] == "stub-model"
+    assert client.accepts_token_ids([1, 2, 3]) is True
+
+
+def test_evalrun_goldens_store_each_probed_steps_logsumexp(cli, tmp_path):
+    """What turns the golden's logits into the log-probabilities a server returns: the logsumexp over the
+    whole vocabulary at each probed step, equal to a teacher-forced float64 forward of the same model."""
+    import torch
+
+    from evalrun.models import load_model
+
+    code, _, err = cli("golden", "create", "lse", "--dir", str(tmp_path), "-q", *LOCAL)
+    assert code == 0, err
+    golden = open_golden("lse", tmp_path)
+    model = load_model("random:tiny", "cpu", "float64").model
+    for role in ("oracle", "function"):
+        for result in golden.results(role):
+            tokens, prompt = result.arrays["tokens"], result.arrays["input_ids"].tolist()
+            with torch.no_grad():
+                logits = model(input_ids=torch.tensor([prompt + tokens[:-1].tolist()])).logits[0, len(prompt) - 1:]
+            expected = torch.logsumexp(logits, dim=-1).numpy()
+            np.testing.assert_allclose(result.arrays["probe_logsumexp"], expected, rtol=0, atol=1e-5)
+            assert np.all(result.arrays["probe_values"] <= result.arrays["probe_logsumexp"][:, None])
+
+
+def test_the_pytest_plugin_verifies_a_server(stub, golden_factory, tmp_path, monkeypatch, pytester):
+    """@pytest.mark.evalrun_golden(..., engine="openai:URL"): the plugin hands the candidate to the server
+    verification and records the server's run in the store (pytester last: see test_pytest_plugin.py)."""
+    directory = golden_factory()
+    store = tmp_path / "store.db"
+    monkeypatch.setenv("EVALRUN_STORE", str(store))
+    monkeypatch.setenv("PYTHONPATH", str(Path(__file__).resolve().parent.parent))  # this checkout's evalrun
+    for variable in ("CI", "GITHUB_ACTIONS", "PYTEST_XDIST_WORKER", "PYTEST_ADDOPTS"):
+        monkeypatch.delenv(variable, raising=False)
+    pytester.makepyfile(f"""
+        import pytest
+
+        @pytest.mark.evalrun_golden("g", golden_dir={str(directory)!r}, engine={"openai:" + stub.url!r})
+        def test_served(evalrun_verdict):
+            assert evalrun_verdict.verdict == "drift"
+            assert evalrun_verdict.function_check.startswith("not run")
+    """)
+    result = pytester.runpytest_subprocess("-p", "no:cacheprovider", "-W", "ignore::DeprecationWarning")
+    result.assert_outcomes(passed=1)
+    with sqlite3.connect(store) as db:
+        assert db.execute("SELECT status FROM runs").fetchall() == [("complete",)]
