@@ -125,6 +125,24 @@ def test_a_family_evalruns_engine_does_not_run_runs_under_transformers(tmp_path,
         assert float(np.abs(result.arrays["logits"].view(np.float32) - logits).max()) < MAX_ABS_LOGITS
 
 
+def test_a_bidirectional_model_is_refused_under_transformers_with_one_line(tmp_path, cli, store_path):
+    """A BERT masked-LM checkpoint loads as BertLMHeadModel without is_decoder: it attends to later tokens, so
+    the engine's token-by-token decode computed logits its forward over the sequence does not (off by ~0.05)."""
+    from transformers import BertConfig, BertForMaskedLM
+
+    from evalrun.models import byte_tokenizer
+
+    directory = tmp_path / "bert"
+    BertForMaskedLM(BertConfig(hidden_size=32, num_hidden_layers=2, num_attention_heads=2, intermediate_size=64,
+                               vocab_size=320)).save_pretrained(directory)
+    byte_tokenizer().save_pretrained(directory)
+    args = ("run", "--model", str(directory), "--prompts", "smoke", "--engine", "transformers", "--max-new-tokens",
+            "2", "--store", str(store_path), "-q")
+    one_line_exit_2(cli(*args), "attends to later tokens", "use a causal language model")
+    _edit_config(directory, is_decoder=True)  # the same weights as a causal decoder run
+    assert cli(*args)[0] == 0
+
+
 def test_a_model_without_sdpa_in_transformers_names_the_eager_option(tmp_path, cli, store_path):
     """Gemma 2 has no SDPA path in transformers: the line names the option that runs it (it said 'check the
     files'), and with that option it runs."""
