@@ -280,6 +280,35 @@ def test_merge_refuses_a_run_id_with_other_content(cli, tmp_path):
         merge_stores(tmp_path / "out.db", [tmp_path / "a.db"])
 
 
+def test_a_run_merged_while_running_is_replaced_once_its_job_completes(cli, tmp_path):
+    """A merge taken while a job still ran copies its run as interrupted; merging the job's store again after it
+    finished stores the complete run (it was refused as 'differs', so that OUT could never hold it)."""
+    import sqlite3
+
+    from evalrun.store_merge import run_content
+
+    assert cli("run", *TINY, "--store", str(tmp_path / "done.db"))[0] == 0
+    with sqlite3.connect(tmp_path / "done.db") as source, sqlite3.connect(tmp_path / "live.db") as copy:
+        source.backup(copy)  # the file with its write-ahead log
+    live = Store(tmp_path / "live.db")  # the same run as its job's store held it before finishing
+    for table in ("arrays", "results"):
+        live.db.execute(f"DELETE FROM {table}")
+    live.db.execute("UPDATE runs SET status = 'running', finished_at = NULL, tokens_digest = NULL, "
+                    "logits_digest = NULL, timings_json = NULL, evidence_json = NULL, batches_json = NULL")
+    live.db.conn.commit()
+    live.close()
+    out = tmp_path / "out.db"
+    assert merge_stores(out, [tmp_path / "live.db"])["check"]["runs"] == {"interrupted": 1}
+    outcome = merge_stores(out, [tmp_path / "done.db"])
+    assert outcome["check"]["ok"] and outcome["check"]["runs"] == {"complete": 1}
+    done, merged = Store(tmp_path / "done.db", readonly=True), Store(out, readonly=True)
+    (run_id,) = [record.id for record in done.list_runs()]
+    assert run_content(done, run_id) == run_content(merged, run_id)
+    assert merge_stores(out, [tmp_path / "done.db"])["sources"][0]["already_there"] == 1  # idempotent again
+    with pytest.raises(StoreError, match="differs between"):  # a complete copy is never replaced
+        merge_stores(out, [tmp_path / "live.db"])
+
+
 def _rank_process(launcher: psutil.Process, rank: int) -> psutil.Process | None:
     for child in launcher.children(recursive=True):
         try:
