@@ -81,9 +81,19 @@ class LoadedModel:
     weights_hash: str = ""
 
     @property
+    def text_config(self) -> Any:
+        """The language model's config: the config itself, or a multimodal model's text part (Gemma 3 4B+
+        loads as Gemma3ForConditionalGeneration, whose config has no top-level vocab_size)."""
+        return self.model.config.get_text_config()
+
+    @property
+    def vocab_size(self) -> int:
+        return int(self.text_config.vocab_size)
+
+    @property
     def context_limit(self) -> int | None:
         """The longest sequence (prompt + new tokens) the model's positions cover, when it says."""
-        limit = getattr(self.model.config, "max_position_embeddings", None)
+        limit = getattr(self.text_config, "max_position_embeddings", None)
         return int(limit) if isinstance(limit, int) and limit > 0 else None
 
 
