@@ -82,6 +82,10 @@ def world() -> World:
     except ValueError:
         raise ConfigError(f"RANK/WORLD_SIZE/LOCAL_RANK are not integers ({', '.join(os.environ.get(n, '') for n in TORCHRUN_ENV)}); "
                           "launch with torchrun, or unset them") from None
+    rank, size, local_rank = values
+    if size < 1 or not 0 <= rank < size or local_rank < 0:
+        raise ConfigError(f"RANK={rank} WORLD_SIZE={size} LOCAL_RANK={local_rank} is not a torchrun world (0 <= RANK "
+                          "< WORLD_SIZE); launch with torchrun, or unset them")
     return World(*values)
 
 
@@ -111,11 +115,16 @@ def join(device: str) -> World:
     import torch
     import torch.distributed as dist
 
-    if device.startswith("cuda"):
-        torch.cuda.set_device(here.local_rank)
-        dist.init_process_group("nccl", timeout=TIMEOUT, device_id=torch.device("cuda", here.local_rank))
-    else:
-        dist.init_process_group("gloo", timeout=TIMEOUT)
+    try:
+        if device.startswith("cuda"):
+            torch.cuda.set_device(here.local_rank)
+            dist.init_process_group("nccl", timeout=TIMEOUT, device_id=torch.device("cuda", here.local_rank))
+        else:
+            dist.init_process_group("gloo", timeout=TIMEOUT)
+    except ValueError as error:  # RANK/WORLD_SIZE set without the rest of torchrun's environment (MASTER_ADDR ...)
+        raise ConfigError(f"RANK={here.rank} WORLD_SIZE={here.size} ask for a torchrun world, but torch.distributed "
+                          f"cannot join it ({str(error).splitlines()[0][:160]}); launch with torchrun, or unset "
+                          "them") from None
     _STATE["group"] = dist.group.WORLD
     _STATE["bytes_group"] = dist.new_group(backend="gloo", timeout=TIMEOUT)
     signal.signal(signal.SIGTERM, _terminated)  # torchrun stops the other ranks with SIGTERM when one dies

@@ -346,7 +346,7 @@ def make_runs(config: RunConfig, progress=None, hook: Hook | None = None) -> Cre
     tokens = {r.prompt_index: r.arrays["tokens"] for r in runs["pinned"].results}
     started = time.perf_counter()
     oracle = _prepared(oracle_config(pinned.config, pinned.header["model"]["parameters"]), pinned, hook)
-    vocab = pinned.loaded.model.config.vocab_size
+    vocab = pinned.loaded.vocab_size
     own = min(PROBE_TOPK, vocab)
     sample = sample_ids(vocab, PROBE_SAMPLE)
     blank = {i: np.concatenate([np.zeros((len(t), own), np.int64), np.tile(sample, (len(t), 1))], axis=1)

@@ -81,9 +81,19 @@ class LoadedModel:
     weights_hash: str = ""
 
     @property
+    def text_config(self) -> Any:
+        """The language model's config: the config itself, or a multimodal model's text part (Gemma 3 4B+
+        loads as Gemma3ForConditionalGeneration, whose config has no top-level vocab_size)."""
+        return self.model.config.get_text_config()
+
+    @property
+    def vocab_size(self) -> int:
+        return int(self.text_config.vocab_size)
+
+    @property
     def context_limit(self) -> int | None:
         """The longest sequence (prompt + new tokens) the model's positions cover, when it says."""
-        limit = getattr(self.model.config, "max_position_embeddings", None)
+        limit = getattr(self.text_config, "max_position_embeddings", None)
         return int(limit) if isinstance(limit, int) and limit > 0 else None
 
 
@@ -319,6 +329,9 @@ def _load_directory(ref: str, directory: Path | str, device: torch.device, dtype
         tokenizer = load_tokenizer(directory)
     except Exception as error:  # noqa: BLE001 - any failure to read a user's model files is bad input
         first = str(error).strip().splitlines()[0][:200] if str(error).strip() else type(error).__name__
+        if attn == "sdpa" and "scaled_dot_product_attention" in str(error):  # e.g. Gemma 2 under --engine transformers
+            raise ModelError(f"transformers has no SDPA attention for the model in {directory}; pass --set "
+                             "attn_implementation=eager") from None
         raise ModelError(f"cannot load model from {directory}: {first}; check the files (a complete config.json, "
                          "safetensors and tokenizer)") from None
     check_loading(directory, info)

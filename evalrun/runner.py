@@ -127,11 +127,11 @@ def prepare(config: RunConfig | EffectiveConfig, reuse: Prepared | None = None) 
     else:
         loaded = load_model(effective.model, effective.device, effective.dtype, effective.attn_implementation,
                             engine=effective.engine)
-        check_model(effective.engine, loaded.model.config.to_dict())  # before any prompt is read or token computed
+        check_model(effective.engine, loaded.model)  # before any prompt is read or token computed
         prompt_set = load_prompt_set(effective.prompts, loaded.tokenizer, context_limit=loaded.context_limit,
                                      new_tokens=effective.max_new_tokens)
     load_seconds = time.perf_counter() - started
-    vocab = loaded.model.config.vocab_size
+    vocab = loaded.vocab_size
     if effective.top_k > vocab:
         raise ConfigError(f"top_k={effective.top_k} is larger than the model's vocabulary ({vocab}); use a smaller top_k")
     return Prepared(effective, applied, loaded, prompt_set, build_header(effective, applied, loaded, prompt_set),

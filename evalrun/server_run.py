@@ -71,7 +71,7 @@ def prepare_server(config: RunConfig | EffectiveConfig, local: Prepared | None =
     tokenizer = local.loaded.tokenizer
     key = local.header["model"]["tokenizer"]
     if key not in _INDEXES:
-        _INDEXES[key] = TokenIndex(tokenizer, local.loaded.model.config.vocab_size)
+        _INDEXES[key] = TokenIndex(tokenizer, local.loaded.vocab_size)
     index = _INDEXES[key]
     index.ambiguous = index.unknown = 0
     return ServerPrepared(effective, local, client, identity, server_header(effective, local, identity), index)

@@ -108,7 +108,7 @@ def _gate(golden: Golden, sp: ServerPrepared, golden_results: list[PromptResult]
         if not np.array_equal(result.arrays["input_ids"], np.asarray(ids, dtype=np.int64)):
             return ("incomparable", f"prompt {result.prompt_id!r} encodes to other token ids than in the golden: "
                     "pass the --model whose tokenizer the golden used", ["tokenizer"])
-        vocab = sp.local.loaded.model.config.vocab_size
+        vocab = sp.local.loaded.vocab_size
         if result.arrays["tokens"].max() >= vocab or result.arrays["tokens"].min() < 0:
             return ("incomparable", f"the golden's tokens for prompt {result.prompt_id!r} fall outside the local "
                     f"model's {vocab} ids: pass the --model the golden was made with", [])

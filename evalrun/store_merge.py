@@ -4,8 +4,9 @@ Each source must pass `store check` first (nothing damaged is copied). A run is 
 and arrays, rows as they are, in one transaction per run; a run already in OUT with the same content is
 skipped, so merging twice changes nothing (idempotent). A run id in OUT with other content is a
 conflict: refused with one line, nothing of that run written. A run still `running` in a source (its job
-killed) is copied as `interrupted`: OUT is not the store its process would ever finish. OUT is checked
-with the same rules afterwards.
+killed) is copied as `interrupted`: OUT is not the store its process would ever finish. If that job was
+only slow and finishes after all, merging its store again replaces the `interrupted` copy with the
+complete run (same run row but for its end). OUT is checked with the same rules afterwards.
 """
 
 from __future__ import annotations
@@ -33,12 +34,22 @@ def run_content(store: Store, run_id: str) -> str:
     return hash_value([sorted(row.items()), [list(r) for r in results], [list(a) for a in arrays]])
 
 
-def _copy_run(source: Store, out: Store, run_id: str) -> None:
+STILL_RUNNING = "interrupted: still running in "  # the error a `running` run copied as interrupted carries
+END_COLUMNS = {"status", "error", "finished_at", "tokens_digest", "logits_digest", "timings_json", "evidence_json",
+               "batches_json"}  # what a run's row gains when it ends
+
+
+def _copy_run(source: Store, out: Store, run_id: str, replace: bool = False) -> None:
+    """Copy one run (rows, results, arrays) in one transaction; `replace`: first drop OUT's copy of it (an
+    `interrupted` copy of a run that has since completed)."""
     row = _run_row(source, run_id)
     if row["status"] == "running":
-        row.update(status="interrupted", error=row.get("error") or f"interrupted: still running in {source.path} "
+        row.update(status="interrupted", error=row.get("error") or f"{STILL_RUNNING}{source.path} "
                    "when merged (its job stopped?)")
     with out.transaction() as conn:
+        if replace:
+            for table, column in (("arrays", "run_id"), ("results", "run_id"), ("runs", "id")):
+                conn.execute(f"DELETE FROM {table} WHERE {column} = ?", [run_id])
         conn.execute(_insert("runs", tuple(row)), list(row.values()))
         results = source.db.execute(f"SELECT {', '.join(RESULT_COLUMNS)} FROM results WHERE run_id = ?", [run_id])
         conn.executemany(_insert("results", RESULT_COLUMNS), results.fetchall())
@@ -66,6 +77,10 @@ def merge_stores(out_path: str | Path, sources: list[str | Path]) -> dict[str, A
         copied = skipped = 0
         for (run_id,) in source.db.execute("SELECT id FROM runs ORDER BY created_at").fetchall():
             if out.db.execute("SELECT 1 FROM runs WHERE id = ?", [run_id]).fetchone():
+                if _finished_since(source, out, run_id):
+                    _copy_run(source, out, run_id, replace=True)
+                    copied += 1
+                    continue
                 if not _same_run(source, out, run_id):
                     raise StoreError(f"run {run_id[:12]} differs between {source.path} and {out_path}; merge it "
                                      "into another OUT store")
@@ -89,3 +104,15 @@ def _same_run(source: Store, out: Store, run_id: str) -> bool:
         keys = set(mine) - {"status", "error"}
         return all(mine[k] == theirs[k] for k in keys)
     return False
+
+
+def _finished_since(source: Store, out: Store, run_id: str) -> bool:
+    """OUT holds the run as merged while its job still ran (`interrupted`, no results), and the source now
+    holds it complete: the same run row but for what a run gains when it ends."""
+    mine, theirs = _run_row(source, run_id), _run_row(out, run_id)
+    if mine["status"] != "complete" or theirs["status"] != "interrupted" or \
+            not str(theirs.get("error") or "").startswith(STILL_RUNNING):
+        return False
+    if out.db.execute("SELECT 1 FROM results WHERE run_id = ?", [run_id]).fetchone():
+        return False
+    return all(mine[k] == theirs[k] for k in set(mine) - END_COLUMNS)

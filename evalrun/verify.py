@@ -206,7 +206,7 @@ def _gate(golden: Golden, candidate: Prepared, golden_results: list[PromptResult
             return ("incomparable", f"prompt {result.prompt_id!r} encodes to other token ids than in the golden: "
                     f"the tokenizer differs ({tokenizer_note(golden, candidate) or 'its hash'}); verify where the "
                     "golden's tokenizer is, or re-create the golden", ["tokenizer"])
-    _check_token_ranges(golden, golden_results, candidate.loaded.model.config.vocab_size)
+    _check_token_ranges(golden, golden_results, candidate.loaded.vocab_size)
     for result in golden_results:
         wanted = steps_for(candidate.prompt_set, result.prompt_index, candidate.config)
         if wanted > len(result.arrays["tokens"]):

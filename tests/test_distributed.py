@@ -109,6 +109,58 @@ def test_a_split_model_releases_its_whole_projections_and_is_built_once():
                                                                                                     (64, 64))
 
 
+def _split_forward_logits(model, ids: list[int], ranks: int):
+    """Logits of a `ranks`-way tensor-parallel decode in one process: each rank's forward in a thread, the
+    all-reduce a sum over the threads' partial products (same arithmetic as the ranks' gloo all-reduce)."""
+    import threading
+
+    from evalrun.engine.driver import generate_batch
+    from evalrun.engine.generate import BatchSpec
+    from evalrun.engine.tensor_parallel import shard
+    from evalrun.engine.transformer import Transformer
+
+    barrier, partials, outs = threading.Barrier(ranks), [None] * ranks, [None] * ranks
+
+    def rank(r: int) -> None:
+        def reduce(x):
+            partials[r] = x
+            barrier.wait()
+            total = sum(partials[1:], partials[0])
+            barrier.wait()
+            return total
+        split = shard(Transformer(model, "sdpa"), r, ranks, group=None)
+        split.reduce = reduce
+        outs[r] = generate_batch(split, BatchSpec([ids], 4, pad_id=0, keep_logits=True)).logits
+
+    threads = [threading.Thread(target=rank, args=(r,)) for r in range(ranks)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+    return outs[0]
+
+
+@pytest.mark.parametrize("case", ["gemma2", "gemma3", "llama-gelu-tanh-biases"])
+def test_a_tensor_parallel_split_keeps_every_norm_and_bias_of_the_family(tmp_path, case):
+    """TP=2 computes the unsplit model (to float32 rounding): no norm or bias dropped in the split (Gemma's
+    norms of the attention and MLP outputs were, silently)."""
+    import numpy as np
+
+    from test_model_support import CASES, _checkpoint
+
+    from evalrun.engine.driver import generate_batch
+    from evalrun.engine.generate import BatchSpec
+    from evalrun.engine.transformer import Transformer
+    from evalrun.models import load_model
+
+    family, overrides = CASES[case]
+    model = load_model(str(_checkpoint(tmp_path / case, family, **overrides)), "cpu", "float32").model
+    ids = list(range(5, 30))
+    whole = generate_batch(Transformer(model, "sdpa"), BatchSpec([ids], 4, pad_id=0, keep_logits=True)).logits
+    split = _split_forward_logits(model, ids, 2)
+    assert np.abs(split.view(np.float32) - whole.view(np.float32)).max() < 1e-4
+
+
 def test_sizes_the_ranks_do_not_divide_are_refused_with_one_line():
     with pytest.raises(ConfigError, match="does not divide the model's 4 attention heads"):
         check_divisible(4, 2, 128, 3)
@@ -120,6 +172,21 @@ def test_tensor_parallel_outside_torchrun_names_the_torchrun_command(cli, tiny_a
     code, _, err = cli("run", *tiny_args, "--tensor-parallel", "2")
     assert code == 2 and len(err.strip().splitlines()) == 1
     assert "torchrun --nproc-per-node 2 -m evalrun" in err
+
+
+@pytest.mark.parametrize("env,needle", [
+    ({"WORLD_SIZE": "2", "RANK": "0"}, "MASTER_ADDR"),  # a cluster's variables without torchrun's rendezvous
+    ({"WORLD_SIZE": "2", "RANK": "5"}, "0 <= RANK < WORLD_SIZE"),
+    ({"WORLD_SIZE": "-3", "RANK": "0"}, "0 <= RANK < WORLD_SIZE"),
+])
+def test_a_torchrun_environment_that_is_not_one_is_refused_with_one_line(cli, tiny_args, monkeypatch, env, needle):
+    """It crashed (internal error, exit 3) in init_process_group, or ran rank 5 of 2 as a shard."""
+    from conftest import one_line_exit_2
+
+    monkeypatch.delenv("MASTER_ADDR", raising=False)
+    for name, value in env.items():
+        monkeypatch.setenv(name, value)
+    one_line_exit_2(cli("run", *tiny_args), needle, "launch with torchrun, or unset them")
 
 
 def test_shards_take_whole_batches_round_robin():
@@ -211,6 +278,35 @@ def test_merge_refuses_a_run_id_with_other_content(cli, tmp_path):
     db.close()
     with pytest.raises(StoreError, match="differs between"):
         merge_stores(tmp_path / "out.db", [tmp_path / "a.db"])
+
+
+def test_a_run_merged_while_running_is_replaced_once_its_job_completes(cli, tmp_path):
+    """A merge taken while a job still ran copies its run as interrupted; merging the job's store again after it
+    finished stores the complete run (it was refused as 'differs', so that OUT could never hold it)."""
+    import sqlite3
+
+    from evalrun.store_merge import run_content
+
+    assert cli("run", *TINY, "--store", str(tmp_path / "done.db"))[0] == 0
+    with sqlite3.connect(tmp_path / "done.db") as source, sqlite3.connect(tmp_path / "live.db") as copy:
+        source.backup(copy)  # the file with its write-ahead log
+    live = Store(tmp_path / "live.db")  # the same run as its job's store held it before finishing
+    for table in ("arrays", "results"):
+        live.db.execute(f"DELETE FROM {table}")
+    live.db.execute("UPDATE runs SET status = 'running', finished_at = NULL, tokens_digest = NULL, "
+                    "logits_digest = NULL, timings_json = NULL, evidence_json = NULL, batches_json = NULL")
+    live.db.conn.commit()
+    live.close()
+    out = tmp_path / "out.db"
+    assert merge_stores(out, [tmp_path / "live.db"])["check"]["runs"] == {"interrupted": 1}
+    outcome = merge_stores(out, [tmp_path / "done.db"])
+    assert outcome["check"]["ok"] and outcome["check"]["runs"] == {"complete": 1}
+    done, merged = Store(tmp_path / "done.db", readonly=True), Store(out, readonly=True)
+    (run_id,) = [record.id for record in done.list_runs()]
+    assert run_content(done, run_id) == run_content(merged, run_id)
+    assert merge_stores(out, [tmp_path / "done.db"])["sources"][0]["already_there"] == 1  # idempotent again
+    with pytest.raises(StoreError, match="differs between"):  # a complete copy is never replaced
+        merge_stores(out, [tmp_path / "live.db"])
 
 
 def _rank_process(launcher: psutil.Process, rank: int) -> psutil.Process | None:

@@ -125,6 +125,75 @@ def test_a_family_evalruns_engine_does_not_run_runs_under_transformers(tmp_path,
         assert float(np.abs(result.arrays["logits"].view(np.float32) - logits).max()) < MAX_ABS_LOGITS
 
 
+def test_a_bidirectional_model_is_refused_under_transformers_with_one_line(tmp_path, cli, store_path):
+    """A BERT masked-LM checkpoint loads as BertLMHeadModel without is_decoder: it attends to later tokens, so
+    the engine's token-by-token decode computed logits its forward over the sequence does not (off by ~0.05)."""
+    from transformers import BertConfig, BertForMaskedLM
+
+    from evalrun.models import byte_tokenizer
+
+    directory = tmp_path / "bert"
+    BertForMaskedLM(BertConfig(hidden_size=32, num_hidden_layers=2, num_attention_heads=2, intermediate_size=64,
+                               vocab_size=320)).save_pretrained(directory)
+    byte_tokenizer().save_pretrained(directory)
+    args = ("run", "--model", str(directory), "--prompts", "smoke", "--engine", "transformers", "--max-new-tokens",
+            "2", "--store", str(store_path), "-q")
+    one_line_exit_2(cli(*args), "attends to later tokens", "use a causal language model")
+    _edit_config(directory, is_decoder=True)  # the same weights as a causal decoder run
+    assert cli(*args)[0] == 0
+
+
+def test_a_multimodal_causal_lm_runs_its_text_under_transformers(tmp_path, cli, store_path):
+    """Gemma 3 4B+ loads as Gemma3ForConditionalGeneration, whose config keeps vocab_size in text_config: the
+    run crashed (internal error) reading config.vocab_size; it runs, and its tokens are transformers' greedy ones."""
+    from transformers import Gemma3Config, Gemma3ForConditionalGeneration
+
+    from evalrun.models import byte_tokenizer
+
+    text = dict(hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=2, num_key_value_heads=1,
+                head_dim=16, vocab_size=320, sliding_window=8)
+    vision = dict(hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=2, image_size=28,
+                  patch_size=14)
+    model = Gemma3ForConditionalGeneration(Gemma3Config(text_config=text, vision_config=vision, mm_tokens_per_image=4))
+    _randomize(model, 0)
+    directory = tmp_path / "gemma3"
+    model.save_pretrained(directory)
+    byte_tokenizer().save_pretrained(directory)
+    code, out, err = cli("run", "--model", str(directory), "--prompts", "smoke", "--engine", "transformers",
+                         "--max-new-tokens", "4", "--store", str(store_path), "--json")
+    assert code == 0, err
+    results = json.loads(out)["results"]
+    ids = byte_tokenizer()("The capital of France is")["input_ids"]
+    expected, _ = _hf_greedy(model.eval(), ids, 4)
+    assert [r["tokens"] for r in results if r["prompt_id"] == "capital"] == [expected]
+
+
+def test_a_model_without_sdpa_in_transformers_names_the_eager_option(tmp_path, cli, store_path):
+    """Gemma 2 has no SDPA path in transformers: the line names the option that runs it (it said 'check the
+    files'), and with that option it runs."""
+    directory = _checkpoint(tmp_path / "gemma2", "gemma2", head_dim=16)
+    args = ("run", "--model", str(directory), "--prompts", "smoke", "--engine", "transformers", "--max-new-tokens", "2",
+            "--store", str(store_path), "-q")
+    one_line_exit_2(cli(*args), "no SDPA attention", "--set attn_implementation=eager")
+    assert cli(*args, "--set", "attn_implementation=eager")[0] == 0
+
+
+def test_a_stateful_model_is_refused_under_transformers_with_one_line(tmp_path, cli, store_path):
+    """Mamba keeps a recurrent state, not a KV cache: the engine's padded decode computed another model
+    (greedy tokens off from transformers' own after two steps), so it is refused before any token."""
+    from transformers import MambaConfig, MambaForCausalLM
+
+    from evalrun.models import byte_tokenizer
+
+    directory = tmp_path / "mamba"
+    MambaForCausalLM(MambaConfig(vocab_size=320, hidden_size=32, num_hidden_layers=2, state_size=4)).save_pretrained(
+        directory)
+    byte_tokenizer().save_pretrained(directory)
+    refused = cli("run", "--model", str(directory), "--prompts", "smoke", "--engine", "transformers", "--set",
+                  "attn_implementation=eager", "--max-new-tokens", "2", "--store", str(store_path))
+    one_line_exit_2(refused, "MambaForCausalLM keeps a recurrent state", "--engine transformers")
+
+
 @pytest.mark.parametrize("kind", ["gpt2", "gpt_neox"])
 def test_faults_plant_in_a_private_copy_of_a_transformers_module(kind):
     import copy

@@ -49,12 +49,42 @@ def uses_engine_families(engine: str) -> bool:
     return engine == "evalrun"
 
 
-def check_model(engine: str, model_config: dict[str, Any]) -> None:
-    """Refuse, with one line, a model the engine would not compute as its config asks."""
+def check_model(engine: str, model: Any) -> None:
+    """Refuse, with one line, a model (a loaded Hugging Face module) the engine would not compute as its
+    config asks."""
     if uses_engine_families(engine):
         from .model_support import check_config
 
-        check_config(model_config)
+        check_config(model.config.to_dict())
+    elif engine == "transformers" and getattr(model, "_is_stateful", False):
+        # A recurrent state (Mamba, RWKV, hybrids) is not an attention KV cache: the transformers engine's
+        # left-padded decode with a 2D padding mask computes another model for it (Mamba: logits off by ~30)
+        from ..errors import UnsupportedModelError
+
+        raise UnsupportedModelError(f"{type(model).__name__} keeps a recurrent state (transformers marks it "
+                                    "stateful); --engine transformers decodes attention models with a KV cache and "
+                                    "padding mask only and would compute another model; use an attention model")
+    if engine == "transformers" and not _is_causal(model):
+        from ..errors import UnsupportedModelError
+
+        raise UnsupportedModelError(f"{type(model).__name__} as loaded attends to later tokens (a bidirectional "
+                                    "encoder, e.g. a BERT without is_decoder); --engine transformers decodes token by "
+                                    "token and would compute another model; use a causal language model")
+
+
+def _is_causal(model: Any) -> bool:
+    """Whether the model's logits at a position ignore later tokens: two forwards of 8 tokens that differ only
+    in the last must agree on the first 7 positions (a bidirectional model's move at every position)."""
+    import torch
+
+    device = next(model.parameters()).device
+    vocab = int(model.config.get_text_config().vocab_size)
+    tokens = (torch.arange(3, 11, device=device) % vocab)[None]  # [1, 8]
+    changed = tokens.clone()
+    changed[0, -1] = (tokens[0, -1] + 1) % vocab
+    with torch.no_grad():
+        first, second = (model(input_ids=ids).logits[0, :-1].float() for ids in (tokens, changed))  # [7, V]
+    return bool(torch.allclose(first, second, rtol=1e-3, atol=1e-3 * float(first.abs().max()) + 1e-6))
 
 
 def build_engine(model: Any, config: EffectiveConfig, shard: tuple[int, int, Any] | None = None) -> Engine:

@@ -20,6 +20,7 @@ stock and piecewise compile it with the pieces around it.
 
 from __future__ import annotations
 
+import dataclasses
 import weakref
 from typing import Callable
 
@@ -67,9 +68,10 @@ def shard_layer(w: LayerWeights, heads: int, kv_heads: int, head_dim: int, rank:
     """One layer's weights as rank `rank` of `ranks` holds them (new tensors)."""
     qkv = lambda t: None if t is None else shard_qkv(t, heads, kv_heads, head_dim, rank, ranks)  # noqa: E731
     gate_up = lambda t: None if t is None else shard_gate_up(t, rank, ranks)  # noqa: E731
-    return LayerWeights(w.input_norm, qkv(w.qkv), shard_columns(w.o, rank, ranks), w.post_norm, gate_up(w.gate_up),
-                        shard_columns(w.down, rank, ranks), qkv_bias=qkv(w.qkv_bias), o_bias=w.o_bias,
-                        gate_up_bias=gate_up(w.gate_up_bias), down_bias=w.down_bias, q_norm=w.q_norm, k_norm=w.k_norm)
+    # replace(): every field not split here (norms, row-parallel biases, Gemma's output norms) stays as it is
+    return dataclasses.replace(w, qkv=qkv(w.qkv), o=shard_columns(w.o, rank, ranks), gate_up=gate_up(w.gate_up),
+                               down=shard_columns(w.down, rank, ranks), qkv_bias=qkv(w.qkv_bias),
+                               gate_up_bias=gate_up(w.gate_up_bias))
 
 
 def all_reduce_sum(group: "torch.distributed.ProcessGroup") -> Callable[[torch.Tensor], torch.Tensor]:
