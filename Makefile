@@ -39,6 +39,7 @@ bench: setup
 	$(BIN)/python benchmarks/capture_overhead.py --model random:smollm2
 	$(BIN)/python benchmarks/diff_speed.py
 	$(BIN)/python benchmarks/cpu_speed.py
+	$(BIN)/python benchmarks/cpu_decode_floor.py
 
 clean:
 	rm -rf $(VENV)
