@@ -25,6 +25,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from evalrun.config import RunConfig  # noqa: E402
+from evalrun.hf_baseline import timed_generate  # noqa: E402
 from evalrun.runner import batch_spec, prepare  # noqa: E402
 
 
@@ -37,23 +38,6 @@ def weight_read_ms(parameters: int, repeats: int = 10) -> float:
     for _ in range(repeats):
         matrix @ vector
     return (time.perf_counter() - started) / repeats * 1000
-
-
-def transformers_steps(model, ids: list[int], steps: int) -> np.ndarray:
-    """Milliseconds from the start of one greedy generate to each step's scores: [steps]."""
-    from transformers import LogitsProcessorList
-
-    stamps: list[float] = []
-
-    def stamp(input_ids, scores):
-        stamps.append(time.perf_counter())
-        return scores
-
-    inputs = torch.tensor([ids])
-    started = time.perf_counter()
-    model.generate(inputs, attention_mask=torch.ones_like(inputs), max_new_tokens=steps, min_new_tokens=steps,
-                   do_sample=False, logits_processor=LogitsProcessorList([stamp]))
-    return (np.array(stamps) - started) * 1000
 
 
 def main() -> int:
@@ -70,8 +54,8 @@ def main() -> int:
         spec = batch_spec(prepared, [index])
         engine.generate(spec)  # warm-up
         ours = engine.generate(spec).step_ms
-        transformers_steps(hf, ids, spec.steps)
-        ready = transformers_steps(hf, ids, spec.steps)
+        timed_generate(hf, ids, spec.steps, "eager", torch.device("cpu"))  # warm-up
+        ready = timed_generate(hf, ids, spec.steps, "eager", torch.device("cpu"))[1] * 1000  # [steps] ms
         theirs = np.concatenate([ready[:1], np.diff(ready)])
         rows.append({"prompt": prepared.prompt_set.records[index].id, "prompt_tokens": len(ids), "steps": spec.steps,
                      "engine_prefill_ms": float(ours[0]), "engine_step_ms": float(np.median(ours[1:])),

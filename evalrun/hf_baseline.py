@@ -45,8 +45,9 @@ class _StepTimes:
         return scores
 
 
-def _generate(model, ids: list[int], new_tokens: int, kind: str, device: torch.device) -> tuple[float, np.ndarray]:
-    """One greedy generate of `new_tokens`: (total seconds, [new_tokens] seconds from the start to each step's scores)."""
+def timed_generate(model, ids: list[int], new_tokens: int, kind: str, device: torch.device) -> tuple[float, np.ndarray]:
+    """One greedy generate of `new_tokens`: (total seconds, [new_tokens] seconds from the start to each
+    step's scores). `benchmarks/cpu_decode_floor.py` times transformers with it too."""
     from transformers import LogitsProcessorList
 
     inputs = torch.tensor([ids], device=device)
@@ -81,17 +82,17 @@ def main() -> None:
     started = time.perf_counter()
     prompts = load_prompt_set(effective.prompts, loaded.tokenizer)
     steps = effective.max_new_tokens
-    first_request = _generate(model, prompts.token_ids[0], 1, args.kind, device)[0]
+    first_request = timed_generate(model, prompts.token_ids[0], 1, args.kind, device)[0]
     # Warm-up, as evalrun warms each shape: a static cache is sized prompt + new tokens, so every
     # prompt length compiles its own decoding graph, and CUDA graphs record on a second call.
     for ids in prompts.token_ids:
         for _ in range(2):
-            _generate(model, ids, steps, args.kind, device)
+            timed_generate(model, ids, steps, args.kind, device)
     compile_s = time.perf_counter() - started
     reset_peak_memory(device)
     ttft, totals, decode_ms = [], [], []
     for ids in prompts.token_ids:  # one call per prompt: TTFT and each decode step measured within it
-        total, ready = _generate(model, ids, steps, args.kind, device)
+        total, ready = timed_generate(model, ids, steps, args.kind, device)
         totals.append(total)
         ttft.append(ready[0])
         decode_ms.extend(np.diff(ready) * 1000)
