@@ -12,7 +12,7 @@ BENCH="--dtype bfloat16 --device cuda --prompts smoke --max-new-tokens 128 --mat
 case "$STAGE" in
   tests) timeout "$DEADLINE_S" python3 -m pytest -p no:cacheprovider -q -s -m gpu tests/test_moe.py \
            > "$RES/moe-gpu-tests.txt" 2>&1 ;;
-  qwen3-8b|qwen3-moe) EVALRUN_STORE=/root/bench-$STAGE.db timeout "$DEADLINE_S" python3 -m evalrun bench \
+  qwen3-8b|qwen3-moe) EVALRUN_STORE=$RES/bench-$STAGE.db timeout "$DEADLINE_S" python3 -m evalrun bench \
            --model "random:$STAGE" $BENCH --json > "$RES/bench-$STAGE.json" 2> "$RES/bench-$STAGE.err" ;;
   *) echo "unknown stage $STAGE; use tests, qwen3-8b or qwen3-moe" >&2; exit 2 ;;
 esac

@@ -18,6 +18,7 @@ from . import distributed
 from .compile_cache import cache_counters, cache_evidence, use_evalrun_cache
 from .config import EffectiveConfig, RunConfig, is_server_engine, keep_logits_steps, resolve, validate
 from .engine.engines import Engine, build_engine, check_model
+from .engine.capture_triton import capture_kernel
 from .engine.generate import BatchOutput, BatchSpec
 from .engine.timing import latency_summary, peak_memory_bytes, reset_peak_memory
 from .errors import ConfigError, FallbackError
@@ -299,6 +300,7 @@ def execute(prepared: Prepared, forced: dict[int, np.ndarray] | None = None, pro
     # this rank's share of a tensor-parallel model (evalrun's engine; other engines have no split)
     evidence["tensor_parallel"] = getattr(getattr(mode, "transformer", None), "tensor_parallel", None)
     evidence["compile_cache"] = cache_evidence(cache_before, cache_folders)
+    evidence["capture_kernel"] = capture_kernel(device, getattr(torch, config.dtype), config.top_k)
     timings = _timings(prepared, outputs, warmup_seconds, evidence["compile_s"], generate_seconds, device, cold_ttft_ms)
     batch_plan = [{"batch": number, "prompt_ids": [prompt_set.records[j].id for j in indices],
                    "padded_length": int(output.padded_length)}

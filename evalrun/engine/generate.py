@@ -20,6 +20,7 @@ import numpy as np
 import torch
 
 from .capture import BITS_VIEW, logits_digest, topk_sketch
+from .capture_triton import fused_capture, fused_capture_supported
 from .mixing import splitmix64
 from .transformer import KVCache, Transformer
 
@@ -182,8 +183,12 @@ def capture_step(logits: torch.Tensor, step: torch.Tensor, buffers: CaptureBuffe
     buffers.tokens.index_copy_(1, step, token[:, None])
     if not capture:
         return token
-    ids, values, margin = topk_sketch(logits, top_k)
-    buffers.digests.index_copy_(1, step, logits_digest(logits)[:, None])
+    if fused_capture_supported(logits, top_k):  # CUDA: one Triton kernel, one read of the logits
+        digest, ids, values, margin = fused_capture(logits, top_k)
+    else:
+        ids, values, margin = topk_sketch(logits, top_k)
+        digest = logits_digest(logits)
+    buffers.digests.index_copy_(1, step, digest[:, None])
     buffers.topk_ids.index_copy_(1, step, ids[:, None])
     buffers.topk_values.index_copy_(1, step, values[:, None])
     buffers.margins.index_copy_(1, step, margin[:, None])

@@ -1,0 +1,169 @@
+"""The fused Triton capture kernel against the torch capture: digests bit-identical, top-k identical.
+
+On CPU the kernel runs under Triton's interpreter (TRITON_INTERPRET=1, set before Triton is imported,
+so in a child process); on a GPU it runs compiled, also inside torch.compile and a CUDA graph.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+import torch
+
+from evalrun.engine.capture import logits_digest, reference_digest, topk_sketch
+
+pytest.importorskip("triton")
+
+# Rows that exercise the kernel: several dtypes, a vocab that is no multiple of the chunk and one
+# smaller than a chunk, exact ties, a NaN, -0.0 beside 0.0, a top-k that is no power of two.
+INTERPRETED_CASES = r"""
+import json, sys
+import torch
+from evalrun.engine import capture_triton
+from evalrun.engine.capture import logits_digest
+
+def case(name, logits, top_k):
+    digest, ids, values, margin = capture_triton.fused_capture(logits, top_k)
+    return {"name": name, "logits": logits.double().tolist(), "bits": logits.view({2: torch.int16, 4: torch.int32, 8: torch.int64}[logits.element_size()]).tolist(),
+            "dtype": str(logits.dtype), "top_k": top_k, "digest": digest.tolist(), "torch_digest": logits_digest(logits).tolist(),
+            "ids": ids.tolist(), "values": values.tolist(), "margin": margin.tolist()}
+
+g = torch.Generator().manual_seed(7)
+cases = []
+for dtype in (torch.float32, torch.bfloat16, torch.float16, torch.float64):
+    cases.append(case(f"random-{dtype}", (torch.randn(2, 2100, generator=g) * 5).to(dtype), 8))
+small = torch.randn(1, 100, generator=g)
+cases.append(case("vocab-below-one-chunk", small, 5))
+ties = torch.zeros(1, 1500)
+ties[0, [3, 1200, 40, 1499]] = 2.0
+ties[0, [7, 1030]] = -0.0
+cases.append(case("ties", ties.to(torch.bfloat16), 6))
+nan = torch.randn(1, 1100, generator=g)
+nan[0, 1050] = float("nan")
+cases.append(case("nan", nan, 2))
+wide = torch.randn(2, 3, 1100, generator=g)[:, -1, :]  # not contiguous: rows 3*1100 apart
+cases.append(case("strided-rows", wide, 4))
+print(json.dumps({"chunk": capture_triton.CHUNK, "cases": cases}))
+"""
+
+
+def stable_topk(values: np.ndarray, k: int) -> np.ndarray:
+    """The k largest of a row [V], larger value first, lower index first among equal values; NaN first."""
+    ranked = np.where(np.isnan(values), np.inf, values)
+    is_nan = np.isnan(values)
+    order = np.lexsort((np.arange(values.size), -ranked, ~is_nan))
+    return order[:k]
+
+
+@pytest.fixture(scope="module")
+def interpreted() -> dict:
+    env = {**os.environ, "TRITON_INTERPRET": "1"}
+    done = subprocess.run([sys.executable, "-c", INTERPRETED_CASES], capture_output=True, text=True, env=env,
+                          timeout=600)
+    assert done.returncode == 0, done.stderr[-3000:]
+    return json.loads(done.stdout)
+
+
+def test_interpreted_chunks_are_smaller_than_the_vocabularies(interpreted):
+    assert interpreted["chunk"] < 2100  # the random rows span several chunks, the last one partial
+
+
+def test_fused_digest_is_bit_identical_to_the_torch_digest(interpreted):
+    for case in interpreted["cases"]:
+        assert case["digest"] == case["torch_digest"], case["name"]
+    first = interpreted["cases"][0]
+    assert reference_digest(np.array(first["bits"][0])) == "".join(
+        f"{word & (2**64 - 1):016x}" for word in first["digest"][0])
+
+
+def test_fused_topk_is_the_stable_topk_and_the_torch_values(interpreted):
+    for case in interpreted["cases"]:
+        for row, logits in enumerate(case["logits"]):
+            logits = np.array(logits)
+            expected = stable_topk(logits, case["top_k"])
+            assert case["ids"][row] == expected.tolist(), case["name"]
+            got = np.array(case["values"][row])
+            want = logits[expected].astype(np.float32)
+            assert np.array_equal(got, want, equal_nan=True), case["name"]
+            assert np.isclose(case["margin"][row], got[0] - got[1], equal_nan=True) or np.isnan(got[0]), case["name"]
+
+
+def test_fused_topk_values_equal_torch_topk_where_there_are_no_ties(interpreted):
+    for case in interpreted["cases"]:
+        if not case["name"].startswith("random-float32") and case["name"] != "strided-rows":
+            continue
+        logits = torch.tensor(case["logits"], dtype=torch.float32)
+        ids, values, margin = topk_sketch(logits, case["top_k"])
+        assert ids.tolist() == case["ids"] and values.tolist() == case["values"] and margin.tolist() == case["margin"]
+
+
+def test_ties_go_to_the_lower_index_and_nan_ranks_first(interpreted):
+    by_name = {case["name"]: case for case in interpreted["cases"]}
+    assert by_name["ties"]["ids"][0][:4] == [3, 40, 1200, 1499]
+    assert by_name["nan"]["ids"][0][0] == 1050
+
+
+# ---------------------------------------------------------------- GPU
+
+gpu = pytest.mark.gpu
+
+
+@gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
+def test_gpu_fused_capture_matches_torch_eager_compiled_and_graphed(dtype):
+    from evalrun.engine.capture_triton import capture_kernel, fused_capture
+
+    assert capture_kernel("cuda", dtype, 8) == "triton-fused"
+    logits = (torch.randn(4, 128256, device="cuda") * 3).to(dtype)  # Llama-3's vocabulary
+    digest, ids, values, margin = fused_capture(logits, 8)
+    assert torch.equal(digest, logits_digest(logits))
+    assert torch.equal(digest.cpu(), logits_digest(logits.cpu()))  # CPU and GPU agree on the bytes
+    for row in range(4):
+        want = stable_topk(logits[row].float().cpu().numpy(), 8)
+        assert ids[row].tolist() == want.tolist()
+    assert torch.equal(values, logits.gather(1, ids).float()) and torch.equal(margin, values[:, 0] - values[:, 1])
+
+    compiled = torch.compile(lambda x: fused_capture(x, 8), fullgraph=True)
+    assert all(torch.equal(a, b) for a, b in zip(compiled(logits), (digest, ids, values, margin)))
+    static = logits.clone()
+    graph = torch.cuda.CUDAGraph()
+    fused_capture(static, 8)  # warm-up outside the capture
+    torch.cuda.synchronize()
+    with torch.cuda.graph(graph):
+        out = fused_capture(static, 8)
+    static.copy_(logits.flip(1))
+    graph.replay()
+    assert torch.equal(out[0], logits_digest(logits.flip(1)))
+
+
+@gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.parametrize("level", ["0", "2"])
+def test_gpu_runs_store_the_same_digests_with_either_capture(level):
+    """An -O0 and an -O2 run on the GPU: the fused kernel and the torch capture store the same digests."""
+    from evalrun.config import RunConfig
+    from evalrun.engine import generate
+    from evalrun.runner import execute_run
+
+    def digests(fused: bool) -> tuple[list[str], str]:
+        original = generate.fused_capture_supported
+        if not fused:
+            generate.fused_capture_supported = lambda logits, top_k: False
+        try:
+            run = execute_run(RunConfig(model="random:tiny", device="cuda", dtype="bfloat16", prompts="smoke",
+                                        max_new_tokens=8, opt_level=int(level)), None)
+        finally:
+            generate.fused_capture_supported = original
+        torch._dynamo.reset()
+        return [r.logits_digest for r in run.results], run.evidence["capture_kernel"]
+
+    fused, kernel = digests(True)
+    plain, _ = digests(False)
+    assert kernel == "triton-fused"
+    assert fused == plain
