@@ -11,6 +11,7 @@
 #      wall seconds of each and the speed-up
 # Every step stops by the deadline (DEADLINE_S from the start, default 540 s: the lead has ~10 minutes
 # of device time); a step that fails or runs out of time leaves its .err file and a null in the summary.
+# A step whose NAME.time in RES says exit 0 is kept (carry an earlier call's RES to finish what it left).
 # Not run on more than 2 GPUs; the code takes any number of ranks that divides the heads (8B: 2, 4, 8).
 set -u
 RES=${1:-/root/tp}
@@ -27,6 +28,7 @@ TORCHRUN="python3 -m torch.distributed.run --standalone --nproc-per-node 2 -m ev
 # step NAME COMMAND...: stdout to NAME.json, stderr to NAME.err, wall seconds and exit code to NAME.time
 step() {
   local name=$1; shift
+  if grep -qs '"exit": 0' "$RES/$name.time"; then stage "$name: kept from an earlier call"; return; fi
   stage "$name"
   local t0=$(date +%s%N)
   timeout "$(left)" "$@" > "$RES/$name.json" 2> "$RES/$name.err"

@@ -733,9 +733,10 @@ def main(argv: list[str] | None = None) -> None:
             stream.reconfigure(errors="backslashreplace")
     from .distributed import leave
 
+    code = 0
     try:
         cli.main(args=argv, prog_name="evalrun", standalone_mode=False)
-        leave()  # under torchrun: leave the process group so the launcher sees a clean exit
     except (Exception, KeyboardInterrupt) as error:  # noqa: BLE001 - the one place errors become exit codes
-        sys.exit(exit_code_of(error))
-    sys.exit(0)
+        code = exit_code_of(error)
+    leave(code)  # under torchrun: leave the process group so the launcher sees a clean exit
+    sys.exit(code)

@@ -19,6 +19,7 @@ import datetime
 import os
 import re
 import signal
+import sys
 from dataclasses import dataclass
 
 from .errors import ConfigError
@@ -204,10 +205,20 @@ def broadcast_int(value: int) -> int:
     return int(tensor.item())
 
 
-def leave() -> None:
-    """Leave the process group (end of the command), so torchrun sees a clean exit."""
-    if "group" in _STATE:
-        import torch.distributed as dist
+def leave(code: int) -> None:
+    """End of the command under torchrun: leave the process group, so torchrun sees a clean exit.
 
-        dist.destroy_process_group()
-        _STATE.clear()
+    Over NCCL the process ends here, with `code`, without destructors: on two H200s an -O2 run (NCCL
+    all-reduces inside CUDA graphs) finished and stored its results, then never exited, in
+    `destroy_process_group` or the communicators' teardown at exit. Everything evalrun writes is
+    committed or flushed before this point."""
+    if "group" not in _STATE:
+        return
+    import torch.distributed as dist
+
+    if dist.get_backend(_STATE["group"]) == "nccl":
+        for stream in (sys.stdout, sys.stderr):
+            stream.flush()
+        os._exit(code)
+    dist.destroy_process_group()
+    _STATE.clear()

@@ -27,7 +27,8 @@ from evalrun.store_merge import merge_stores
 
 ROOT = Path(__file__).resolve().parent.parent
 TINY = ["--model", "random:tiny", "--prompts", "smoke", "--max-new-tokens", "4", "-q"]
-ENV = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=str(ROOT))
+ENV = dict(os.environ, OMP_NUM_THREADS="1",
+           PYTHONPATH=os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")])))
 
 
 def evalrun(*args: str, ranks: int = 1, check: bool = True) -> subprocess.CompletedProcess:

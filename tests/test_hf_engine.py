@@ -76,6 +76,44 @@ def test_a_padded_batch_gives_each_rows_tokens_alone_to_float32_rounding():
     _assert_same_tokens_close_logits(alone, batched, BATCH_ROUNDING)
 
 
+def _cache_taken_as_past_key_values(model: torch.nn.Module, dropped: bool = False) -> None:
+    """Give `model` transformers 5.17's forward signature (the KV cache as `past_key_values`); `dropped`: a
+    forward that ignores the cache it is given (what 5.17 did with the newer `cache=` keyword)."""
+    base = type(model)
+
+    class OlderSignature(base):
+        def forward(self, input_ids=None, attention_mask=None, position_ids=None, past_key_values=None,
+                    use_cache=None, logits_to_keep=0, **kwargs):
+            return base.forward(self, input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids,
+                                cache=None if dropped else past_key_values, use_cache=use_cache,
+                                logits_to_keep=logits_to_keep, **kwargs)
+
+    model.__class__ = OlderSignature
+
+
+def test_the_cache_goes_by_the_keyword_the_forward_takes():
+    """transformers 5.17 takes `past_key_values`, later versions `cache`: the same bits either way."""
+    from evalrun.engine.hf_engine import cache_keyword
+
+    config = build_config(flags={"model": "random:tiny", "prompts": "smoke", "engine": "transformers",
+                                 "keep_logits": "all", "max_new_tokens": 8})
+    plain, older = prepare(config), prepare(config)
+    _cache_taken_as_past_key_values(older.loaded.model)
+    assert cache_keyword(older.loaded.model) == "past_key_values" and cache_keyword(plain.loaded.model) == "cache"
+    a, b = execute(plain, timed=False), execute(older, timed=False)
+    assert [r.logits_digest for r in a.results] == [r.logits_digest for r in b.results]
+
+
+def test_a_forward_that_ignores_the_cache_is_refused_not_run_without_history():
+    from evalrun.errors import ModelError
+
+    prepared = prepare(build_config(flags={"model": "random:tiny", "prompts": "smoke", "engine": "transformers",
+                                           "max_new_tokens": 4}))
+    _cache_taken_as_past_key_values(prepared.loaded.model, dropped=True)
+    with pytest.raises(ModelError, match="left the KV cache at 0 tokens"):
+        execute(prepared, timed=False)
+
+
 def test_forced_decoding_feeds_the_given_tokens_and_records_the_models_choice():
     config = build_config(flags={"model": "random:tiny", "prompts": "smoke", "engine": "transformers",
                                  "max_new_tokens": 6, "keep_logits": "all"})

@@ -188,18 +188,19 @@ def test_qwen3_moe_in_bfloat16_on_cuda_stays_within_transformers_bfloat16_envelo
     from test_model_support import ENVELOPE_MULTIPLIER, _relative_rms
 
     directory = moe_checkpoint(tmp_path / "moe")
-    reference_model = AutoModelForCausalLM.from_pretrained(directory, dtype=torch.float64).cuda().eval()
+    # float64 on the CPU: transformers' CUDA MoE runs its experts through grouped_mm, which has no float64
+    reference_model = AutoModelForCausalLM.from_pretrained(directory, dtype=torch.float64).eval()
     hf_bf16 = AutoModelForCausalLM.from_pretrained(directory, dtype=torch.bfloat16).cuda().eval()
     loaded = load_model(str(directory), "cuda", "bfloat16")
     ids = loaded.tokenizer(PROMPT)["input_ids"]
     tokens = list(ids)
     with torch.no_grad():
         for _ in range(STEPS):
-            tokens.append(int(reference_model(torch.tensor([tokens], device="cuda")).logits[0, -1].argmax()))
-        sequence = torch.tensor([tokens], device="cuda")
+            tokens.append(int(reference_model(torch.tensor([tokens])).logits[0, -1].argmax()))
+        sequence = torch.tensor([tokens])
         span = slice(len(ids) - 1, len(tokens) - 1)
-        reference = reference_model(sequence).logits[0, span].cpu().numpy()
-        theirs = hf_bf16(sequence).logits[0, span].double().cpu().numpy()
+        reference = reference_model(sequence).logits[0, span].numpy()
+        theirs = hf_bf16(sequence.cuda()).logits[0, span].double().cpu().numpy()
     forced = [np.array(tokens[len(ids):], dtype=np.int64)]
     out = generate_batch(Transformer(loaded.model, "sdpa"),
                          BatchSpec([ids], STEPS, pad_id=0, keep_logits=True, forced_tokens=forced))

@@ -19,7 +19,6 @@ through it and a CUDA graph captures its launch. Run on CPU under `TRITON_INTERP
 
 from __future__ import annotations
 
-import functools
 import os
 
 import torch
@@ -114,16 +113,13 @@ def _launch(logits: torch.Tensor, k_pow2: int, wrap=lambda kernel: kernel) -> tu
     return digests, keys
 
 
-@functools.cache
-def _capture_chunks_op():
-    """`_launch` as a torch op, so torch.compile traces through it (registered on first use)."""
+capture_chunks = None  # `_launch` as a torch op, so torch.compile traces through it (CUDA installs)
+if triton is not None and not INTERPRETED:
     from torch.library import triton_op, wrap_triton
 
     @triton_op("evalrun::capture_chunks", mutates_args={})
     def capture_chunks(logits: torch.Tensor, k_pow2: int) -> tuple[torch.Tensor, torch.Tensor]:
         return _launch(logits, k_pow2, wrap_triton)
-
-    return capture_chunks
 
 
 def fused_capture(logits: torch.Tensor, top_k: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -134,8 +130,7 @@ def fused_capture(logits: torch.Tensor, top_k: int) -> tuple[torch.Tensor, torch
     """
     k_pow2 = max(2, 1 << (top_k - 1).bit_length())
     logits = logits if logits.stride(-1) == 1 else logits.contiguous()
-    chunks = _launch if INTERPRETED else _capture_chunks_op()
-    partial_digests, keys = chunks(logits, k_pow2)  # [B, C, 2], [B, C, k_pow2]
+    partial_digests, keys = (_launch if INTERPRETED else capture_chunks)(logits, k_pow2)  # [B, C, 2], [B, C, k_pow2]
     digest = partial_digests.sum(dim=1)  # [B, 2], wrapping int64
     best = torch.topk(keys.flatten(1), top_k, dim=-1).values  # [B, K] distinct keys, largest first
     ids = _LOW32 - (best & _LOW32)  # [B, K]

@@ -30,30 +30,44 @@ from typing import Any, Callable
 import torch
 
 from ..config import CompilationMode, CUDAGraphMode, EffectiveConfig
+from ..errors import ModelError, UnsupportedModelError
 from .generate import BatchOutput, BatchSpec, CaptureBuffers, PaddedBatch, capture_step, row_matrix, stack_outputs
 from .modes import allow_recompiles_for, clone_function, dynamo_snapshot
 from .shapes import ShapePlan
 from .timing import StepClock
 
 
-def hf_forward(model: torch.nn.Module, tokens: torch.Tensor, positions: torch.Tensor, mask: torch.Tensor,
-               cache: Any) -> torch.Tensor:
-    """tokens, positions [B, T] int64, mask [B, K] int64 (K: the cache's key length) -> last logits [B, V]."""
-    output = model(input_ids=tokens, attention_mask=mask, position_ids=positions, cache=cache, use_cache=True,
-                   logits_to_keep=1)
-    return output.logits[:, -1]
+# transformers renamed forward's KV-cache argument `past_key_values` to `cache` (5.2x); 5.17 takes the old
+# name and drops an unknown keyword into **kwargs, so passing the wrong one decodes every step without
+# its history: another model, silently. The name is read from the model's forward, never assumed.
+CACHE_KEYWORDS = ("cache", "past_key_values")
 
 
-def hf_forward_all_positions(model: torch.nn.Module, tokens: torch.Tensor, positions: torch.Tensor,
-                             mask: torch.Tensor, cache: Any) -> torch.Tensor:
-    """`hf_forward` for the few models whose forward has no `logits_to_keep` (the head runs on every position)."""
-    output = model(input_ids=tokens, attention_mask=mask, position_ids=positions, cache=cache, use_cache=True)
-    return output.logits[:, -1]
+def cache_keyword(model: torch.nn.Module) -> str:
+    """The keyword the model's forward takes its KV cache by; refused with one line if it names none."""
+    parameters = inspect.signature(type(model).forward).parameters
+    for keyword in CACHE_KEYWORDS:
+        if keyword in parameters:
+            return keyword
+    raise UnsupportedModelError(f"{type(model).__name__}.forward takes no KV cache ({' or '.join(CACHE_KEYWORDS)}); "
+                                f"--engine transformers decodes through transformers' cache, so it cannot run this "
+                                f"model: upgrade transformers or use evalrun's engine")
 
 
 def forward_for(model: torch.nn.Module) -> Callable[..., torch.Tensor]:
-    accepts = "logits_to_keep" in inspect.signature(type(model).forward).parameters
-    return hf_forward if accepts else hf_forward_all_positions
+    """(model, tokens, positions [B, T] int64, mask [B, K] int64, cache) -> last logits [B, V]; K: the cache's
+    key length. `logits_to_keep=1` where the forward has it (else the head runs on every position)."""
+    parameters = inspect.signature(type(model).forward).parameters
+    keywords = {"use_cache": True, **({"logits_to_keep": 1} if "logits_to_keep" in parameters else {})}
+    cache_name = cache_keyword(model)
+
+    def hf_forward(model: torch.nn.Module, tokens: torch.Tensor, positions: torch.Tensor, mask: torch.Tensor,
+                   cache: Any) -> torch.Tensor:
+        output = model(input_ids=tokens, attention_mask=mask, position_ids=positions, **{cache_name: cache},
+                       **keywords)
+        return output.logits[:, -1]
+
+    return hf_forward
 
 
 class TransformersEngine(ShapePlan):
@@ -139,7 +153,7 @@ class TransformersEngine(ShapePlan):
 
         probe = DynamicCache(config=self.model.config)
         token = torch.zeros(batch, 1, dtype=torch.int64, device=self.device)
-        self.model(input_ids=token, position_ids=token, cache=probe, use_cache=True)
+        self.model(input_ids=token, position_ids=token, use_cache=True, **{cache_keyword(self.model): probe})
         keys = [layer.keys for layer in probe.layers]
         values = [layer.values for layer in probe.layers]
         for layer, k, v in zip(cache.layers, keys, values):
@@ -174,6 +188,9 @@ class TransformersEngine(ShapePlan):
         self._new_step()
         logits = self.prefill_forward(self.model, padded.tokens, padded.positions, mask[:, :width(padded_length)],
                                       cache)  # [B, V]
+        if not self.static and cache.get_seq_length() != padded_length:  # the forward must have filled the cache
+            raise ModelError(f"transformers' forward left the KV cache at {cache.get_seq_length()} tokens after a "
+                             f"{padded_length}-token prefill: it would decode without history; use evalrun's engine")
         buffers = self._buffers(spec, batch, steps, logits)
         token = capture_step(logits, step, buffers, spec.top_k, spec.temperature, seeds, spec.capture)
         clock.mark()

@@ -54,7 +54,8 @@ def clone_function(function: Callable, tag: str) -> Callable:
     """The same function under a new code object: torch.compile keeps one cache per code object, so
     two differently compiled versions of one function must not share it."""
     code = function.__code__.replace(co_name=f"{function.__name__}_{tag}")
-    return types.FunctionType(code, function.__globals__, code.co_name, function.__defaults__)
+    return types.FunctionType(code, function.__globals__, code.co_name, function.__defaults__,
+                              function.__closure__)
 
 
 def dynamo_snapshot() -> dict[str, Any]:
