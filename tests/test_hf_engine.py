@@ -19,10 +19,11 @@ MAX_ABS_LOGITS = 1e-4  # float32 on CPU, as tests/test_model_support.py holds ev
 BATCH_ROUNDING = 1e-5  # float32: a row's logits in a padded batch against the row alone
 
 
-def _run(model: str, engine: str, **flags) -> Run:
+def _run(model: str, engine: str, timed: bool = False, **flags) -> Run:
+    """`timed`: warm up first, as `evalrun run` does (on a GPU the launches per decode step are counted then)."""
     config = build_config(flags={"model": model, "prompts": "smoke", "engine": engine, "keep_logits": "all",
                                  "max_new_tokens": 32, **flags})
-    return execute(prepare(config), timed=False)
+    return execute(prepare(config), timed=timed)
 
 
 def _tokens(run: Run) -> list[list[int]]:
@@ -293,8 +294,9 @@ def test_trace_once_compiles_transformers_forward_with_a_static_cache_and_the_sa
 def test_static_cache_compile_with_cuda_graphs_on_the_gpu(graphs):
     """float32 on the GPU: transformers' static cache + compile with CUDA graphs gives eager's tokens."""
     flags = {"device": "cuda", "dtype": "float32", "max_new_tokens": 16, "batch_size": 2}
-    eager = _run("random:tiny", "transformers", opt_level=0, **flags)
-    compiled = _run("random:tiny", "transformers", compilation_mode="trace-once", cudagraph_mode=graphs, **flags)
+    eager = _run("random:tiny", "transformers", timed=True, opt_level=0, **flags)
+    compiled = _run("random:tiny", "transformers", timed=True, compilation_mode="trace-once", cudagraph_mode=graphs,
+                    **flags)
     evidence = compiled.evidence
     assert evidence["fallbacks"] == [] and evidence["cudagraphs"], evidence
     assert evidence["cudagraph_launches_per_decode_step"] >= 1, evidence

@@ -188,8 +188,9 @@ def test_qwen3_moe_in_bfloat16_on_cuda_stays_within_transformers_bfloat16_envelo
     from test_model_support import ENVELOPE_MULTIPLIER, _relative_rms
 
     directory = moe_checkpoint(tmp_path / "moe")
-    # float64 on the CPU: transformers' CUDA MoE runs its experts through grouped_mm, which has no float64
-    reference_model = AutoModelForCausalLM.from_pretrained(directory, dtype=torch.float64).eval()
+    # float64 with transformers' eager experts (its default, grouped_mm, has no float64 kernel), on the CPU
+    reference_model = AutoModelForCausalLM.from_pretrained(directory, dtype=torch.float64,
+                                                           experts_implementation="eager").eval()
     hf_bf16 = AutoModelForCausalLM.from_pretrained(directory, dtype=torch.bfloat16).cuda().eval()
     loaded = load_model(str(directory), "cuda", "bfloat16")
     ids = loaded.tokenizer(PROMPT)["input_ids"]
