@@ -6,6 +6,7 @@ stderr); 3 evalrun itself failed (one line naming the file that holds the traceb
 
 from __future__ import annotations
 
+import dataclasses
 import errno
 import os
 import sqlite3
@@ -379,6 +380,7 @@ def golden_verify(name, directory, strict, output_format, as_json, junit_path, s
     \b
     Example:
       evalrun golden verify smollm2-cpu -O3 --format markdown > comment.md
+      evalrun golden verify smollm2-cpu --store runs.db --json   # keeps the candidate run: candidate_run
       evalrun golden verify smollm2-cpu --shard 0/2 --store s0.db     # then --shard 1/2 --store s1.db
       evalrun store merge all.db s0.db s1.db && evalrun golden verify smollm2-cpu --store all.db --from-shards
     """
@@ -402,8 +404,11 @@ def golden_verify(name, directory, strict, output_format, as_json, junit_path, s
     else:
         stored = from_shards or (shard is not None and not shard.whole)
         store = open_store(store_path, readonly=from_shards) if stored and leader() else None
+        keep = _kept_candidate(store_path, stored, candidate, name)  # a whole verify with --store keeps its candidate
         outcome = verify_sharded(opened, candidate, strict, phase_progress(quiet or not leader()), shard, store,
-                                 from_shards)
+                                 from_shards, keep.observe if keep else None)
+        if keep and keep.run_id and outcome is not None and not isinstance(outcome, ShardStored):
+            outcome = dataclasses.replace(outcome, candidate_run={"run_id": keep.run_id, "store": str(keep.path)})
     chosen = chosen_format(output_format, as_json)
     if isinstance(outcome, ShardStored):
         click.echo(report.to_json(outcome.as_dict()) if chosen == "json" else
@@ -423,6 +428,36 @@ def golden_verify(name, directory, strict, output_format, as_json, junit_path, s
     if verdict.exit_code:
         raise Exit(verdict.exit_code, f"evalrun: golden {name}: {verdict.verdict}: {verdict.causes[0]}"
                    if verdict.exit_code == EXIT_UNUSABLE else None)
+
+
+class _KeptCandidate:
+    """`golden verify --store PATH` without shards: the candidate run stored as `evalrun run` would store
+    it (label verify:NAME), so `evalrun diff` and `store show` can read it; its id goes into the verdict."""
+
+    def __init__(self, path: Path, label: str):
+        self.path, self.label, self.run_id = path, label, None
+
+    def observe(self, phase: str, run) -> None:
+        from .runner import record
+
+        if phase != "candidate" or self.run_id is not None:
+            return
+        store = open_store(self.path)
+        try:
+            self.run_id = record(store, run.header, lambda: run, label=self.label).run_id
+        finally:
+            store.close()
+
+
+def _kept_candidate(store_path: Path | None, stored: bool, candidate, name: str) -> "_KeptCandidate | None":
+    from .distributed import world
+
+    if store_path is None or stored:
+        return None
+    if world().distributed and candidate.tensor_parallel == 1:
+        raise click.UsageError("--store keeps a whole verify's candidate run; torchrun ranks split this one: "
+                               "use --shard I/N jobs with --store, or drop --store")
+    return _KeptCandidate(store_path, f"verify:{name}") if leader() else None
 
 
 def _github_outputs(verdict, name: str, output_format: str) -> None:

@@ -220,5 +220,6 @@ def leave(code: int) -> None:
         for stream in (sys.stdout, sys.stderr):
             stream.flush()
         os._exit(code)
-    dist.destroy_process_group()
+    if code == 0:  # after a failure another rank may be stuck in a collective: leave the group to the exit
+        dist.destroy_process_group()
     _STATE.clear()

@@ -201,7 +201,8 @@ def verify_label(golden: Golden, header: dict[str, Any], phase: str) -> str:
 
 
 def verify_sharded(golden: Golden, config, strict: bool = False, progress=None, shard: Shard | None = None,
-                   store: Store | None = None, from_shards: bool = False) -> "Verdict | ShardStored | None":
+                   store: Store | None = None, from_shards: bool = False,
+                   observe=None) -> "Verdict | ShardStored | None":
     """`evalrun golden verify` split across shards. Under torchrun (tensor_parallel 1) each rank runs its
     batches and rank 0 judges every prompt (the others return None); with --shard I/N the job stores its
     phase runs; with `from_shards` the verdict is judged from the shards a store holds (after `store
@@ -209,7 +210,7 @@ def verify_sharded(golden: Golden, config, strict: bool = False, progress=None, 
     a --shard job always runs them (it cannot know whether the other jobs' prompts stayed identical; when
     all did, the verdict ignores them)."""
     here = distributed.world()
-    context = begin(golden, config, strict, progress)
+    context = begin(golden, config, strict, progress, observe=observe)  # observe: whole verifies only (cli)
     if isinstance(context, Verdict):  # a gate: the same verdict on every shard
         return context if here.leader else None
     current = active_shard(context.candidate.config.tensor_parallel, shard)

@@ -105,6 +105,7 @@ class Verdict:
     steps_verified: int | None
     candidate_config: dict[str, Any]
     timings: dict[str, float]
+    candidate_run: dict[str, str] | None = None  # {"run_id", "store"} where `--store` kept the candidate run
 
     def as_dict(self) -> dict[str, Any]:
         data = dataclasses.asdict(self)

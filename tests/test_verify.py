@@ -253,3 +253,22 @@ def test_on_github_actions_verify_writes_the_step_summary_and_annotates_drift(cl
     code, out, err = cli("golden", "verify", "g", "--dir", str(o0), "--quiet", "--batch-size", "3", "--json")
     assert code == 0 and json.loads(out)["verdict"] == "drift"  # stdout stays one JSON document
     assert summary.read_text().count("evalrun golden `g`") == 2
+
+
+def test_a_whole_verify_with_store_keeps_its_candidate_run_and_names_it(cli, golden_factory, tmp_path):
+    """`--store` on a whole verify used to be accepted and ignored; the candidate run is now stored as
+    `evalrun run` stores one, and the JSON verdict names it (null without --store, and nothing written)."""
+    directory = golden_factory()
+    store = tmp_path / "kept.db"
+    code, out, _ = cli("golden", "verify", "g", "--dir", str(directory), "--store", str(store), "--json", "--quiet")
+    verdict = json.loads(out)
+    assert code == 0 and verdict["verdict"] == "identical"
+    kept = verdict["candidate_run"]
+    assert kept["store"] == str(store)
+    code, out, _ = cli("store", "show", kept["run_id"], "--store", str(store), "--json")
+    shown = json.loads(out)
+    assert code == 0 and shown["label"] == "verify:g" and shown["status"] == "complete"
+    assert {r["prompt_id"] for r in shown["results"]} == {p["prompt_id"] for p in verdict["prompts"]}
+
+    code, out, _ = cli("golden", "verify", "g", "--dir", str(directory), "--json", "--quiet")
+    assert code == 0 and json.loads(out)["candidate_run"] is None
