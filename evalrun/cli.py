@@ -767,11 +767,16 @@ def main(argv: list[str] | None = None) -> None:
         if hasattr(stream, "reconfigure"):
             stream.reconfigure(errors="backslashreplace")
     from .distributed import leave
+    from .store import close_open_stores, open_stores
 
-    code = 0
+    code, already_open = 0, open_stores()
     try:
         cli.main(args=argv, prog_name="evalrun", standalone_mode=False)
     except (Exception, KeyboardInterrupt) as error:  # noqa: BLE001 - the one place errors become exit codes
         code = exit_code_of(error)
-    leave(code)  # under torchrun: leave the process group so the launcher sees a clean exit
+    try:
+        close_open_stores(keep=already_open)  # every run in its .db file (a torchrun rank may end by os._exit)
+        leave(code)  # under torchrun: leave the process group so the launcher sees a clean exit
+    except (Exception, KeyboardInterrupt) as error:  # noqa: BLE001 - the command's outcome stands if it failed
+        code = code or exit_code_of(error)
     sys.exit(code)

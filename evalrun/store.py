@@ -154,6 +154,23 @@ class RunRecord:
                 "opt_level": self.config.get("opt_level"), "logits_digest": self.logits_digest}
 
 
+_OPEN_FOR_WRITING: list["Store"] = []  # held until closed: a dropped Store's connection stays open until collected
+
+
+def open_stores() -> list["Store"]:
+    """The stores open for writing now (to close, after a command, those it opened)."""
+    return list(_OPEN_FOR_WRITING)
+
+
+def close_open_stores(keep: list["Store"] = ()) -> None:
+    """Close every store open for writing but those in `keep` (end of a command): the last connection to
+    close folds the write-ahead log into the file, so the .db alone holds every run (a process ended by
+    os._exit, as a torchrun rank over NCCL is, would otherwise leave committed runs only in the -wal file)."""
+    for store in list(_OPEN_FOR_WRITING):
+        if not any(store is kept for kept in keep):
+            store.close()
+
+
 class Store:
     """A SQLite store of runs. `Store(path)` creates the file and schema if needed."""
 
@@ -195,6 +212,7 @@ class Store:
                     raise StoreError(f"{self.path} is damaged ({lacking[0]}); `evalrun store check` lists what is wrong")
             elif not readonly:
                 self.migrate()
+                _OPEN_FOR_WRITING.append(self)
         except sqlite3.DatabaseError as error:
             conn.close()
             raise StoreError(f"{self.path} is not a usable evalrun store ({str(error).splitlines()[0]}); "
@@ -208,6 +226,8 @@ class Store:
         self.close()
 
     def close(self) -> None:
+        if self in _OPEN_FOR_WRITING:
+            _OPEN_FOR_WRITING.remove(self)
         self.db.conn.close()
 
     @contextlib.contextmanager

@@ -43,6 +43,10 @@ ties = torch.zeros(1, 1500)
 ties[0, [3, 1200, 40, 1499]] = 2.0
 ties[0, [7, 1030]] = -0.0
 cases.append(case("ties", ties.to(torch.bfloat16), 6))
+zeros = -torch.rand(1, 40, generator=g) - 1
+zeros[0, [0, 2]] = -0.0
+zeros[0, 1] = 0.0
+cases.append(case("signed-zeros", zeros, 3))
 nan = torch.randn(1, 1100, generator=g)
 nan[0, 1050] = float("nan")
 cases.append(case("nan", nan, 2))
@@ -106,6 +110,7 @@ def test_ties_go_to_the_lower_index_and_nan_ranks_first(interpreted):
     by_name = {case["name"]: case for case in interpreted["cases"]}
     assert by_name["ties"]["ids"][0][:4] == [3, 40, 1200, 1499]
     assert by_name["nan"]["ids"][0][0] == 1050
+    assert by_name["signed-zeros"]["ids"][0] == [0, 1, 2]  # -0.0 ties 0.0: index order, not sign
 
 
 # ---------------------------------------------------------------- GPU
@@ -151,19 +156,26 @@ def test_gpu_runs_store_the_same_digests_with_either_capture(level):
     from evalrun.engine import generate
     from evalrun.runner import execute_run
 
-    def digests(fused: bool) -> tuple[list[str], str]:
-        original = generate.fused_capture_supported
+    def digests(fused: bool) -> tuple[list[str], str, int]:
+        original_choice, original_kernel = generate.fused_capture_supported, generate.fused_capture
+        calls = []
+
+        def counted(*args):  # runs in eager steps and while Dynamo traces compiled ones
+            calls.append(1)
+            return original_kernel(*args)
+
+        generate.fused_capture = counted
         if not fused:
             generate.fused_capture_supported = lambda logits, top_k: False
         try:
             run = execute_run(RunConfig(model="random:tiny", device="cuda", dtype="bfloat16", prompts="smoke",
                                         max_new_tokens=8, opt_level=int(level)), None)
         finally:
-            generate.fused_capture_supported = original
+            generate.fused_capture_supported, generate.fused_capture = original_choice, original_kernel
         torch._dynamo.reset()
-        return [r.logits_digest for r in run.results], run.evidence["capture_kernel"]
+        return [r.logits_digest for r in run.results], run.evidence["capture_kernel"], len(calls)
 
-    fused, kernel = digests(True)
-    plain, _ = digests(False)
-    assert kernel == "triton-fused"
+    fused, kernel, fused_calls = digests(True)
+    plain, _, plain_calls = digests(False)
+    assert kernel == "triton-fused" and fused_calls > 0 and plain_calls == 0
     assert fused == plain

@@ -1,4 +1,6 @@
+import json
 import os
+import shutil
 import signal
 import sqlite3
 import subprocess
@@ -258,3 +260,14 @@ def test_store_check_cli_lists_a_dropped_table_and_exits_1(cli, tiny_args):
     assert code == 1 and "missing table arrays" in out
     code, _, err = cli("store", "ls", "--store", tiny_args[-1])
     assert code == 2 and "missing table arrays" in err and len(err.strip().splitlines()) == 1
+
+
+def test_a_command_leaves_every_run_in_the_db_file_alone(cli, tiny_args, store_path, tmp_path):
+    """The command closes the stores it opened, so the write-ahead log is folded in: a copy of the .db file
+    alone (a CI artifact, a shard file moved for `store merge`) holds the run, even read as immutable."""
+    code, out, _ = cli("run", *tiny_args, "--json", "--quiet")
+    run_id = json.loads(out)["run_id"]
+    assert code == 0 and not (store_path.parent / (store_path.name + "-wal")).exists()
+    copy = tmp_path / "copy.db"
+    shutil.copy(store_path, copy)
+    assert Store(copy, immutable=True).get_run(run_id).status == "complete"

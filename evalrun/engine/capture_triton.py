@@ -77,7 +77,8 @@ if triton is not None:
         chunk = tl.program_id(1)
         index = chunk * CHUNK_SIZE + tl.arange(0, CHUNK_SIZE)  # [CHUNK]
         inside = index < vocab
-        x = tl.load(logits_ptr + row * row_stride + index, mask=inside, other=0.0)  # [CHUNK] model dtype
+        # int64 row offset: a row stride of T x V (logits of every position) passes 2^31 within a batch
+        x = tl.load(logits_ptr + row.to(tl.int64) * row_stride + index, mask=inside, other=0.0)  # [CHUNK]
         # Digest terms, as capture.logits_digest: raw bits sign-extended to int64, mixed with the index.
         if BITS == 16:
             words = x.to(tl.int16, bitcast=True).to(tl.int64)
@@ -96,6 +97,7 @@ if triton is not None:
         signed = value.to(tl.int32, bitcast=True)
         ordered = tl.where(signed >= 0, signed, signed ^ 0x7FFFFFFF)
         ordered = tl.where(value != value, 0x7FFFFFFF, ordered)  # NaN above +inf
+        ordered = tl.where(value == 0.0, 0, ordered)  # -0.0 equals 0.0: their order goes by index too
         keys = ordered.to(tl.int64) * 4294967296 + (4294967295 - index.to(tl.int64))
         keys = tl.where(inside, keys, -9223372036854775807 - 1)
         best = tl.topk(keys, K)  # [K], largest first
@@ -115,11 +117,18 @@ def _launch(logits: torch.Tensor, k_pow2: int, wrap=lambda kernel: kernel) -> tu
 
 capture_chunks = None  # `_launch` as a torch op, so torch.compile traces through it (CUDA installs)
 if triton is not None and not INTERPRETED:
+    # Registered at import, never while Dynamo traces (it cannot trace a registration). Registering makes
+    # Inductor settle its cache folder into TORCHINDUCTOR_CACHE_DIR; where nobody had chosen one, the
+    # choice is left to evalrun's compile_cache (EVALRUN_CACHE/compile/...), made later, before compiling.
+    _cache_folder_chosen = "TORCHINDUCTOR_CACHE_DIR" in os.environ
     from torch.library import triton_op, wrap_triton
 
     @triton_op("evalrun::capture_chunks", mutates_args={})
     def capture_chunks(logits: torch.Tensor, k_pow2: int) -> tuple[torch.Tensor, torch.Tensor]:
         return _launch(logits, k_pow2, wrap_triton)
+
+    if not _cache_folder_chosen:
+        os.environ.pop("TORCHINDUCTOR_CACHE_DIR", None)
 
 
 def fused_capture(logits: torch.Tensor, top_k: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
