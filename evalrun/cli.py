@@ -151,13 +151,26 @@ def open_store(store_path: Path | None, readonly: bool = False, require_schema: 
     return Store(store_path or default_store_path(), readonly=readonly, require_schema=require_schema)
 
 
-def writable_output(path: Path | None, what: str) -> None:
-    """Check an output path before any model runs: its folder exists and can be written."""
+def writable_output(path: Path | None, what: str, *taken: Path | None) -> None:
+    """Check an output path before any model runs: its folder exists and can be written, and it is none of
+    `taken` (the command's store, its golden) nor any SQLite file (a store or a golden it would destroy)."""
     if path is None:
         return
     folder = path.parent if str(path.parent) else Path(".")
     if path.is_dir() or not folder.is_dir() or not os.access(folder, os.W_OK):
         raise OutputError(f"{what} {path}: cannot write there (is its folder there and writable?); pass another path")
+    if any(other is not None and os.path.abspath(other) == os.path.abspath(path) for other in taken) \
+            or _is_sqlite_file(path):
+        raise OutputError(f"{what} {path} is a store or a golden (SQLite); writing there would destroy it: "
+                          f"pass another path")
+
+
+def _is_sqlite_file(path: Path) -> bool:
+    try:
+        with open(path, "rb") as handle:
+            return handle.read(16) == b"SQLite format 3\x00"
+    except OSError:
+        return False
 
 
 @click.group(context_settings={"help_option_names": ["-h", "--help"]})
@@ -392,7 +405,7 @@ def golden_verify(name, directory, strict, output_format, as_json, junit_path, s
     from .sharding import ShardStored, verify_sharded
     from .verify import candidate_config
 
-    writable_output(junit_path, "--junit")
+    writable_output(junit_path, "--junit", store_path)
     opened, shard = open_golden(name, directory), parsed_shard(shard_text)
     if from_shards and shard is not None:
         raise click.UsageError("--from-shards judges the stored shards; drop --shard")
@@ -435,7 +448,8 @@ class _KeptCandidate:
     it (label verify:NAME), so `evalrun diff` and `store show` can read it; its id goes into the verdict."""
 
     def __init__(self, path: Path, label: str):
-        self.path, self.label, self.run_id = path, label, None
+        self.path, self.label, self.run_id = path.resolve(), label, None
+        open_store(self.path).close()  # a store that cannot be used is refused before the model runs
 
     def observe(self, phase: str, run) -> None:
         from .runner import record

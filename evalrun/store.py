@@ -157,6 +157,11 @@ class RunRecord:
 _OPEN_FOR_WRITING: list["Store"] = []  # held until closed: a dropped Store's connection stays open until collected
 
 
+def _is_golden(conn: sqlite3.Connection) -> bool:
+    """Whether the open file is a golden (it has the `golden` table golden.py writes)."""
+    return bool(conn.execute("SELECT 1 FROM sqlite_master WHERE type = 'table' AND name = 'golden'").fetchone())
+
+
 def open_stores() -> list["Store"]:
     """The stores open for writing now (to close, after a command, those it opened)."""
     return list(_OPEN_FOR_WRITING)
@@ -181,9 +186,14 @@ class Store:
         `require_schema=False` opens a damaged file anyway (for `check`, which reports what is missing)."""
         self.path = Path(path)
         readonly = readonly or immutable
-        if (readonly or not create) and not self.path.exists():
+        try:
+            exists, regular = self.path.exists(), self.path.is_file()
+        except OSError as error:  # a name too long, a loop of links: the path itself is unusable
+            raise StoreError(f"store path {str(self.path)[:120]!r} is unusable ({error.strerror}); "
+                             f"pass --store with another path") from None
+        if (readonly or not create) and not exists:
             raise StoreError(f"store {self.path} does not exist; run `evalrun run` first or pass --store PATH")
-        if self.path.exists() and not self.path.is_file():
+        if exists and not regular:
             raise StoreError(f"store {self.path} is not a regular file; pass --store with a SQLite file")
         try:
             if readonly:
@@ -193,6 +203,10 @@ class Store:
                 self.path.parent.mkdir(parents=True, exist_ok=True)
                 conn = sqlite3.connect(self.path, timeout=BUSY_TIMEOUT_MS / 1000, isolation_level=None)
                 conn.execute(f"PRAGMA busy_timeout = {BUSY_TIMEOUT_MS}")
+                if _is_golden(conn):  # by content, not name: links to a golden are caught too; nothing written yet
+                    conn.close()
+                    raise StoreError(f"{self.path} is a golden, not a run store: writing runs into it would break "
+                                     f"it; pass --store with another file")
                 conn.execute("PRAGMA journal_mode = WAL")
                 conn.execute("PRAGMA foreign_keys = ON")
         except (OSError, sqlite3.Error) as error:

@@ -272,3 +272,42 @@ def test_a_whole_verify_with_store_keeps_its_candidate_run_and_names_it(cli, gol
 
     code, out, _ = cli("golden", "verify", "g", "--dir", str(directory), "--json", "--quiet")
     assert code == 0 and json.loads(out)["candidate_run"] is None
+
+
+def test_a_golden_is_never_written_as_a_store_or_an_output(cli, golden_factory, tmp_path):
+    """--store or --junit naming a golden (directly or through a link), or --junit naming the kept store:
+    one line, exit 2, before any model runs, and the golden keeps its bytes."""
+    import hashlib
+    import os
+
+    from conftest import one_line_exit_2
+
+    directory = golden_factory()
+    golden_file = directory / "g.db"
+    before = hashlib.sha256(golden_file.read_bytes()).hexdigest()
+    link = tmp_path / "link.db"
+    os.symlink(golden_file, link)
+    verify = ("golden", "verify", "g", "--dir", str(directory), "--quiet")
+    one_line_exit_2(cli(*verify, "--store", str(golden_file)), "is a golden")
+    one_line_exit_2(cli(*verify, "--store", str(link)), "is a golden")
+    one_line_exit_2(cli("run", "--model", "random:tiny", "--prompts", "smoke", "--max-new-tokens", "2",
+                        "--store", str(golden_file)), "is a golden")
+    one_line_exit_2(cli(*verify, "--junit", str(golden_file)), "--junit", "would destroy it")
+    kept = tmp_path / "kept.db"
+    one_line_exit_2(cli(*verify, "--store", str(kept), "--junit", str(kept)), "--junit", "would destroy it")
+    one_line_exit_2(cli(*verify, "--store", str(tmp_path / ("a" * 300 + ".db"))), "unusable")
+    assert hashlib.sha256(golden_file.read_bytes()).hexdigest() == before
+    assert not kept.exists()
+
+
+def test_an_unusable_store_is_refused_before_the_candidate_runs(cli, golden_factory, tmp_path, monkeypatch):
+    from conftest import one_line_exit_2
+    from evalrun import verify
+
+    def never(*args, **kwargs):
+        raise AssertionError("the candidate ran before the store was checked")
+
+    monkeypatch.setattr(verify, "execute", never)  # would exit 3 (an internal error), not 2
+    (tmp_path / "not-sqlite.db").write_text("hello")
+    one_line_exit_2(cli("golden", "verify", "g", "--dir", str(golden_factory()), "--quiet",
+                        "--store", str(tmp_path / "not-sqlite.db")), "not-sqlite.db")
