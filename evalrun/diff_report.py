@@ -42,11 +42,20 @@ def _prompt_rows(diff: RunDiff) -> list[list[Any]]:
     rows = []
     for prompt in diff.prompts:
         s = _summary(prompt)
-        rows.append([prompt.prompt_id, "identical" if prompt.tokens_identical else "differ",
+        rows.append([prompt.prompt_id, _tokens_cell(prompt),
                      prompt.first_divergent_step if prompt.first_divergent_step >= 0 else "-", s["digest_equal_steps"],
                      f"{s['max_abs_delta']:.3g}", f"{s['ulp_max']:.0f}", f"{s['ulp_median']:.1f}", f"{s['kl_max']:.2g}",
                      f"{s['overlap_min']:.2f}"])
     return rows
+
+
+def _tokens_cell(prompt: PromptDiff) -> str:
+    """identical, differ, or (one run shorter, e.g. another max_new_tokens) equal over the shared steps."""
+    if prompt.tokens_identical:
+        return "identical"
+    if prompt.first_divergent_step == prompt.steps:
+        return f"same {prompt.steps}, one run longer"
+    return "differ"
 
 
 def _divergence_lines(diff: RunDiff, prompt: PromptDiff) -> list[str]:

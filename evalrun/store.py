@@ -157,9 +157,16 @@ class RunRecord:
 _OPEN_FOR_WRITING: list["Store"] = []  # held until closed: a dropped Store's connection stays open until collected
 
 
-def _is_golden(conn: sqlite3.Connection) -> bool:
-    """Whether the open file is a golden (it has the `golden` table golden.py writes)."""
-    return bool(conn.execute("SELECT 1 FROM sqlite_master WHERE type = 'table' AND name = 'golden'").fetchone())
+def _not_a_run_store(conn: sqlite3.Connection) -> str | None:
+    """What an existing SQLite file is, if it is not a run store evalrun may write: a golden (its `golden`
+    table) or another program's file (tables, but not evalrun's `meta`). None for a run store or a new file."""
+    tables = [str(row[0]) for row in conn.execute("SELECT name FROM sqlite_master WHERE type = 'table'")]
+    if "golden" in tables:
+        return "a golden, not a run store"
+    if tables and "meta" not in tables:
+        shown = ", ".join(repr(name[:40]) for name in tables[:4]) + (", ..." if len(tables) > 4 else "")
+        return f"a SQLite file of another program (tables {shown}), not an evalrun store"
+    return None
 
 
 def open_stores() -> list["Store"]:
@@ -203,10 +210,11 @@ class Store:
                 self.path.parent.mkdir(parents=True, exist_ok=True)
                 conn = sqlite3.connect(self.path, timeout=BUSY_TIMEOUT_MS / 1000, isolation_level=None)
                 conn.execute(f"PRAGMA busy_timeout = {BUSY_TIMEOUT_MS}")
-                if _is_golden(conn):  # by content, not name: links to a golden are caught too; nothing written yet
+                refusal = _not_a_run_store(conn)  # by content, not name (links are caught too); nothing written yet
+                if refusal:
                     conn.close()
-                    raise StoreError(f"{self.path} is a golden, not a run store: writing runs into it would break "
-                                     f"it; pass --store with another file")
+                    raise StoreError(f"{self.path} is {refusal}: writing runs into it would change it; pass "
+                                     f"--store with a new file or an evalrun store")
                 conn.execute("PRAGMA journal_mode = WAL")
                 conn.execute("PRAGMA foreign_keys = ON")
         except (OSError, sqlite3.Error) as error:

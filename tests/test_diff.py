@@ -131,3 +131,15 @@ def test_diff_between_two_dtypes_with_full_logits(cli, tiny_args):
     assert code == 0, err
     logits = json.loads(out)["prompts"][0]["logits"]
     assert logits["ulp_histogram"] == {} and logits["max_abs_delta"] > 0
+
+
+def test_a_shorter_run_with_the_same_tokens_is_not_called_different(cli, tiny_args):
+    """Another max_new_tokens: over the shared steps the tokens agree; the text says so, not "differ"."""
+    args = [a for a in tiny_args]
+    short = _run(cli, args[:args.index("--max-new-tokens")] + args[args.index("--max-new-tokens") + 2:],
+                 "--max-new-tokens", "3")
+    long = _run(cli, tiny_args)  # 6 tokens
+    code, out, _ = cli("diff", short, long, "--store", tiny_args[-1])
+    assert code == 0 and "same 3, one run longer" in out and " differ " not in out
+    data = json.loads(cli("diff", short, long, "--store", tiny_args[-1], "--format", "json")[1])
+    assert all(p["first_divergent_step"] == 3 and not p["tokens_identical"] for p in data["prompts"])

@@ -271,3 +271,16 @@ def test_a_command_leaves_every_run_in_the_db_file_alone(cli, tiny_args, store_p
     copy = tmp_path / "copy.db"
     shutil.copy(store_path, copy)
     assert Store(copy, immutable=True).get_run(run_id).status == "complete"
+
+
+def test_a_sqlite_file_of_another_program_is_refused_unchanged(tmp_path):
+    """Its tables are not evalrun's: refused before anything is written (no WAL switch, no tables added)."""
+    other = tmp_path / "other.db"
+    with sqlite3.connect(other) as conn:
+        conn.execute("CREATE TABLE foo (x)")
+        conn.execute("CREATE TABLE \"line\nbreak\" (y)")
+    before = other.read_bytes()
+    with pytest.raises(StoreError, match="another program") as refused:
+        Store(other)
+    assert "\n" not in str(refused.value).replace("\\n", "")
+    assert other.read_bytes() == before
