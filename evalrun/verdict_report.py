@@ -37,6 +37,9 @@ def _summary_lines(verdict: Verdict) -> list[str]:
         lines.append("envelope: " + "; ".join(verdict.envelope))
     if verdict.closest:
         lines.append(f"closest to the decision: {verdict.closest} at {verdict.distance:.2f} of its budget")
+    if verdict.candidate_run:
+        lines.append(f"candidate run {verdict.candidate_run['run_id']} kept in {verdict.candidate_run['store']} "
+                     f"(evalrun diff {verdict.candidate_run['run_id'][:12]} golden:{verdict.golden})")
     return lines
 
 

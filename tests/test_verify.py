@@ -272,6 +272,8 @@ def test_a_whole_verify_with_store_keeps_its_candidate_run_and_names_it(cli, gol
 
     code, out, _ = cli("golden", "verify", "g", "--dir", str(directory), "--json", "--quiet")
     assert code == 0 and json.loads(out)["candidate_run"] is None
+    code, out, _ = cli("golden", "verify", "g", "--dir", str(directory), "--store", str(store), "--quiet")
+    assert code == 0 and "candidate run " in out and "kept in" in out  # the text verdict names it too
 
 
 def test_a_golden_is_never_written_as_a_store_or_an_output(cli, golden_factory, tmp_path):
