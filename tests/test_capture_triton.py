@@ -122,8 +122,9 @@ gpu = pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
 def test_gpu_fused_capture_matches_torch_eager_compiled_and_graphed(dtype):
-    from evalrun.engine.capture_triton import capture_kernel, fused_capture
+    from evalrun.engine.capture_triton import capture_kernel, fused_capture, prepare
 
+    prepare("cuda")  # where capture buffers are allocated, eagerly
     assert capture_kernel("cuda", dtype, 8) == "triton-fused"
     logits = (torch.randn(4, 128256, device="cuda") * 3).to(dtype)  # Llama-3's vocabulary
     digest, ids, values, margin = fused_capture(logits, 8)

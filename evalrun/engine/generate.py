@@ -21,6 +21,7 @@ import torch
 
 from .capture import BITS_VIEW, logits_digest, topk_sketch
 from .capture_triton import fused_capture, fused_capture_supported
+from .capture_triton import prepare as prepare_fused_capture
 from .mixing import splitmix64
 from .transformer import KVCache, Transformer
 
@@ -128,6 +129,7 @@ class CaptureBuffers:
     def allocate(cls, batch: int, steps: int, vocab: int, spec: BatchSpec, dtype: torch.dtype,
                  device: torch.device, routing_shape: tuple[int, int] | None = None) -> "CaptureBuffers":
         """`routing_shape` (L MoE layers, k experts per token): capture routing too (MoE models only)."""
+        prepare_fused_capture(device)  # eagerly, before any step Dynamo could trace (CUDA: the Triton op)
         probe_width = spec.probe_ids[0].shape[-1] if spec.probe_ids is not None else 0
         routing = routing_shape is not None and spec.capture
         zeros = lambda *shape, kind=torch.int64: torch.zeros(*shape, dtype=kind, device=device)  # noqa: E731

@@ -1,0 +1,77 @@
+"""The Triton kernel of the fused capture (see capture_triton.py): one program per (row, chunk).
+
+Imported only where it runs (capture_triton.prepare on a CUDA device, or under TRITON_INTERPRET=1):
+importing Triton costs a CPU-only command a second it never needs.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from .capture import _INDEX_MULTIPLIER, _LANE_SEEDS, _LANE_STEP, _WORD_MULTIPLIER
+from .mixing import _MIX_2, _MIX_3
+
+BITS = {torch.float32: 32, torch.bfloat16: 16, torch.float16: 16, torch.float64: 64}  # float dtype -> bit width
+WORD_MULTIPLIER = tl.constexpr(_WORD_MULTIPLIER)
+INDEX_MULTIPLIER = tl.constexpr(_INDEX_MULTIPLIER)
+LANE_0 = tl.constexpr(_LANE_SEEDS[0])
+LANE_1 = tl.constexpr(_LANE_SEEDS[0] + _LANE_STEP)
+MIX_2 = tl.constexpr(_MIX_2)
+MIX_3 = tl.constexpr(_MIX_3)
+
+
+@triton.jit
+def _logical_shift_right(x, bits: tl.constexpr):
+    return (x >> bits) & ((1 << (64 - bits)) - 1)
+
+@triton.jit
+def _splitmix64(x):
+    x = (x ^ _logical_shift_right(x, 30)) * MIX_2
+    x = (x ^ _logical_shift_right(x, 27)) * MIX_3
+    return x ^ _logical_shift_right(x, 31)
+
+@triton.jit
+def capture_chunk_kernel(logits_ptr, vocab, row_stride, digest_ptr, keys_ptr, chunks,
+                         BITS: tl.constexpr, CHUNK_SIZE: tl.constexpr, K: tl.constexpr):
+    row = tl.program_id(0)
+    chunk = tl.program_id(1)
+    index = chunk * CHUNK_SIZE + tl.arange(0, CHUNK_SIZE)  # [CHUNK]
+    inside = index < vocab
+    # int64 row offset: a row stride of T x V (logits of every position) passes 2^31 within a batch
+    x = tl.load(logits_ptr + row.to(tl.int64) * row_stride + index, mask=inside, other=0.0)  # [CHUNK]
+    # Digest terms, as capture.logits_digest: raw bits sign-extended to int64, mixed with the index.
+    if BITS == 16:
+        words = x.to(tl.int16, bitcast=True).to(tl.int64)
+    elif BITS == 32:
+        words = x.to(tl.int32, bitcast=True).to(tl.int64)
+    else:
+        words = x.to(tl.int64, bitcast=True)
+    base = words * WORD_MULTIPLIER + index.to(tl.int64) * INDEX_MULTIPLIER  # [CHUNK] int64
+    lane0 = tl.where(inside, _splitmix64(base + LANE_0), 0)
+    lane1 = tl.where(inside, _splitmix64(base + LANE_1), 0)
+    out = digest_ptr + (row * chunks + chunk) * 2
+    tl.store(out, tl.sum(lane0, axis=0))
+    tl.store(out + 1, tl.sum(lane1, axis=0))
+    # Packed keys: order-preserving float32 bits (high half), then the reversed index (low half).
+    value = x.to(tl.float32)
+    signed = value.to(tl.int32, bitcast=True)
+    ordered = tl.where(signed >= 0, signed, signed ^ 0x7FFFFFFF)
+    ordered = tl.where(value != value, 0x7FFFFFFF, ordered)  # NaN above +inf
+    ordered = tl.where(value == 0.0, 0, ordered)  # -0.0 equals 0.0: their order goes by index too
+    keys = ordered.to(tl.int64) * 4294967296 + (4294967295 - index.to(tl.int64))
+    keys = tl.where(inside, keys, -9223372036854775807 - 1)
+    best = tl.topk(keys, K)  # [K], largest first
+    tl.store(keys_ptr + (row * chunks + chunk) * K + tl.arange(0, K), best)
+
+
+def launch(logits: torch.Tensor, k_pow2: int, chunk: int, wrap=lambda kernel: kernel) -> tuple[torch.Tensor, torch.Tensor]:
+    """[B, V] -> partial digests [B, C, 2] int64, candidate keys [B, C, k_pow2] int64 (C chunks)."""
+    rows, vocab = logits.shape
+    chunks = -(-vocab // chunk)
+    digests = torch.empty(rows, chunks, 2, dtype=torch.int64, device=logits.device)
+    keys = torch.empty(rows, chunks, k_pow2, dtype=torch.int64, device=logits.device)
+    wrap(capture_chunk_kernel)[(rows, chunks)](logits, vocab, logits.stride(0), digests, keys, chunks,
+                                               BITS=BITS[logits.dtype], CHUNK_SIZE=chunk, K=k_pow2)
+    return digests, keys
