@@ -9,9 +9,11 @@ from __future__ import annotations
 import dataclasses
 import errno
 import os
+import signal
 import sqlite3
 import sys
 import tempfile
+import threading
 import traceback
 from pathlib import Path
 from typing import Any, Callable
@@ -20,7 +22,7 @@ import click
 
 from . import report
 from .config import build_config, parse_opt_level
-from .errors import EXIT_CHANGED, EXIT_INTERNAL, EXIT_UNUSABLE, EvalrunError, OutputError
+from .errors import EXIT_CHANGED, EXIT_INTERNAL, EXIT_UNUSABLE, EvalrunError, OutputError, Terminated
 from .store import Store, default_store_path
 
 RUN_FLAG_NAMES = ("model", "prompts", "engine", "served_model", "tensor_parallel", "opt_level", "compilation_mode", "cudagraph_mode", "dtype", "device",
@@ -775,6 +777,22 @@ def exit_code_of(error: BaseException) -> int:
     return _crash(error)
 
 
+def _stop_on_sigterm():
+    """SIGTERM raises Terminated (as Ctrl-C raises KeyboardInterrupt) unless something else handles it;
+    returns the handler to restore, or None where none was installed (not the main thread)."""
+    if threading.current_thread() is not threading.main_thread():
+        return None
+    previous = signal.getsignal(signal.SIGTERM)
+    if previous is not signal.SIG_DFL:
+        return None
+
+    def terminated(signum, frame):
+        raise Terminated(f"stopped by signal {signum} (SIGTERM)")
+
+    signal.signal(signal.SIGTERM, terminated)
+    return previous
+
+
 def main(argv: list[str] | None = None) -> None:
     """Entry point: click in non-standalone mode, so every outcome passes through `exit_code_of`."""
     for stream in (sys.stdout, sys.stderr):  # text from a damaged file must never fail to print
@@ -784,10 +802,14 @@ def main(argv: list[str] | None = None) -> None:
     from .store import close_open_stores, open_stores
 
     code, already_open = 0, open_stores()
+    previous = _stop_on_sigterm()
     try:
         cli.main(args=argv, prog_name="evalrun", standalone_mode=False)
     except (Exception, KeyboardInterrupt) as error:  # noqa: BLE001 - the one place errors become exit codes
         code = exit_code_of(error)
+    finally:
+        if previous is not None:
+            signal.signal(signal.SIGTERM, previous)
     try:
         close_open_stores(keep=already_open)  # every run in its .db file (a torchrun rank may end by os._exit)
         leave(code)  # under torchrun: leave the process group so the launcher sees a clean exit

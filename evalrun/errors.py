@@ -66,3 +66,8 @@ class ServerError(EvalrunError):
     def __init__(self, message: str, status: int | None = None):
         super().__init__(message)
         self.status = status  # the HTTP status when the server refused the request
+
+
+class Terminated(KeyboardInterrupt):
+    """SIGTERM (a cancelled CI job, a scheduler's stop): the command stops as on Ctrl-C, exit 2, and a run
+    being made is stored as interrupted."""

@@ -284,3 +284,23 @@ def test_a_sqlite_file_of_another_program_is_refused_unchanged(tmp_path):
         Store(other)
     assert "\n" not in str(refused.value).replace("\\n", "")
     assert other.read_bytes() == before
+
+
+def test_sigterm_mid_generation_stores_the_run_as_interrupted(store_path):
+    """A cancelled CI job or a scheduler's stop (SIGTERM) ends the command as Ctrl-C does: one line,
+    exit 2, and the run it was making is stored as interrupted, not left running."""
+    args = ["run", "--model", "random:tiny", "--prompts", "smoke", "--max-new-tokens", "3000", "--quiet",
+            "--store", str(store_path)]
+    process = subprocess.Popen(_evalrun(*args), stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    deadline = time.time() + 120
+    while time.time() < deadline:
+        if store_path.exists() and Store(store_path, readonly=True).list_runs():
+            break
+        time.sleep(0.2)
+    time.sleep(1.0)  # well inside generation
+    process.send_signal(signal.SIGTERM)
+    _, err = process.communicate(timeout=60)
+    assert process.returncode == 2 and err.strip().splitlines() == [err.strip()] and "interrupted" in err, err
+    store = Store(store_path, readonly=True)
+    (run,) = store.list_runs()
+    assert run.status == "interrupted" and store.load_results(run.id) == []
