@@ -179,7 +179,7 @@ def close_open_stores(keep: list["Store"] = ()) -> None:
     close folds the write-ahead log into the file, so the .db alone holds every run (a process ended by
     os._exit, as a torchrun rank over NCCL is, would otherwise leave committed runs only in the -wal file)."""
     for store in list(_OPEN_FOR_WRITING):
-        if not any(store is kept for kept in keep):
+        if store not in keep:
             store.close()
 
 

@@ -25,10 +25,11 @@ import os
 
 import torch
 
+from .capture import BITS_VIEW  # the logits dtypes the kernel reads
+
 CHUNK = 1024  # elements of one row each program reads (tuned on the H200: benchmarks/capture_overhead.py)
 MAX_FUSED_TOP_K = 128  # larger top-k: the torch path (a program's bitonic top-k is sized by K)
 _LOW32 = (1 << 32) - 1
-_BITS = (torch.float32, torch.bfloat16, torch.float16, torch.float64)  # the logits dtypes the kernel reads
 INTERPRETED = os.environ.get("TRITON_INTERPRET") == "1"  # Triton runs kernels on the CPU (tests)
 _OP: dict = {}  # "op": the registered torch op, once prepare() ran on a CUDA device with Triton
 
@@ -36,7 +37,7 @@ _OP: dict = {}  # "op": the registered torch op, once prepare() ran on a CUDA de
 def capture_kernel(device: torch.device | str, dtype: torch.dtype, top_k: int) -> str:
     """Which implementation captures a step: "triton-fused" on a CUDA device once `prepare` registered the
     kernel, else "torch"."""
-    fused = (torch.device(device).type == "cuda" and "op" in _OP and dtype in _BITS
+    fused = (torch.device(device).type == "cuda" and "op" in _OP and dtype in BITS_VIEW
              and 2 <= top_k <= MAX_FUSED_TOP_K)
     return "triton-fused" if fused else "torch"
 

@@ -10,10 +10,9 @@ import torch
 import triton
 import triton.language as tl
 
-from .capture import _INDEX_MULTIPLIER, _LANE_SEEDS, _LANE_STEP, _WORD_MULTIPLIER
+from .capture import _INDEX_MULTIPLIER, _LANE_SEEDS, _LANE_STEP, _WORD_MULTIPLIER, BITS_VIEW
 from .mixing import _MIX_2, _MIX_3
 
-BITS = {torch.float32: 32, torch.bfloat16: 16, torch.float16: 16, torch.float64: 64}  # float dtype -> bit width
 WORD_MULTIPLIER = tl.constexpr(_WORD_MULTIPLIER)
 INDEX_MULTIPLIER = tl.constexpr(_INDEX_MULTIPLIER)
 LANE_0 = tl.constexpr(_LANE_SEEDS[0])
@@ -73,5 +72,5 @@ def launch(logits: torch.Tensor, k_pow2: int, chunk: int, wrap=lambda kernel: ke
     digests = torch.empty(rows, chunks, 2, dtype=torch.int64, device=logits.device)
     keys = torch.empty(rows, chunks, k_pow2, dtype=torch.int64, device=logits.device)
     wrap(capture_chunk_kernel)[(rows, chunks)](logits, vocab, logits.stride(0), digests, keys, chunks,
-                                               BITS=BITS[logits.dtype], CHUNK_SIZE=chunk, K=k_pow2)
+                                               BITS=BITS_VIEW[logits.dtype].itemsize * 8, CHUNK_SIZE=chunk, K=k_pow2)
     return digests, keys
