@@ -445,35 +445,17 @@ def golden_verify(name, directory, strict, output_format, as_json, junit_path, s
                    if verdict.exit_code == EXIT_UNUSABLE else None)
 
 
-class _KeptCandidate:
-    """`golden verify --store PATH` without shards: the candidate run stored as `evalrun run` would store
-    it (label verify:NAME), so `evalrun diff` and `store show` can read it; its id goes into the verdict."""
-
-    def __init__(self, path: Path, label: str):
-        self.path, self.label, self.run_id = path.resolve(), label, None
-        open_store(self.path).close()  # a store that cannot be used is refused before the model runs
-
-    def observe(self, phase: str, run) -> None:
-        from .runner import record
-
-        if phase != "candidate" or self.run_id is not None:
-            return
-        store = open_store(self.path)
-        try:
-            self.run_id = record(store, run.header, lambda: run, label=self.label).run_id
-        finally:
-            store.close()
-
-
-def _kept_candidate(store_path: Path | None, stored: bool, candidate, name: str) -> "_KeptCandidate | None":
+def _kept_candidate(store_path: Path | None, stored: bool, candidate, name: str):
+    """`golden verify --store PATH` without shards keeps the candidate run (runner.KeptCandidate)."""
     from .distributed import world
+    from .runner import KeptCandidate
 
     if store_path is None or stored:
         return None
     if world().distributed and candidate.tensor_parallel == 1:
         raise click.UsageError("--store keeps a whole verify's candidate run; torchrun ranks split this one: "
                                "use --shard I/N jobs with --store, or drop --store")
-    return _KeptCandidate(store_path, f"verify:{name}") if leader() else None
+    return KeptCandidate(store_path, f"verify:{name}") if leader() else None
 
 
 def _github_outputs(verdict, name: str, output_format: str) -> None:

@@ -227,8 +227,8 @@ class SessionState:
         """The verdict, the stored candidate run's id and the store; the model is loaded once per process
         for every config that shares it."""
         from .golden import open_golden
-        from .runner import effective_config, prepare, record, shares_model
-        from .store import Store, default_store_path
+        from .runner import KeptCandidate, effective_config, prepare, shares_model
+        from .store import default_store_path
         from .config import is_server_engine
         from .server_verify import verify_with_server
         from .verify import candidate_config, verify_golden
@@ -241,19 +241,10 @@ class SessionState:
             loaded = prepare(config)
             self.prepared.append(loaded)
         store_path = self.config.getoption("evalrun_store") or default_store_path()
-        store = Store(store_path)
-        recorded = []
-
-        def observe(phase: str, run) -> None:
-            if phase == "candidate":
-                recorded.append(record(store, run.header, lambda: run, label=f"pytest:{nodeid}"))
-
-        try:
-            verdict = (verify_with_server(golden, config, check.strict, observe=observe) if server else
-                       verify_golden(golden, config, check.strict, observe=observe, reuse=loaded))
-        finally:
-            store.close()
-        return verdict, (recorded[0].run_id if recorded else None), str(store_path)
+        kept = KeptCandidate(store_path, f"pytest:{nodeid}")
+        verdict = (verify_with_server(golden, config, check.strict, observe=kept.observe) if server else
+                   verify_golden(golden, config, check.strict, observe=kept.observe, reuse=loaded))
+        return verdict, kept.run_id, str(store_path)
 
     def ensure_golden(self, check: GoldenCheck) -> str | None:
         """Create or re-create the golden as the session asks; a problem message to fail with, or None."""

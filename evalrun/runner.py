@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any, Callable
 
 import numpy as np
@@ -344,6 +345,25 @@ def execute_run(config: RunConfig | EffectiveConfig, store: Store | None, label:
             return execute(prepared, progress=active.update)
 
     return record(store, prepared.header, produce, label)
+
+
+class KeptCandidate:
+    """The `observe` hook of a verification that stores its candidate run as `evalrun run` would (`label`),
+    so `evalrun diff` and `store show` read it (`golden verify --store`, the pytest plugin). The store is
+    opened at once: one that cannot be used is refused before any model runs."""
+
+    def __init__(self, path: Path | str, label: str):
+        self.path, self.label, self.run_id = Path(path).resolve(), label, None
+        Store(self.path).close()
+
+    def observe(self, phase: str, run: Run) -> None:
+        if phase != "candidate" or self.run_id is not None:
+            return
+        store = Store(self.path)
+        try:
+            self.run_id = record(store, run.header, lambda: run, label=self.label).run_id
+        finally:
+            store.close()
 
 
 class NullBar:
