@@ -15,6 +15,7 @@ and with the fused Triton kernel at several chunk sizes, and runs the A/B once p
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import statistics
 
@@ -37,21 +38,17 @@ def decode_ms(model: Transformer, prompts: list[list[int]], steps: int, capture:
     return float(output.step_ms[1:].sum())
 
 
-class capture_kernel_forced:
-    """Within: capture_step uses the torch ops ("torch") or the fused Triton kernel ("triton-fused")."""
-
-    def __init__(self, kernel: str | None):
-        self.kernel = kernel
-
-    def __enter__(self):
-        self.original = generate.fused_capture_supported
-        if self.kernel is not None:
-            generate.fused_capture_supported = lambda logits, top_k: self.kernel == "triton-fused"
-        return self
-
-    def __exit__(self, *exc):
-        generate.fused_capture_supported = self.original
-        return False
+@contextlib.contextmanager
+def capture_kernel_forced(kernel: str | None):
+    """Within: capture_step uses the torch ops ("torch") or the fused Triton kernel ("triton-fused");
+    None leaves the choice to the engine."""
+    original = generate.fused_capture_supported
+    if kernel is not None:
+        generate.fused_capture_supported = lambda logits, top_k: kernel == "triton-fused"
+    try:
+        yield
+    finally:
+        generate.fused_capture_supported = original
 
 
 def isolated_capture_ms(model: Transformer, batch: int, steps: int, top_k: int = 8, in_graph: bool = False) -> float:
