@@ -135,9 +135,7 @@ def test_diff_between_two_dtypes_with_full_logits(cli, tiny_args):
 
 def test_a_shorter_run_with_the_same_tokens_is_not_called_different(cli, tiny_args):
     """Another max_new_tokens: over the shared steps the tokens agree; the text says so, not "differ"."""
-    args = [a for a in tiny_args]
-    short = _run(cli, args[:args.index("--max-new-tokens")] + args[args.index("--max-new-tokens") + 2:],
-                 "--max-new-tokens", "3")
+    short = _run(cli, tiny_args, "--max-new-tokens", "3")  # the later flag wins over tiny_args' 6
     long = _run(cli, tiny_args)  # 6 tokens
     code, out, _ = cli("diff", short, long, "--store", tiny_args[-1])
     assert code == 0 and "same 3, one run longer" in out and " differ " not in out
