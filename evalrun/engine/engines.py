@@ -9,7 +9,8 @@ The runner (`runner.execute`) sees nothing else: warm-up, batching, results and 
   transformers  transformers' own forward of any causal LM it loads (engine.hf_engine): eager,
                 torch.compile of the forward, static cache + compile with CUDA graphs; refuses
                 piecewise modes
-  openai:URL    a running OpenAI-compatible server (not built yet: issue #15)
+  openai:URL    a running OpenAI-compatible server: not an engine over a loaded model; its runs go through
+                evalrun.server_run (engine.openai_server is its client)
 """
 
 from __future__ import annotations
@@ -17,7 +18,7 @@ from __future__ import annotations
 from typing import Any, Protocol
 
 from ..config import EffectiveConfig
-from ..errors import ConfigError
+from ..errors import ConfigError, UnsupportedModelError
 from .generate import BatchOutput, BatchSpec
 
 
@@ -59,14 +60,10 @@ def check_model(engine: str, model: Any) -> None:
     elif engine == "transformers" and getattr(model, "_is_stateful", False):
         # A recurrent state (Mamba, RWKV, hybrids) is not an attention KV cache: the transformers engine's
         # left-padded decode with a 2D padding mask computes another model for it (Mamba: logits off by ~30)
-        from ..errors import UnsupportedModelError
-
         raise UnsupportedModelError(f"{type(model).__name__} keeps a recurrent state (transformers marks it "
                                     "stateful); --engine transformers decodes attention models with a KV cache and "
                                     "padding mask only and would compute another model; use an attention model")
     if engine == "transformers" and not _is_causal(model):
-        from ..errors import UnsupportedModelError
-
         raise UnsupportedModelError(f"{type(model).__name__} as loaded attends to later tokens (a bidirectional "
                                     "encoder, e.g. a BERT without is_decoder); --engine transformers decodes token by "
                                     "token and would compute another model; use a causal language model")
@@ -105,5 +102,5 @@ def build_engine(model: Any, config: EffectiveConfig, shard: tuple[int, int, Any
         from .hf_engine import TransformersEngine
 
         return TransformersEngine(model, config)
-    raise ConfigError(f"engine={config.engine[:80]!r} is not implemented yet (issue #15); use --engine evalrun "
-                      "or --engine transformers")
+    raise ConfigError(f"engine={config.engine[:80]!r} computes no loaded model (a server's runs go through "
+                      "evalrun.server_run); use --engine evalrun or --engine transformers")

@@ -47,7 +47,8 @@ ATTENTION_KINDS = ("full_attention", "sliding_attention")  # transformers' layer
 # Families transformers implements without SDPA (Gemma 2: SDPA cannot soft-cap scores); their modules load
 # with eager attention, which only transformers' own forward uses (the engine has its own attention).
 HF_EAGER_ONLY = ("gemma2",)
-NO_ENGINE_FIX = "evalrun has no engine for that yet (issue #14); use a checkpoint that does not need it"
+NO_ENGINE_FIX = ("evalrun's engine does not compute that yet; run it with --engine transformers, or use a "
+                 "checkpoint that does not need it")
 
 
 @dataclass(frozen=True)
@@ -191,11 +192,11 @@ LLAMA: dict[str, Rule] = {
 QWEN2: dict[str, Rule] = {  # q/k/v biases are part of the architecture (no config switch)
     **COMMON,
     "use_sliding_window": refused(_one_of(False), "false", "sliding-window attention is not implemented yet "
-                                                           "(issue #14)"),
+                                                           "(--engine transformers runs it)"),
     "sliding_window": inert("unused while use_sliding_window is false (transformers sets it to null)"),
     "max_window_layers": inert("unused while use_sliding_window is false"),
     "layer_types": refused(_full_attention_only, "full_attention in every layer",
-                           "sliding-window attention is not implemented yet (issue #14)"),
+                           "sliding-window attention is not implemented yet (--engine transformers runs it)"),
 }
 
 QWEN3: dict[str, Rule] = {  # q/k RMSNorm per head is part of the architecture (no config switch)
@@ -210,8 +211,8 @@ MISTRAL: dict[str, Rule] = {**COMMON, "sliding_window": SLIDING_WINDOW}
 PHI3: dict[str, Rule] = {  # q/k/v and gate/up stored fused (qkv_proj, gate_up_proj): the same products
     **COMMON,
     "rope_parameters": Rule(IMPLEMENTED, _rope, COMMON["rope_parameters"].accepted,
-                            "Phi-3's longrope (the 128k checkpoints) and partial rotary are not implemented yet "
-                            "(issue #14); use a 4k-context Phi-3 checkpoint"),
+                            "Phi-3's longrope (the 128k checkpoints) and partial rotary are not implemented yet; "
+                            "use a 4k-context Phi-3 checkpoint, or --engine transformers"),
     "sliding_window": SLIDING_WINDOW,
     "resid_pdrop": inert("dropout is off in eval mode"), "embd_pdrop": inert("dropout is off in eval mode"),
     "original_max_position_embeddings": inert("read only by longrope, which is refused"),
@@ -307,7 +308,7 @@ def check_config(config: Mapping[str, Any]) -> str:
             raise UnsupportedModelError(
                 f"model config field {name!r} = {_shown(value)} is {known} for {FAMILY_NAMES[family]}; evalrun's "
                 "engine would ignore it and compute another model; remove it from config.json if it does not "
-                "apply, else evalrun has no engine for this checkpoint yet (issue #14)")
+                "apply, else run this checkpoint with --engine transformers")
         if not rule.accepts(value):
             raise UnsupportedModelError(f"model config field {name!r} = {_shown(value)} is not supported for "
                                         f"{FAMILY_NAMES[family]} (evalrun's engine accepts {rule.accepted}); {rule.fix}")

@@ -128,7 +128,7 @@ def sharded_transformer(model: torch.nn.Module, attn_implementation: str, rank: 
 def shard(transformer: Transformer, rank: int, ranks: int, group: "torch.distributed.ProcessGroup") -> Transformer:
     """Make `transformer` rank `rank`'s part of a `ranks`-way tensor-parallel forward (in place; returned)."""
     if any(w.moe is not None for w in transformer.layers):
-        raise ConfigError("tensor parallelism of mixture-of-experts layers is not implemented yet (issue #17); "
+        raise ConfigError("tensor parallelism of mixture-of-experts layers is not implemented yet; "
                           "run this model with --tensor-parallel 1")
     intermediate = transformer.layers[0].down.shape[1]
     check_divisible(transformer.heads, transformer.kv_heads, intermediate, ranks)
