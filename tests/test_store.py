@@ -126,16 +126,25 @@ def test_four_processes_write_one_store(store_path):
     assert store.check()["ok"]
 
 
+def _wait_inside_generation(store_path, limit_s: float = 120) -> None:
+    """Until the run another process makes is stored as begun (a store still being created reads as not
+    yet), then one second more: well inside generation."""
+    deadline = time.time() + limit_s
+    while time.time() < deadline:
+        try:
+            if store_path.exists() and Store(store_path, readonly=True).list_runs():
+                break
+        except StoreError:  # the writer is creating the file or its schema
+            pass
+        time.sleep(0.2)
+    time.sleep(1.0)
+
+
 def test_sigkill_mid_generation_leaves_store_consistent(store_path):
     args = ["run", "--model", "random:tiny", "--prompts", "smoke", "--max-new-tokens", "3000", "--quiet",
             "--store", str(store_path)]
     process = subprocess.Popen(_evalrun(*args), stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-    deadline = time.time() + 120
-    while time.time() < deadline:
-        if store_path.exists() and Store(store_path).list_runs():
-            break
-        time.sleep(0.2)
-    time.sleep(1.0)  # well inside generation
+    _wait_inside_generation(store_path)
     os.kill(process.pid, signal.SIGKILL)
     process.wait()
     store = Store(store_path)
@@ -292,12 +301,7 @@ def test_sigterm_mid_generation_stores_the_run_as_interrupted(store_path):
     args = ["run", "--model", "random:tiny", "--prompts", "smoke", "--max-new-tokens", "3000", "--quiet",
             "--store", str(store_path)]
     process = subprocess.Popen(_evalrun(*args), stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
-    deadline = time.time() + 120
-    while time.time() < deadline:
-        if store_path.exists() and Store(store_path, readonly=True).list_runs():
-            break
-        time.sleep(0.2)
-    time.sleep(1.0)  # well inside generation
+    _wait_inside_generation(store_path)
     process.send_signal(signal.SIGTERM)
     _, err = process.communicate(timeout=60)
     assert process.returncode == 2 and err.strip().splitlines() == [err.strip()] and "interrupted" in err, err
