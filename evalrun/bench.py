@@ -15,7 +15,7 @@ from pathlib import Path
 from typing import Any, Callable
 
 from .child import run_json_child
-from .config import parse_engine
+from .config import RunConfig, normalize, parse_engine, parse_set_option
 from .errors import ConfigError
 
 
@@ -59,17 +59,33 @@ class BenchRequest:
         known.update({"none": ["--compilation-mode", "none"]})
         known.update({name.lstrip("-"): options for name, options in GPU_MATRIX})
         names = [name.strip() for name in self.matrix_names.split(",")]
-        unknown = [name for name in names if name.partition("@")[0] not in known]
+        unknown = [name for name in names if base_name(name) not in known]
         if unknown:
             raise ConfigError(f"unknown bench config {unknown[0]!r}; use {', '.join(sorted(known))}, each optionally "
-                              "with @ENGINE (e.g. O2@transformers)")
-        return [(name, known[name.partition("@")[0]] + engine_options(name)) for name in names]
+                              "with @ENGINE and +KEY=VALUE knobs (e.g. O2@transformers, O2+blas_library=cublaslt)")
+        return [(name, known[base_name(name)] + engine_options(name) + knob_options(name)) for name in names]
+
+
+def base_name(name: str) -> str:
+    """'O2@transformers+blas_library=cublaslt' -> 'O2'."""
+    return name.partition("+")[0].partition("@")[0]
 
 
 def engine_options(name: str) -> list[str]:
     """`NAME@ENGINE` runs configuration NAME on that engine (`--engine`), e.g. O2@transformers."""
-    _, at, engine = name.partition("@")
+    _, at, engine = name.partition("+")[0].partition("@")
     return ["--engine", parse_engine(engine)] if at else []
+
+
+def knob_options(name: str) -> list[str]:
+    """`NAME+KEY=VALUE+...` sets config knobs on top of NAME (`--set`), e.g. O2+linear_kernel=triton-gemv:
+    a lever measured side by side with the configuration without it. Keys and values are checked here."""
+    options = []
+    for item in name.split("+")[1:]:
+        key, value = parse_set_option(item)
+        normalize(RunConfig(**{key: value}))  # one line naming the fix for a value no run would accept
+        options += ["--set", item.strip()]
+    return options
 
 
 def run_bench(request: BenchRequest, on_start: Callable[[str], None]) -> list[dict[str, Any]]:

@@ -578,7 +578,8 @@ def invariance(store_path, batch_sizes, positions, repeats, output_format, as_js
 @click.option("--batch-size", type=click.IntRange(min=1), help="Prompts per batch.")
 @click.option("--matrix", "matrix_names", metavar="NAMES", default=None,
               help="Comma-separated configs: O0..O3, none, stock, trace-once, piecewise, each optionally @ENGINE "
-                   "(O2@transformers) (default: O0..O3 on GPU, the compilation modes on CPU).")
+                   "(O2@transformers) and +KEY=VALUE knobs (O2+linear_kernel=triton-gemv) (default: O0..O3 on GPU, "
+                   "the compilation modes on CPU).")
 @click.option("--no-baselines", is_flag=True, help="Skip transformers' generate baselines.")
 @click.option("--config-timeout", type=click.FloatRange(min=1), default=3600, show_default=True, metavar="SECONDS",
               help="Stop a configuration that runs longer (its row shows the timeout); the others still run.")
@@ -599,6 +600,7 @@ def bench(model, prompts, dtype, device, max_new_tokens, batch_size, matrix_name
       evalrun bench --model random:llama3-8b --dtype bfloat16 --max-new-tokens 128 --prompts smoke
       evalrun bench --matrix O0,O2 --compare baseline.json --fail-on tokens_per_s:5% --fail-on ttft_ms:10%
       evalrun bench --matrix O0,O2,O0@transformers,O2@transformers --model random:llama3-8b --dtype bfloat16
+      evalrun bench --matrix O2,O2+blas_library=cublaslt,O2+linear_kernel=triton-gemv --no-baselines
     """
     from . import bench_compare
     from .bench import BASELINES, BenchRequest, run_bench

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import dataclasses
 import enum
+import os
 import re
 import tomllib
 from dataclasses import dataclass, field
@@ -76,6 +77,9 @@ class CUDAGraphMode(enum.StrEnum):
 DTYPES = ("float32", "bfloat16", "float16", "float64")
 DTYPE_ALIASES = {"fp32": "float32", "bf16": "bfloat16", "fp16": "float16", "fp64": "float64"}
 ATTENTION_IMPLEMENTATIONS = ("sdpa", "eager")
+# Decode-speed levers (issue #16), each a numerics knob: other kernels, other bits. Never on by default.
+BLAS_LIBRARIES = ("cublas", "cublaslt")  # torch.backends.cuda.preferred_blas_library on CUDA
+LINEAR_KERNELS = ("aten", "triton-gemv")  # engine/linear.py: who computes a projection of 1-4 rows
 KEEP_LOGITS_PATTERN = re.compile(r"none|all|([^,@\s]+(@\d+(-\d+)?)?)(,[^,@\s]+(@\d+(-\d+)?)?)*")
 MAX_NEW_TOKENS_LIMIT = 8192  # past any context the shipped models have; larger asks are typos
 MAX_BATCH_SIZE = 4096
@@ -105,15 +109,16 @@ OPT_LEVEL_KNOBS = ("compilation_mode", "cudagraph_mode", *INDUCTOR_KNOBS)  # wha
 # The hashed factors, in the order bisect walks them: compilation before CUDA graphs before Inductor
 # knobs before precision flags before shapes (torch's bisector: backends before subsystems).
 NUMERICS_FACTORS = ("engine", "device", "tensor_parallel", "dtype", "compilation_mode", "cudagraph_mode", *INDUCTOR_KNOBS, "attn_implementation",
-                    "tf32", "deterministic", "batch_invariant", "batch_size", "prefill_buckets", "batch_buckets")
+                    "blas_library", "linear_kernel", "tf32", "deterministic", "batch_invariant", "batch_size", "prefill_buckets", "batch_buckets")
 WORKLOAD_FACTORS = ("model", "prompts", "max_new_tokens", "top_k", "temperature", "seed", "served_model",
                     "server_config")
 # Knobs added after runs and goldens were first stored: a stored config without one ran at this value.
 OPTIONAL_STORED = {"batch_invariant": False, "engine": "evalrun", "tensor_parallel": 1, "served_model": "",
-                   "server_config": "", "server_timeout": 60.0}
+                   "server_config": "", "server_timeout": 60.0, "blas_library": "cublas", "linear_kernel": "aten"}
 # Factors added after config hashes were first stored: left out of the hash at these values, so every
 # hash stored before them (runs, goldens, bisect records) still names the same config.
-HASHED_ONLY_WHEN_SET = {"engine": "evalrun", "tensor_parallel": 1, "served_model": "", "server_config": ""}
+HASHED_ONLY_WHEN_SET = {"engine": "evalrun", "tensor_parallel": 1, "served_model": "", "server_config": "",
+                        "blas_library": "cublas", "linear_kernel": "aten"}
 # What computes the logits: evalrun's own engine (every execution mode), transformers' forward, or a
 # running OpenAI-compatible server (`openai:URL`).
 ENGINES = ("evalrun", "transformers")
@@ -138,6 +143,8 @@ class RunConfig:
     dtype: str | None = None
     device: str = "auto"
     attn_implementation: str = "sdpa"
+    blas_library: str = "cublas"  # cublas | cublaslt: the library CUDA matrix products prefer (GPU only)
+    linear_kernel: str = "aten"  # aten | triton-gemv: projections of 1-4 rows (decode) by a Triton GEMV (GPU only)
     batch_size: int = 1
     max_new_tokens: int = 32
     top_k: int = 8
@@ -178,6 +185,8 @@ class EffectiveConfig:
     dtype: str
     device: str
     attn_implementation: str
+    blas_library: str
+    linear_kernel: str
     batch_size: int
     max_new_tokens: int
     top_k: int
@@ -429,6 +438,8 @@ def normalize(config: RunConfig) -> RunConfig:
     if config.dtype is not None:
         config.dtype = _choice("dtype", config.dtype, DTYPES, DTYPE_ALIASES)
     config.attn_implementation = _choice("attn_implementation", config.attn_implementation, ATTENTION_IMPLEMENTATIONS)
+    config.blas_library = _choice("blas_library", config.blas_library, BLAS_LIBRARIES)
+    config.linear_kernel = _choice("linear_kernel", config.linear_kernel, LINEAR_KERNELS)
     config.engine = parse_engine(config.engine)
     if not KEEP_LOGITS_PATTERN.fullmatch(str(config.keep_logits)):
         raise ConfigError(f"keep_logits={config.keep_logits!r} is not valid; use none, all, or prompt ids with "
@@ -576,6 +587,22 @@ def _check_engine_modes(config: EffectiveConfig) -> None:
                           "forward compiled by torch.compile; add --compilation-mode stock or trace-once")
 
 
+def _check_decode_levers(config: EffectiveConfig) -> None:
+    """The decode-speed knobs exist on CUDA only, and the Triton GEMV in evalrun's own engine only (on the CPU
+    under Triton's interpreter, TRITON_INTERPRET=1, for tests)."""
+    if config.blas_library != "cublas" and not config.on_gpu:
+        raise ConfigError(f"blas_library={config.blas_library} chooses a CUDA library; on CPU use blas_library=cublas "
+                          "(or --device cuda)")
+    if config.linear_kernel == "aten":
+        return
+    if config.engine != "evalrun":
+        raise ConfigError(f"linear_kernel={config.linear_kernel} replaces evalrun's own projections; use --engine "
+                          "evalrun, or linear_kernel=aten")
+    if not config.on_gpu and os.environ.get("TRITON_INTERPRET") != "1":
+        raise ConfigError(f"linear_kernel={config.linear_kernel} is a CUDA kernel; on CPU use linear_kernel=aten "
+                          "(or --device cuda)")
+
+
 def validate(config: EffectiveConfig, cuda_available: bool, gpu_count: int | None = None) -> None:
     """The one check that a resolved config can exist here; ConfigError names the fix."""
     if config.on_gpu and not cuda_available:
@@ -598,5 +625,6 @@ def validate(config: EffectiveConfig, cuda_available: bool, gpu_count: int | Non
         from .distributed import check_world
 
         check_world(config.tensor_parallel)  # N ranks launched by torchrun, or one line naming the command
+    _check_decode_levers(config)
     if config.dtype == "float16" and not config.on_gpu:
         raise ConfigError("dtype float16 is not supported on CPU here; use float32 or bfloat16")

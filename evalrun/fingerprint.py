@@ -169,6 +169,9 @@ def apply_numerics_flags(effective: EffectiveConfig) -> dict[str, Any]:
     torch.backends.cuda.matmul.allow_bf16_reduced_precision_reduction = reduced
     applied.update({"use_deterministic_algorithms": deterministic, "cudnn_deterministic": deterministic,
                     "cudnn_benchmark": False, "tf32": tf32, "reduced_precision_reductions": reduced})
+    if effective.on_gpu:  # set every run, so TORCH_BLAS_PREFER_CUBLASLT in the environment decides nothing
+        torch.backends.cuda.preferred_blas_library(effective.blas_library)
+        applied["preferred_blas_library"] = effective.blas_library
     try:
         import torch._inductor.config as inductor_config
 

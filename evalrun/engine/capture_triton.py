@@ -20,17 +20,14 @@ The kernel (capture_triton_kernel.py) is registered as a `torch.library.triton_o
 
 from __future__ import annotations
 
-import importlib.util
-import os
-
 import torch
 
 from .capture import BITS_VIEW  # the logits dtypes the kernel reads
+from .triton_ops import INTERPRETED, can_register, registering
 
 CHUNK = 1024  # elements of one row each program reads (tuned on the H200: benchmarks/capture_overhead.py)
 MAX_FUSED_TOP_K = 128  # larger top-k: the torch path (a program's bitonic top-k is sized by K)
 _LOW32 = (1 << 32) - 1
-INTERPRETED = os.environ.get("TRITON_INTERPRET") == "1"  # Triton runs kernels on the CPU (tests)
 _OP: dict = {}  # "op": the registered torch op, once prepare() ran on a CUDA device with Triton
 
 
@@ -48,27 +45,19 @@ def fused_capture_supported(logits: torch.Tensor, top_k: int) -> bool:
 
 def prepare(device: torch.device | str) -> None:
     """Import the kernel and register it as a torch op, once, for a CUDA device (else nothing). Called
-    eagerly where capture buffers are allocated, so before any step that Dynamo could trace: Dynamo
-    cannot trace a registration. Registering makes Inductor settle its cache folder into
-    TORCHINDUCTOR_CACHE_DIR; where nobody had chosen one, the choice is left to evalrun's compile_cache."""
-    if "op" in _OP or torch.device(device).type != "cuda" or INTERPRETED or not triton_installed():
+    eagerly where capture buffers are allocated, so before any step that Dynamo could trace (triton_ops)."""
+    if "op" in _OP or not can_register(device):
         return
-    chosen = "TORCHINDUCTOR_CACHE_DIR" in os.environ
     from torch.library import triton_op, wrap_triton
 
     from . import capture_triton_kernel
 
-    @triton_op("evalrun::capture_chunks", mutates_args={})
-    def capture_chunks(logits: torch.Tensor, k_pow2: int) -> tuple[torch.Tensor, torch.Tensor]:
-        return capture_triton_kernel.launch(logits, k_pow2, CHUNK, wrap_triton)
+    with registering():
+        @triton_op("evalrun::capture_chunks", mutates_args={})
+        def capture_chunks(logits: torch.Tensor, k_pow2: int) -> tuple[torch.Tensor, torch.Tensor]:
+            return capture_triton_kernel.launch(logits, k_pow2, CHUNK, wrap_triton)
 
-    if not chosen:
-        os.environ.pop("TORCHINDUCTOR_CACHE_DIR", None)
     _OP["op"] = capture_chunks
-
-
-def triton_installed() -> bool:
-    return importlib.util.find_spec("triton") is not None
 
 
 def fused_capture(logits: torch.Tensor, top_k: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:

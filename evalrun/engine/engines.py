@@ -96,8 +96,9 @@ def build_engine(model: Any, config: EffectiveConfig, shard: tuple[int, int, Any
             from .tensor_parallel import sharded_transformer
 
             assert shard is not None, "a tensor-parallel engine needs its rank, rank count and process group"
-            return build_execution_mode(sharded_transformer(model, config.attn_implementation, *shard), config)
-        return build_execution_mode(Transformer(model, config.attn_implementation), config)
+            transformer = sharded_transformer(model, config.attn_implementation, *shard)
+            return build_execution_mode(transformer.with_linear_kernel(config.linear_kernel), config)
+        return build_execution_mode(Transformer(model, config.attn_implementation, config.linear_kernel), config)
     if config.engine == "transformers":
         from .hf_engine import TransformersEngine
 

@@ -186,7 +186,7 @@ def plant(prepared: Any, fault: Fault) -> None:
         return
     if prepared.config.engine != "evalrun":
         raise ValueError(f"faults are not planted in engine {prepared.config.engine}")
-    transformer = Transformer(prepared.loaded.model, prepared.config.attn_implementation)
+    transformer = Transformer(prepared.loaded.model, prepared.config.attn_implementation, prepared.config.linear_kernel)
     apply(transformer, fault)
     prepared.mode = build_execution_mode(transformer, prepared.config)
 

@@ -31,12 +31,14 @@ and passed as tensors of the same shapes, so one compiled piece still serves eve
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+import copy
+from dataclasses import dataclass, replace
 from typing import Callable
 
 import torch
 import torch.nn.functional as F
 
+from . import linear as projections
 from . import moe
 from .model_support import ACTIVATION_FIELD, FAMILIES, OFFSET_NORM_FAMILIES, WINDOWED_FAMILIES, check_config
 
@@ -46,7 +48,8 @@ FULL, SLIDING = "full_attention", "sliding_attention"  # transformers' layer_typ
 
 @dataclass(frozen=True)
 class Variant:
-    """A family's switches, static for the whole model (the defaults are Llama's)."""
+    """A family's switches, static for the whole model (the defaults are Llama's), and the run's choice of
+    projection kernel (engine/linear.py; not the family's: set from the config)."""
 
     norm_offset: bool = False  # Gemma: RMSNorm scales by (1 + w), computed in fp32 and rounded once
     embed_scale: float | None = None  # Gemma: embeddings x sqrt(hidden), rounded to the model dtype
@@ -54,6 +57,7 @@ class Variant:
     attn_softcap: float | None = None  # Gemma 2: scores -> c * tanh(scores / c) before the mask
     final_softcap: float | None = None  # Gemma 2: logits -> c * tanh(logits / c)
     sliding_window: int | None = None  # a query sees the keys of its last `sliding_window` slots
+    linear_kernel: str = "aten"  # aten | triton-gemv: who computes projections of 1-4 rows (linear.py)
 
 
 LLAMA_VARIANT = Variant()
@@ -118,7 +122,7 @@ class KVCache:
 class Transformer:
     """Callable forward of a supported model: (tokens, positions, slots, key_valid, cache) -> logits."""
 
-    def __init__(self, hf_model: torch.nn.Module, attn_implementation: str = "sdpa"):
+    def __init__(self, hf_model: torch.nn.Module, attn_implementation: str = "sdpa", linear_kernel: str = "aten"):
         config = hf_model.config
         family = check_config(config.to_dict())  # refuses, with one line, any field this forward does not compute
         inner = hf_model.model
@@ -140,7 +144,7 @@ class Transformer:
         # (L, k): the routing each step captures, for MoE models only
         self.routing_shape = (len(moe_layers), moe_layers[0].top_k) if moe_layers else None
         self.dtype = self.embed.dtype
-        self.variant = _variant(config, family, inner, self.dtype)
+        self.variant = replace(_variant(config, family, inner, self.dtype), linear_kernel=linear_kernel)
         # Each layer's attention kind: the config's layer_types (Gemma; Qwen's are all full, model_support
         # checks), else every layer sliding where the family has a window (Mistral, Phi-3).
         default_kind = SLIDING if self.variant.sliding_window else FULL
@@ -157,8 +161,19 @@ class Transformer:
             self.local_rotary = (getattr(rotary_embedding, f"{SLIDING}_inv_freq").to(wide),
                                  float(getattr(rotary_embedding, f"{SLIDING}_attention_scaling", 1.0)))
         self.device = self.embed.device
+        projections.prepare(linear_kernel, self.device)  # registers the GEMV before anything is compiled
         self.vocab_size = self.lm_head.shape[0]
         self.reduce: Callable | None = None  # tensor parallelism (tensor_parallel.py): sums row-parallel outputs
+
+    def with_linear_kernel(self, kernel: str) -> "Transformer":
+        """This forward over the same weights with projections computed by `kernel` (linear.py): a shallow
+        copy, so a forward already handed to another execution mode keeps its own choice."""
+        if kernel == self.variant.linear_kernel:
+            return self
+        projections.prepare(kernel, self.device)
+        chosen = copy.copy(self)
+        chosen.variant = replace(self.variant, linear_kernel=kernel)
+        return chosen
 
     @classmethod
     def _layers(cls, layers: torch.nn.ModuleList) -> list[LayerWeights]:
@@ -354,7 +369,7 @@ def pre_attention(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, input_n
     bqkv [(H+2G)*D]: the q/k/v biases (Qwen2, Llama's attention_bias); q_norm, k_norm [D]: Qwen3's and
     Gemma 3's RMSNorm of each query and key head, applied before rotary."""
     batch, tokens, _ = x.shape
-    qkv = F.linear(norm(x, input_norm, eps, variant), wqkv, bqkv).view(batch, tokens, heads + 2 * kv_heads, head_dim)
+    qkv = projections.linear(norm(x, input_norm, eps, variant), wqkv, bqkv, variant.linear_kernel).view(batch, tokens, heads + 2 * kv_heads, head_dim)
     q, k, v = qkv.transpose(1, 2).split([heads, kv_heads, kv_heads], dim=1)
     if q_norm is not None:
         q, k = norm(q, q_norm, eps, variant), norm(k, k_norm, eps, variant)
@@ -379,17 +394,19 @@ def output_projection(x: torch.Tensor, attended: torch.Tensor, wo: torch.Tensor,
     """The attention sub-block's end: x [B, T, hidden] + the output projection of attended [B, H, T, D]
     (bo [hidden]: its bias, where the config has one; out_norm [hidden]: Gemma's norm of it before the add)."""
     batch, tokens, _ = x.shape
-    out = row_parallel_linear(attended.transpose(1, 2).reshape(batch, tokens, -1), wo, bo, reduce)
+    out = row_parallel_linear(attended.transpose(1, 2).reshape(batch, tokens, -1), wo, bo, reduce,
+                              variant.linear_kernel)
     return x + (out if out_norm is None else norm(out, out_norm, eps, variant))
 
 
 def row_parallel_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
-                        reduce: Callable | None) -> torch.Tensor:
-    """F.linear, or under tensor parallelism (`reduce` set, tensor_parallel.py) this rank's partial
-    product [.., out] summed over the ranks, the bias added once after the sum."""
+                        reduce: Callable | None, kernel: str = "aten") -> torch.Tensor:
+    """The projection (by `kernel`, linear.py), or under tensor parallelism (`reduce` set,
+    tensor_parallel.py) this rank's partial product [.., out] summed over the ranks, the bias added once
+    after the sum."""
     if reduce is None:
-        return F.linear(x, weight, bias)
-    summed = reduce(F.linear(x, weight))
+        return projections.linear(x, weight, bias, kernel)
+    summed = reduce(projections.linear(x, weight, None, kernel))
     return summed if bias is None else summed + bias
 
 
@@ -413,8 +430,9 @@ def mlp_block(x: torch.Tensor, post_norm: torch.Tensor, gate_up: torch.Tensor, d
     """The MLP sub-block with its residual: x [B, T, hidden] -> x + down(act(gate) * up) of norm(x);
     b_gate_up [2*inter] and b_down [hidden] are its biases where the config has them; out_norm [hidden]:
     Gemma's norm of the MLP output before the add; reduce: the tensor-parallel sum (row_parallel_linear)."""
-    gate, up = F.linear(norm(x, post_norm, eps, variant), gate_up, b_gate_up).chunk(2, dim=-1)
-    out = row_parallel_linear(activate(gate, activation) * up, down, b_down, reduce)
+    gate, up = projections.linear(norm(x, post_norm, eps, variant), gate_up, b_gate_up,
+                                  variant.linear_kernel).chunk(2, dim=-1)
+    out = row_parallel_linear(activate(gate, activation) * up, down, b_down, reduce, variant.linear_kernel)
     return x + (out if out_norm is None else norm(out, out_norm, eps, variant))
 
 
@@ -439,7 +457,7 @@ def softcap(x: torch.Tensor, cap: float) -> torch.Tensor:
 def head(last: torch.Tensor, final_norm: torch.Tensor, lm_head: torch.Tensor, eps: float,
          variant: Variant = LLAMA_VARIANT) -> torch.Tensor:
     """last [B, hidden] -> logits [B, V] (soft-capped where the family caps them)."""
-    logits = F.linear(norm(last, final_norm, eps, variant), lm_head)
+    logits = projections.linear(norm(last, final_norm, eps, variant), lm_head, None, variant.linear_kernel)
     return logits if variant.final_softcap is None else softcap(logits, variant.final_softcap)
 
 

@@ -1,0 +1,69 @@
+"""Who computes a projection: torch's `F.linear` (cuBLAS on CUDA), or for the 1-4 rows of a decode step a
+Triton GEMV (linear_triton_kernel.py), chosen by the run's `linear_kernel` knob (issue #16).
+
+At batch 1 a decode step's projections are matrix-vector products bound by reading the weights; cuBLAS
+reads the small ones (q/k/v, o) at 2.4-2.9 of the H200's 4.3 TB/s. The GEMV is another reduction order,
+so other bits: a knob in the config hash, never on by default. Which calls it takes is decided by shape
+alone (rows <= GEMV_MAX_ROWS, a weight with contiguous rows): prefill stays on `F.linear`, and one
+compiled piece always makes the same choice.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from ..errors import ConfigError
+from .triton_ops import INTERPRETED, can_register, registering
+
+GEMV_MAX_ROWS = 4  # decode at batch <= 4; more rows: F.linear
+GEMV_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
+# (BLOCK_N, BLOCK_K, num_warps) by rows padded to a power of two: fixed, so the bits depend on shapes only
+# (never autotuned at run time by timing). Chosen on the H200: benchmarks/gemv_speed.py.
+GEMV_BLOCKS = {1: (16, 256, 4), 2: (16, 128, 4), 4: (16, 64, 4)}
+_OP: dict = {}  # "op": the registered torch op, once prepare() ran on a CUDA device with Triton
+
+
+def prepare(kernel: str, device: torch.device | str) -> None:
+    """Register the GEMV as a torch op for a CUDA device, once, before anything is compiled (triton_ops)."""
+    if kernel != "triton-gemv" or "op" in _OP or INTERPRETED or torch.device(device).type != "cuda":
+        return
+    if not can_register(device):
+        raise ConfigError("linear_kernel=triton-gemv needs Triton, which this torch lacks; install triton, or use "
+                          "linear_kernel=aten")
+    from torch.library import triton_op, wrap_triton
+
+    from . import linear_triton_kernel
+
+    with registering():
+        @triton_op("evalrun::gemv", mutates_args={})
+        def gemv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+            return linear_triton_kernel.launch(x, weight, bias, *blocks(x.shape[0]), wrap_triton)
+
+    _OP["op"] = gemv
+
+
+def blocks(rows: int) -> tuple[int, int, int]:
+    return GEMV_BLOCKS[max(1, 1 << (rows - 1).bit_length())]
+
+
+def gemv_applies(x: torch.Tensor, weight: torch.Tensor) -> bool:
+    """Whether the GEMV computes x [..., K] @ weight [N, K]^T: few rows, contiguous weight rows, a float dtype,
+    on a device where it is registered (or interpreted)."""
+    rows = x.numel() // max(1, x.shape[-1])
+    return (1 <= rows <= GEMV_MAX_ROWS and weight.dim() == 2 and weight.stride(-1) == 1 and x.dtype == weight.dtype
+            and x.dtype in GEMV_DTYPES and ("op" in _OP or INTERPRETED))
+
+
+def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, kernel: str = "aten") -> torch.Tensor:
+    """x [..., K] @ weight [N, K]^T + bias [N] -> [..., N], by `kernel` (aten | triton-gemv) where it applies."""
+    if kernel != "triton-gemv" or not gemv_applies(x, weight):
+        return F.linear(x, weight, bias)
+    rows = x.reshape(-1, x.shape[-1]).contiguous()  # [M, K]
+    if INTERPRETED:
+        from .linear_triton_kernel import launch
+
+        out = launch(rows, weight, bias, *blocks(rows.shape[0]))
+    else:
+        out = _OP["op"](rows, weight, bias)  # [M, N]
+    return out.view(*x.shape[:-1], weight.shape[0])

@@ -1,0 +1,53 @@
+"""The Triton GEMV of linear.py: y [M, N] = x [M, K] @ w [N, K]^T (+ bias [N]), for 1-4 rows.
+
+One program computes BLOCK_N outputs of every row: it streams its BLOCK_N rows of the weight once,
+BLOCK_K columns at a time, and keeps a float32 product per (row, output, column lane), summed over the
+lanes at the end. K is a compile-time constant (a model has a few), so the loop is static. Each output's reduction order is fixed by the block sizes (no atomics, no split over
+programs), so a run's bits depend on the shapes only. Imported only where it runs (linear.prepare on a
+CUDA device, or under TRITON_INTERPRET=1).
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+
+@triton.jit
+def gemv_kernel(x_ptr, w_ptr, bias_ptr, y_ptr, rows, n, x_stride, w_stride, y_stride, k: tl.constexpr,
+                HAS_BIAS: tl.constexpr, EVEN: tl.constexpr, ROWS_POW2: tl.constexpr, BLOCK_N: tl.constexpr,
+                BLOCK_K: tl.constexpr):
+    outs = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)  # [BN]
+    ms = tl.arange(0, ROWS_POW2)  # [R]
+    lanes = tl.arange(0, BLOCK_K)  # [BK]
+    w_rows = w_ptr + outs.to(tl.int64)[:, None] * w_stride  # [BN, 1]
+    x_rows = x_ptr + ms[:, None] * x_stride  # [R, 1]
+    acc = tl.zeros((ROWS_POW2, BLOCK_N, BLOCK_K), dtype=tl.float32)
+    for start in range(0, k, BLOCK_K):
+        ks = start + lanes
+        if EVEN:  # n and k multiples of the blocks: unmasked, vectorised weight loads
+            w = tl.load(w_rows + ks[None, :])  # [BN, BK]
+        else:
+            w = tl.load(w_rows + ks[None, :], mask=(outs[:, None] < n) & (ks[None, :] < k), other=0.0)
+        x = tl.load(x_rows + ks[None, :], mask=(ms[:, None] < rows) & (ks[None, :] < k), other=0.0)  # [R, BK]
+        acc += x.to(tl.float32)[:, None, :] * w.to(tl.float32)[None, :, :]
+    y = tl.sum(acc, axis=2)  # [R, BN]
+    if HAS_BIAS:
+        y += tl.load(bias_ptr + outs, mask=outs < n, other=0.0).to(tl.float32)[None, :]
+    tl.store(y_ptr + ms[:, None] * y_stride + outs[None, :], y.to(y_ptr.dtype.element_ty),
+             mask=(ms[:, None] < rows) & (outs[None, :] < n))
+
+
+def launch(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, block_n: int, block_k: int,
+           num_warps: int, wrap=lambda kernel: kernel) -> torch.Tensor:
+    """x [M, K] (rows contiguous), weight [N, K] (rows contiguous), bias [N] or None -> y [M, N]."""
+    rows, k = x.shape
+    n = weight.shape[0]
+    y = torch.empty(rows, n, dtype=x.dtype, device=x.device)
+    even = n % block_n == 0 and k % block_k == 0
+    wrap(gemv_kernel)[(triton.cdiv(n, block_n),)](
+        x, weight, x if bias is None else bias, y, rows, n, x.stride(0), weight.stride(0), y.stride(0), k,
+        HAS_BIAS=bias is not None, EVEN=even, ROWS_POW2=max(1, 1 << (rows - 1).bit_length()), BLOCK_N=block_n,
+        BLOCK_K=block_k, num_warps=num_warps)
+    return y

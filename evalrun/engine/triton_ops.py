@@ -1,0 +1,39 @@
+"""Registering evalrun's Triton kernels as torch ops, so `torch.compile(fullgraph=True)` traces through
+them and a CUDA graph captures their launches (capture_triton.py, linear.py).
+
+A registration happens once, eagerly, before any step Dynamo could trace (Dynamo cannot trace one), and
+only for a CUDA device with Triton installed: importing Triton costs a CPU-only command a second it never
+needs. Under `TRITON_INTERPRET=1` (tests on the CPU) the kernels are called directly, unregistered.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+from contextlib import contextmanager
+from typing import Iterator
+
+import torch
+
+INTERPRETED = os.environ.get("TRITON_INTERPRET") == "1"  # Triton runs kernels on the CPU (tests)
+
+
+def triton_installed() -> bool:
+    return importlib.util.find_spec("triton") is not None
+
+
+def can_register(device: torch.device | str) -> bool:
+    """Whether a kernel is registered for `device`: a CUDA device, Triton installed, not interpreted."""
+    return torch.device(device).type == "cuda" and not INTERPRETED and triton_installed()
+
+
+@contextmanager
+def registering() -> Iterator[None]:
+    """Around a `torch.library.triton_op` registration: registering makes Inductor settle its cache folder
+    into TORCHINDUCTOR_CACHE_DIR; where nobody had chosen one, the choice is left to evalrun's compile_cache."""
+    chosen = "TORCHINDUCTOR_CACHE_DIR" in os.environ
+    try:
+        yield
+    finally:
+        if not chosen:
+            os.environ.pop("TORCHINDUCTOR_CACHE_DIR", None)

@@ -1,0 +1,204 @@
+"""The decode-speed levers (issue #16): the Triton GEMV (`linear_kernel=triton-gemv`) and the preferred BLAS
+library (`blas_library`), each a numerics knob in the config hash, refused where it cannot run.
+
+On CPU the GEMV runs under Triton's interpreter (TRITON_INTERPRET=1, set before Triton is imported, so in
+a child process); on a GPU it runs compiled, also inside torch.compile and a CUDA graph.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sqlite3
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from evalrun.bench import BenchRequest
+from evalrun.config import RunConfig, resolve
+from evalrun.errors import ConfigError
+from evalrun.hashing import hash_value
+
+# Products the GEMV computes (rows 1-4, with and without bias, sizes no multiple of the blocks, a strided
+# input) and one it leaves to F.linear (5 rows); each against float64, and each computed twice.
+INTERPRETED_CASES = r"""
+import json
+import torch
+import torch.nn.functional as F
+from evalrun.engine import linear
+
+g = torch.Generator().manual_seed(3)
+cases = []
+for dtype in (torch.float32, torch.bfloat16):
+    for rows, n, k, bias in ((1, 48, 256, False), (2, 40, 300, True), (3, 64, 512, True), (4, 24, 96, False),
+                             (5, 48, 256, True)):
+        x = torch.randn(rows, k, generator=g).to(dtype)
+        w = (torch.randn(n, k, generator=g) / k ** 0.5).to(dtype)
+        b = torch.randn(n, generator=g).to(dtype) if bias else None
+        y = linear.linear(x, w, b, "triton-gemv")
+        again = linear.linear(x, w, b, "triton-gemv")
+        exact = F.linear(x.double(), w.double(), None if b is None else b.double())
+        cases.append({"dtype": str(dtype), "rows": rows, "n": n, "k": k, "shape": list(y.shape),
+                      "out_dtype": str(y.dtype), "applies": linear.gemv_applies(x, w),
+                      "error": (y.double() - exact).abs().max().item(), "scale": exact.abs().max().item(),
+                      "repeatable": torch.equal(y, again), "aten_bits": torch.equal(y, F.linear(x, w, b))})
+x3 = torch.randn(2, 3, 256, generator=g)[:, -1:, :]  # [2, 1, K], rows 3*256 apart
+w3 = torch.randn(32, 256, generator=g)
+strided = linear.linear(x3, w3, None, "triton-gemv")
+cases.append({"dtype": "strided", "rows": 2, "shape": list(strided.shape), "applies": True, "repeatable": True,
+              "error": (strided.double() - F.linear(x3.double(), w3.double())).abs().max().item(),
+              "scale": 16.0, "out_dtype": str(strided.dtype), "aten_bits": False})
+print(json.dumps(cases))
+"""
+
+pytestmark = pytest.mark.filterwarnings("ignore::DeprecationWarning")
+
+
+@pytest.fixture(scope="module")
+def interpreted() -> list[dict]:
+    pytest.importorskip("triton")
+    env = {**os.environ, "TRITON_INTERPRET": "1"}
+    done = subprocess.run([sys.executable, "-c", INTERPRETED_CASES], capture_output=True, text=True, env=env,
+                          timeout=600)
+    assert done.returncode == 0, done.stderr[-3000:]
+    return json.loads(done.stdout)
+
+
+def test_gemv_computes_the_product_within_rounding(interpreted):
+    for case in interpreted:
+        if not case["applies"]:
+            continue
+        # float32 accumulation over K terms, then one rounding to the output dtype: within one unit in the
+        # last place of the largest output (Triton's interpreter may round bfloat16 toward zero)
+        unit = 2.0 ** -7 if case["dtype"] == "torch.bfloat16" else 2.0 ** -22
+        assert case["error"] <= case["scale"] * unit + 1e-4, case
+        assert case["out_dtype"] == case["dtype"] or case["dtype"] == "strided", case
+
+
+def test_gemv_takes_one_to_four_rows_and_is_repeatable(interpreted):
+    assert [c["applies"] for c in interpreted if c["dtype"] == "torch.float32"] == [True] * 4 + [False]
+    assert all(case["repeatable"] for case in interpreted)
+    five_rows = [c for c in interpreted if c["rows"] == 5]
+    assert five_rows and all(c["aten_bits"] for c in five_rows)  # more rows: F.linear itself
+    assert interpreted[-1]["shape"] == [2, 1, 32]
+
+
+def test_a_run_with_the_gemv_computes_other_bits_under_another_hash(tmp_path):
+    """End to end under the interpreter: the knob reaches the engine (other logits bits, same greedy
+    tokens on the tiny model), and the config hash names it."""
+    pytest.importorskip("triton")
+    env = {**os.environ, "TRITON_INTERPRET": "1", "EVALRUN_CACHE": str(tmp_path / "cache")}
+    outputs = {}
+    for kernel in ("aten", "triton-gemv"):
+        done = subprocess.run([sys.executable, "-m", "evalrun", "run", "--model", "random:tiny", "--prompts", "smoke",
+                               "--max-new-tokens", "4", "--set", f"linear_kernel={kernel}", "--store",
+                               str(tmp_path / "s.db"), "--json", "--quiet"], capture_output=True, text=True, env=env,
+                              timeout=600)
+        assert done.returncode == 0, done.stderr[-2000:]
+        outputs[kernel] = json.loads(done.stdout)
+    aten, gemv = outputs["aten"], outputs["triton-gemv"]
+    assert gemv["config"]["linear_kernel"] == "triton-gemv" and aten["config"]["linear_kernel"] == "aten"
+    assert gemv["config_hash"] != aten["config_hash"]
+    assert gemv["logits_digest"] != aten["logits_digest"]
+    assert [r["tokens"] for r in gemv["results"]] == [r["tokens"] for r in aten["results"]]
+
+
+def test_the_levers_at_their_defaults_leave_every_stored_hash_as_it_was():
+    effective = resolve(RunConfig(model="random:tiny"), cuda_available=False)
+    assert (effective.blas_library, effective.linear_kernel) == ("cublas", "aten")
+    old = {k: v for k, v in effective.factors().items() if k not in ("blas_library", "linear_kernel")}
+    old = {k: v for k, v in old.items() if k not in ("engine", "tensor_parallel", "served_model", "server_config")}
+    assert effective.compute_hash() == hash_value(old)
+    lever = resolve(RunConfig(model="random:tiny", device="cuda", blas_library="cublaslt"), cuda_available=True)
+    assert lever.compute_hash() != resolve(RunConfig(model="random:tiny", device="cuda"), True).compute_hash()
+
+
+@pytest.mark.parametrize("sets, engine, message", [
+    ("blas_library=cublaslt", "evalrun", "blas_library=cublaslt chooses a CUDA library; on CPU use blas_library=cublas"),
+    ("linear_kernel=triton-gemv", "evalrun", "linear_kernel=triton-gemv is a CUDA kernel; on CPU use linear_kernel=aten"),
+    ("linear_kernel=triton-gemv", "transformers", "replaces evalrun's own projections; use --engine evalrun"),
+    ("linear_kernel=cutlass", "evalrun", "linear_kernel='cutlass' is not valid; use one of: aten, triton-gemv"),
+    ("blas_library=hipblaslt", "evalrun", "blas_library='hipblaslt' is not valid; use one of: cublas, cublaslt"),
+])
+def test_a_lever_where_it_cannot_run_is_one_line_and_exit_2(cli, tiny_args, store_path, monkeypatch, sets, engine,
+                                                           message):
+    monkeypatch.delenv("TRITON_INTERPRET", raising=False)
+    code, out, err = cli("run", *tiny_args, "--device", "cpu", "--engine", engine, "--set", sets)
+    assert code == 2 and out == ""
+    assert message in err and len(err.strip().splitlines()) == 1
+    if store_path.exists():  # refused before any run began: nothing stored
+        with sqlite3.connect(store_path) as db:
+            assert db.execute("select count(*) from runs").fetchone() == (0,)
+
+
+def test_bench_measures_a_lever_beside_the_config_without_it():
+    matrix = BenchRequest(matrix_names="O2,O2+blas_library=cublaslt+linear_kernel=triton-gemv,O0@transformers"
+                                       "+blas_library=cublaslt").matrix(on_gpu=True)
+    assert [name for name, _ in matrix][1] == "O2+blas_library=cublaslt+linear_kernel=triton-gemv"
+    assert matrix[0][1] == ["-O2"]
+    assert matrix[1][1] == ["-O2", "--set", "blas_library=cublaslt", "--set", "linear_kernel=triton-gemv"]
+    assert matrix[2][1] == ["-O0", "--engine", "transformers", "--set", "blas_library=cublaslt"]
+    for bad, words in (("O2+nosuch=1", "unknown config key 'nosuch'"), ("O2+linear_kernel", "needs the form KEY=VALUE"),
+                       ("O9+blas_library=cublaslt", "unknown bench config"),
+                       ("O2+blas_library=mkl", "blas_library='mkl' is not valid")):
+        with pytest.raises(ConfigError, match=words):
+            BenchRequest(matrix_names=bad).matrix(on_gpu=True)
+
+
+# ---------------------------------------------------------------- GPU
+
+gpu = pytest.mark.gpu
+needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+
+
+@gpu
+@needs_cuda
+@pytest.mark.parametrize("rows", [1, 2, 4])
+def test_gpu_gemv_eager_compiled_and_graphed_agree_bitwise(rows):
+    import torch.nn.functional as F
+
+    from evalrun.engine import linear
+
+    linear.prepare("triton-gemv", "cuda")
+    x = torch.randn(rows, 4096, device="cuda", dtype=torch.bfloat16)
+    w = torch.randn(6144, 4096, device="cuda", dtype=torch.bfloat16) * 0.02
+    b = torch.randn(6144, device="cuda", dtype=torch.bfloat16)
+    y = linear.linear(x, w, b, "triton-gemv")
+    exact = F.linear(x.double(), w.double(), b.double())
+    assert (y.double() - exact).abs().max().item() <= exact.abs().max().item() * 2 ** -7 + 1e-3
+    compiled = torch.compile(lambda a: linear.linear(a, w, b, "triton-gemv"), fullgraph=True)
+    assert torch.equal(compiled(x), y)
+    static = x.clone()
+    graph = torch.cuda.CUDAGraph()
+    linear.linear(static, w, b, "triton-gemv")
+    torch.cuda.synchronize()
+    with torch.cuda.graph(graph):
+        out = linear.linear(static, w, b, "triton-gemv")
+    static.copy_(x.flip(1))
+    graph.replay()
+    assert torch.equal(out, linear.linear(x.flip(1), w, b, "triton-gemv"))
+
+
+@gpu
+@needs_cuda
+@pytest.mark.parametrize("level", [0, 2])
+def test_gpu_runs_with_each_lever_are_repeatable_and_recorded(level):
+    """-O0 and -O2 runs with the GEMV and with cuBLASLt: each repeats its own digests, and the GEMV's
+    differ from cuBLAS's (so it ran); the applied flags name the library."""
+    from evalrun.runner import execute_run
+
+    def run(**knobs):
+        done = execute_run(RunConfig(model="random:tiny", device="cuda", dtype="bfloat16", prompts="smoke",
+                                     max_new_tokens=8, opt_level=level, **knobs), None)
+        torch._dynamo.reset()
+        return done
+
+    plain = run()
+    gemv, gemv_again = run(linear_kernel="triton-gemv"), run(linear_kernel="triton-gemv")
+    lt = run(blas_library="cublaslt")
+    assert [r.logits_digest for r in gemv.results] == [r.logits_digest for r in gemv_again.results]
+    assert [r.logits_digest for r in gemv.results] != [r.logits_digest for r in plain.results]
+    assert lt.header["applied_flags"]["preferred_blas_library"] == "cublaslt"
+    assert plain.header["applied_flags"]["preferred_blas_library"] == "cublas"
