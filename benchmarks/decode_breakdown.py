@@ -1,14 +1,16 @@
 """Where a decode step's time goes on the GPU: the bandwidth ceiling, each projection's bandwidth,
 and the engine's decode step under three modes with its kernel time by kind.
 
-  python benchmarks/decode_breakdown.py --model random:llama3-8b --dtype bfloat16 [--json PATH]
+  python benchmarks/decode_breakdown.py --model random:llama3-8b --dtype bfloat16 [--json PATH] [--gemv-grid]
 
 1. Ceiling: a device-to-device copy of 4 GiB (bytes read + written per second).
 2. Each projection's matrix-vector product at batch 1, over every layer's weights in turn (so the
-   L2 cache never holds them), replayed from one CUDA graph: time per layer and bytes read per second.
+   L2 cache never holds them), replayed from one CUDA graph: time per layer and bytes read per second,
+   by cuBLAS, cuBLASLt and the Triton GEMV (`linear_kernel=triton-gemv`, engine/linear.py) at the
+   engine's block sizes; `--gemv-grid` also at other block sizes (how GEMV_BLOCKS is chosen).
 3. One decode step (batch 1) in eager, piecewise-compiled without graphs, and -O2 (piecewise pieces,
-   whole decode step in one CUDA graph): step time p50, kernels per step, GPU kernel time by kind
-   (profiler), and the share of the step with no kernel running (launch gaps, host time).
+   whole decode step in one CUDA graph), and -O2 with the Triton GEMV: step time p50, kernels per step,
+   GPU kernel time by kind (profiler), and the share of the step with no kernel running.
 """
 
 from __future__ import annotations
@@ -25,7 +27,8 @@ import torch.nn.functional as F
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from evalrun.engine.driver import generate_batch
+from evalrun.engine import linear  # noqa: E402
+from evalrun.engine.driver import generate_batch  # noqa: E402
 from evalrun.engine.generate import BatchSpec  # noqa: E402
 from evalrun.config import CompilationMode, CUDAGraphMode  # noqa: E402
 from evalrun.engine.modes import ExecutionMode  # noqa: E402
@@ -53,19 +56,23 @@ def copy_bandwidth() -> float:
     return 2 * source.numel() / ms / 1e9
 
 
-def projection_bandwidth(weights: list[torch.Tensor]) -> dict[str, float]:
-    """weights: L matrices [N, K]; x [1, K] @ each, in one graph. Time per matrix and read TB/s."""
+GEMV_GRID = [(8, 256, 4), (8, 512, 4), (8, 512, 2), (8, 512, 8), (8, 1024, 4), (16, 512, 4), (4, 512, 4), (4, 512, 2),
+             (4, 1024, 4), (32, 128, 4)]
+
+
+def projection_bandwidth(weights: list[torch.Tensor], product=F.linear) -> dict[str, float]:
+    """weights: L matrices [N, K]; product(x [1, K], each), in one graph. Time per matrix and read TB/s."""
     x = torch.randn(1, weights[0].shape[1], dtype=weights[0].dtype, device="cuda")
     graph = torch.cuda.CUDAGraph()
     stream = torch.cuda.Stream()
     stream.wait_stream(torch.cuda.current_stream())
     with torch.cuda.stream(stream):
         for w in weights:
-            F.linear(x, w)
+            product(x, w)
     torch.cuda.current_stream().wait_stream(stream)
     with torch.cuda.graph(graph):
         for w in weights:
-            F.linear(x, w)
+            product(x, w)
     ms = timed_ms(graph.replay, 20) / len(weights)
     nbytes = weights[0].numel() * weights[0].element_size()
     return {"shape": list(weights[0].shape), "us": ms * 1000, "tb_per_s": nbytes / ms / 1e9}
@@ -128,6 +135,7 @@ def main() -> None:
     parser.add_argument("--dtype", default="bfloat16")
     parser.add_argument("--steps", type=int, default=64)
     parser.add_argument("--json", metavar="PATH")
+    parser.add_argument("--gemv-grid", action="store_true", help="time the Triton GEMV at other block sizes too")
     args = parser.parse_args()
     loaded = load_model(args.model, "cuda", args.dtype)
     transformer = Transformer(loaded.model)
@@ -145,21 +153,43 @@ def main() -> None:
     report["projections_cublaslt"] = {name: projection_bandwidth([getattr(w, name) for w in layers])
                                       for name in ("qkv", "o", "gate_up", "down")}
     torch.backends.cuda.preferred_blas_library(default_blas)
+    linear.prepare("triton-gemv", "cuda")
+    gemv = lambda x, w: linear.linear(x, w, None, "triton-gemv")  # noqa: E731
+    report["gemv_blocks"] = "x".join(map(str, linear.blocks(1)))  # weights over GEMV_MAX_WEIGHT: cuBLAS
+    report["projections_triton_gemv"] = {name: projection_bandwidth([getattr(w, name) for w in layers], gemv)
+                                         for name in ("qkv", "o", "gate_up", "down")}
+    report["projections_triton_gemv"]["lm_head"] = projection_bandwidth([transformer.lm_head] * 2, gemv)
+    if args.gemv_grid:
+        from evalrun.engine.linear_triton_kernel import launch
+
+        report["gemv_grid"] = {
+            name: {f"{bn}x{bk}x{warps}": projection_bandwidth(
+                [getattr(w, name) for w in layers], lambda x, w, c=(bn, bk, warps): launch(x, w, None, *c))["tb_per_s"]
+                for bn, bk, warps in GEMV_GRID} for name in ("qkv", "o", "gate_up", "down")}
     prompt = loaded.tokenizer("The capital of France is")["input_ids"]
     report["decode"] = [measure_decode(transformer, c, g, prompt, args.steps)
                         for c, g in (("none", "none"), ("piecewise", "none"), ("piecewise", "full-and-piecewise"))]
+    torch._dynamo.reset()
+    gemv_row = measure_decode(transformer.with_linear_kernel("triton-gemv"), "piecewise", "full-and-piecewise", prompt,
+                              args.steps)
+    report["decode"].append({**gemv_row, "mode": "piecewise/full-and-piecewise +triton-gemv"})
     print(f"{report['device']}  torch {report['torch']}  {args.model} {args.dtype}")
     print(f"copy bandwidth {report['copy_tb_per_s']:.2f} TB/s -> limit {report['bandwidth_limit_tokens_per_s']:.0f} tok/s "
           f"({report['weights_read_per_step_gb']:.2f} GB read per step)")
     for name, row in report["projections"].items():
-        lt = report["projections_cublaslt"].get(name)
+        lt, tg = report["projections_cublaslt"].get(name), report["projections_triton_gemv"][name]
         print(f"  {name:8s} {str(row['shape']):16s} {row['us']:8.1f} us  {row['tb_per_s']:.2f} TB/s"
-              + (f"   cublaslt {lt['us']:8.1f} us  {lt['tb_per_s']:.2f} TB/s" if lt else ""))
+              + (f"   cublaslt {lt['us']:8.1f} us  {lt['tb_per_s']:.2f} TB/s" if lt else "")
+              + f"   linear_kernel=triton-gemv {tg['us']:8.1f} us  {tg['tb_per_s']:.2f} TB/s")
+    for name, grid in report.get("gemv_grid", {}).items():
+        best = max(grid, key=grid.get)
+        print(f"  gemv grid {name:8s} best {best} {grid[best]:.2f} TB/s  ("
+              + ", ".join(f"{k} {v:.2f}" for k, v in grid.items()) + ")")
     for row in report["decode"]:
         kinds = "  ".join(f"{k} {v['kernels']:.0f}x {v['ms']:.3f} ms" for k, v in sorted(row["by_kind"].items()))
         print(f"  {row['mode']:30s} step {row['step_p50_ms']:.3f} ms ({1000 / row['step_p50_ms']:.1f} tok/s)  "
               f"TTFT {row['ttft_ms']:.1f} ms  {row['kernels_per_step']:.0f} kernels  idle {row['idle_share']:.0%}  {kinds}")
-    for entry in report["decode"][-1]["top_kernels"]:
+    for entry in report["decode"][-2]["top_kernels"]:
         print(f"    {entry['per_step']:6.1f}x/step {entry['ms']:.4f} ms  {entry['kernel']}")
     if args.json:
         Path(args.json).write_text(json.dumps(report, indent=1))

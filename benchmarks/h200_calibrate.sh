@@ -22,8 +22,7 @@ DEADLINE_S=${DEADLINE_S:-1260}
 mkdir -p "$RES"
 START=$(date +%s)
 export TORCHINDUCTOR_COMPILE_THREADS=${TORCHINDUCTOR_COMPILE_THREADS:-4}
-stage() { echo "$(date +%T) +$(( $(date +%s) - START ))s $1" >> "$RES/stages.txt"; }
-left() { echo $(( START + DEADLINE_S - $(date +%s) )); }
+source "$(dirname "$0")/h200_steps.sh"
 calibrate() { timeout "$(left)" python3 benchmarks/calibrate.py --device cuda "$@"; }
 CHANGES='scale x(1+0.0001),scale x(1+0.001),scale x(1+0.01),scale x(1+0.1),rope_theta x(1+0.01),rope_theta x(1-0.01),int8,norm_eps x10,mask_position,sign_flip,swap_layers'
 EXEC='scale x(1+0.1) in the compiled run only,scale x(1+0.5) in the compiled run only,mask_position in the compiled run only'

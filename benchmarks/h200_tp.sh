@@ -19,23 +19,12 @@ DEADLINE_S=${DEADLINE_S:-540}
 mkdir -p "$RES"
 START=$(date +%s)
 export TORCHINDUCTOR_COMPILE_THREADS=${TORCHINDUCTOR_COMPILE_THREADS:-8}
-stage() { echo "$(date +%T) +$(( $(date +%s) - START ))s $1" >> "$RES/stages.txt"; }
-left() { local s=$(( START + DEADLINE_S - $(date +%s) )); [ "$s" -gt 1 ] && echo "$s" || echo 1; }
+KEEP_DONE=1
+source "$(dirname "$0")/h200_steps.sh"
 MODEL=${TP_MODEL:-"--model random:llama3-8b --dtype bfloat16 --device cuda"}  # TP_MODEL: a dry run elsewhere
 RUN="$MODEL --prompts smoke --max-new-tokens 64 --json --quiet"
 GOLD="$MODEL --prompts ${TP_GOLD_PROMPTS:-default} --max-new-tokens 16"
 TORCHRUN="python3 -m torch.distributed.run --standalone --nproc-per-node 2 -m evalrun"
-# step NAME COMMAND...: stdout to NAME.json, stderr to NAME.err, wall seconds and exit code to NAME.time
-step() {
-  local name=$1; shift
-  if grep -qs '"exit": 0' "$RES/$name.time"; then stage "$name: kept from an earlier call"; return; fi
-  stage "$name"
-  local t0=$(date +%s%N)
-  timeout "$(left)" "$@" > "$RES/$name.json" 2> "$RES/$name.err"
-  local rc=$?
-  echo "{\"wall_s\": $(( ($(date +%s%N) - t0) / 1000000 ))e-3, \"exit\": $rc}" > "$RES/$name.time"
-}
-
 nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv > "$RES/gpu.txt" 2>&1
 python3 -c "import torch, transformers, triton; print(torch.__version__, transformers.__version__, triton.__version__)" >> "$RES/gpu.txt" 2>&1
 

@@ -2,13 +2,17 @@
 Triton GEMV (linear_triton_kernel.py), chosen by the run's `linear_kernel` knob (issue #16).
 
 At batch 1 a decode step's projections are matrix-vector products bound by reading the weights; cuBLAS
-reads the small ones (q/k/v, o) at 2.4-2.9 of the H200's 4.3 TB/s. The GEMV is another reduction order,
-so other bits: a knob in the config hash, never on by default. Which calls it takes is decided by shape
-alone (rows <= GEMV_MAX_ROWS, a weight with contiguous rows): prefill stays on `F.linear`, and one
-compiled piece always makes the same choice.
+reads the small ones (Llama-3-8B's q/k/v and o) at 2.9 and 2.4 of the H200's 4.3 TB/s, the GEMV at 3.5
+and 3.0; on the large ones (gate/up, down, the head) cuBLAS is as fast or faster, so they stay with it
+(benchmarks/decode_breakdown.py --gemv-grid). The GEMV is another reduction order, so other bits: a knob
+in the config hash, never on by default. Which calls it takes is decided by shape alone (rows <=
+GEMV_MAX_ROWS, a weight of at most GEMV_MAX_WEIGHT elements with contiguous rows): prefill stays on
+`F.linear`, and one compiled piece always makes the same choice.
 """
 
 from __future__ import annotations
+
+from typing import Optional
 
 import torch
 import torch.nn.functional as F
@@ -17,10 +21,12 @@ from ..errors import ConfigError
 from .triton_ops import INTERPRETED, can_register, registering
 
 GEMV_MAX_ROWS = 4  # decode at batch <= 4; more rows: F.linear
+GEMV_MAX_WEIGHT = 1 << 25  # elements (64 MB in bf16): larger weights read as fast or faster by cuBLAS
 GEMV_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 # (BLOCK_N, BLOCK_K, num_warps) by rows padded to a power of two: fixed, so the bits depend on shapes only
-# (never autotuned at run time by timing). Chosen on the H200: benchmarks/gemv_speed.py.
-GEMV_BLOCKS = {1: (16, 256, 4), 2: (16, 128, 4), 4: (16, 64, 4)}
+# (never autotuned at run time by timing). One row: the best of a grid on the H200 for q/k/v and o
+# (benchmarks/decode_breakdown.py --gemv-grid); 2 and 4 rows: the same with the accumulator kept in registers.
+GEMV_BLOCKS = {1: (8, 512, 4), 2: (8, 512, 4), 4: (8, 256, 4)}
 _OP: dict = {}  # "op": the registered torch op, once prepare() ran on a CUDA device with Triton
 
 
@@ -37,7 +43,7 @@ def prepare(kernel: str, device: torch.device | str) -> None:
 
     with registering():
         @triton_op("evalrun::gemv", mutates_args={})
-        def gemv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+        def gemv(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor]) -> torch.Tensor:  # noqa: UP045 (schema)
             return linear_triton_kernel.launch(x, weight, bias, *blocks(x.shape[0]), wrap_triton)
 
     _OP["op"] = gemv
@@ -48,10 +54,11 @@ def blocks(rows: int) -> tuple[int, int, int]:
 
 
 def gemv_applies(x: torch.Tensor, weight: torch.Tensor) -> bool:
-    """Whether the GEMV computes x [..., K] @ weight [N, K]^T: few rows, contiguous weight rows, a float dtype,
-    on a device where it is registered (or interpreted)."""
+    """Whether the GEMV computes x [..., K] @ weight [N, K]^T: few rows, a small weight with contiguous rows, a
+    float dtype, on a device where it is registered (or interpreted)."""
     rows = x.numel() // max(1, x.shape[-1])
-    return (1 <= rows <= GEMV_MAX_ROWS and weight.dim() == 2 and weight.stride(-1) == 1 and x.dtype == weight.dtype
+    return (1 <= rows <= GEMV_MAX_ROWS and weight.dim() == 2 and weight.numel() <= GEMV_MAX_WEIGHT
+            and weight.stride(-1) == 1 and x.dtype == weight.dtype
             and x.dtype in GEMV_DTYPES and ("op" in _OP or INTERPRETED))
 
 

@@ -1,0 +1,38 @@
+# Issue #16's GPU figures in one lease of the nvidia-h200-x2 kind, as one background job under a
+# deadline. On that machine, with the SmolLM2 GGUF joined at /root/g/smollm2.gguf (random shapes borrow
+# its tokenizer) and the wheels in .whl:
+#   setsid bash benchmarks/h200_levers.sh /root/lev > /root/lev.log 2>&1 < /dev/null &
+# then poll /root/lev/stages.txt (`done` ends it). It first copies the repo to /root/repo, so a later
+# call's working-tree sync cannot change the scripts under it.
+#   GPU 0  every `pytest -m gpu` test but the NCCL ones; then `evalrun bench` of random:llama3-8b with the
+#          decode levers side by side (-O2 alone, with the Triton GEMV, with cuBLASLt, with both; -O3),
+#          beside transformers' eager and static-cache + compile generate
+#   GPU 1  benchmarks/decode_breakdown.py (projection bandwidth by kernel, the -O2 step with and without
+#          the GEMV); then benchmarks/h200_warm_compile.sh (cold and warm compile caches)
+set -u
+RES=${1:-/root/lev}
+DEADLINE_S=${DEADLINE_S:-1080}
+mkdir -p "$RES"
+START=$(date +%s)
+rm -rf /root/repo && cp -r . /root/repo && cd /root/repo || exit 1
+source benchmarks/gpu_env.sh
+source benchmarks/h200_steps.sh
+export TORCHINDUCTOR_COMPILE_THREADS=8
+nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv > "$RES/gpu.txt" 2>&1
+python3 -c "import torch, transformers, triton; print(torch.__version__, transformers.__version__, triton.__version__)" >> "$RES/gpu.txt" 2>&1
+LEVERS=${LEVERS:-O2,O2+linear_kernel=triton-gemv,O2+blas_library=cublaslt,O2+blas_library=cublaslt+linear_kernel=triton-gemv,O3}
+
+( export CUDA_VISIBLE_DEVICES=0
+  stage "gpu0 tests"
+  timeout 420 python3 -m pytest -p no:cacheprovider -q -m gpu -n 4 tests --ignore tests/test_distributed.py \
+    > "$RES/gpu-tests.txt" 2>&1
+  step bench-levers python3 -m evalrun bench --model random:llama3-8b --dtype bfloat16 --device cuda --prompts smoke \
+    --max-new-tokens 128 --config-timeout 300 --matrix "$LEVERS" --json
+  stage "gpu0 done" ) &
+( export CUDA_VISIBLE_DEVICES=1
+  step breakdown timeout 300 python3 benchmarks/decode_breakdown.py --model random:llama3-8b --gemv-grid \
+    --json "$RES/breakdown.json"
+  DEADLINE_S=$(left) bash benchmarks/h200_warm_compile.sh "$RES/warm"
+  stage "gpu1 done" ) &
+wait
+stage done
