@@ -31,7 +31,7 @@ LEVERS=${LEVERS:-O2,O2+linear_kernel=triton-gemv,O2+blas_library=cublaslt,O2+bla
   stage "gpu0 done" ) &
 ( export CUDA_VISIBLE_DEVICES=1
   step breakdown timeout 300 python3 benchmarks/decode_breakdown.py --model random:llama3-8b --gemv-grid \
-    --json "$RES/breakdown.json"
+    --json "$RES/breakdown-report.json"
   DEADLINE_S=$(left) bash benchmarks/h200_warm_compile.sh "$RES/warm"
   stage "gpu1 done" ) &
 wait
