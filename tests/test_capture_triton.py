@@ -6,14 +6,10 @@ so in a child process); on a GPU it runs compiled, also inside torch.compile and
 
 from __future__ import annotations
 
-import json
-import os
-import subprocess
-import sys
-
 import numpy as np
 import pytest
 import torch
+from conftest import run_under_triton_interpreter
 
 from evalrun.engine.capture import logits_digest, reference_digest, topk_sketch
 
@@ -66,11 +62,7 @@ def stable_topk(values: np.ndarray, k: int) -> np.ndarray:
 
 @pytest.fixture(scope="module")
 def interpreted() -> dict:
-    env = {**os.environ, "TRITON_INTERPRET": "1"}
-    done = subprocess.run([sys.executable, "-c", INTERPRETED_CASES], capture_output=True, text=True, env=env,
-                          timeout=600)
-    assert done.returncode == 0, done.stderr[-3000:]
-    return json.loads(done.stdout)
+    return run_under_triton_interpreter(INTERPRETED_CASES)
 
 
 def test_interpreted_chunks_are_smaller_than_the_vocabularies(interpreted):

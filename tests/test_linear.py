@@ -15,6 +15,7 @@ import sys
 
 import pytest
 import torch
+from conftest import one_line_exit_2, run_under_triton_interpreter
 
 from evalrun.bench import BenchRequest
 from evalrun.config import RunConfig, resolve
@@ -58,12 +59,7 @@ pytestmark = pytest.mark.filterwarnings("ignore::DeprecationWarning")
 
 @pytest.fixture(scope="module")
 def interpreted() -> list[dict]:
-    pytest.importorskip("triton")
-    env = {**os.environ, "TRITON_INTERPRET": "1"}
-    done = subprocess.run([sys.executable, "-c", INTERPRETED_CASES], capture_output=True, text=True, env=env,
-                          timeout=600)
-    assert done.returncode == 0, done.stderr[-3000:]
-    return json.loads(done.stdout)
+    return run_under_triton_interpreter(INTERPRETED_CASES)
 
 
 def test_gemv_computes_the_product_within_rounding(interpreted):
@@ -125,9 +121,7 @@ def test_the_levers_at_their_defaults_leave_every_stored_hash_as_it_was():
 def test_a_lever_where_it_cannot_run_is_one_line_and_exit_2(cli, tiny_args, store_path, monkeypatch, sets, engine,
                                                            message):
     monkeypatch.delenv("TRITON_INTERPRET", raising=False)
-    code, out, err = cli("run", *tiny_args, "--device", "cpu", "--engine", engine, "--set", sets)
-    assert code == 2 and out == ""
-    assert message in err and len(err.strip().splitlines()) == 1
+    one_line_exit_2(cli("run", *tiny_args, "--device", "cpu", "--engine", engine, "--set", sets), message)
     if store_path.exists():  # refused before any run began: nothing stored
         with sqlite3.connect(store_path) as db:
             assert db.execute("select count(*) from runs").fetchone() == (0,)
