@@ -58,7 +58,7 @@ class BenchRequest:
         known = {name: options for name, options in GPU_MATRIX + CPU_MATRIX}
         known.update({"none": ["--compilation-mode", "none"]})
         known.update({name.lstrip("-"): options for name, options in GPU_MATRIX})
-        names = [name.strip() for name in self.matrix_names.split(",")]
+        names = split_matrix(self.matrix_names, known)
         unknown = [name for name in names if base_name(name) not in known]
         if unknown:
             raise ConfigError(f"unknown bench config {unknown[0]!r}; use {', '.join(sorted(known))}, each optionally "
@@ -66,9 +66,30 @@ class BenchRequest:
         return [(name, known[base_name(name)] + engine_options(name) + knob_options(name)) for name in names]
 
 
+# Knobs a matrix entry may not set with +KEY=VALUE: what makes the rows comparable (bench's own options)
+# and what the entry's name already says (the -O level, @ENGINE).
+ROW_FIXED_KNOBS = {"opt_level": "name the level (O0..O3)", "engine": "use NAME@ENGINE",
+                   "model": "use --model for every row", "prompts": "use --prompts for every row",
+                   "device": "use --device for every row", "max_new_tokens": "use --max-new-tokens for every row",
+                   "batch_size": "use --batch-size for every row"}
+
+
+def split_matrix(text: str, known: dict) -> list[str]:
+    """'O2,O2+prefill_buckets=16,32,O3' -> ['O2', 'O2+prefill_buckets=16,32', 'O3']: a comma-separated piece
+    that names no configuration continues the list value of the knob before it."""
+    names: list[str] = []
+    for piece in text.split(","):
+        piece = "+".join(part.strip() for part in piece.split("+"))
+        if names and base_name(piece) not in known and "=" in names[-1].rpartition("+")[2]:
+            names[-1] += "," + piece
+        else:
+            names.append(piece)
+    return names
+
+
 def base_name(name: str) -> str:
     """'O2@transformers+blas_library=cublaslt' -> 'O2'."""
-    return name.partition("+")[0].partition("@")[0]
+    return name.partition("+")[0].partition("@")[0].strip()
 
 
 def engine_options(name: str) -> list[str]:
@@ -83,6 +104,9 @@ def knob_options(name: str) -> list[str]:
     options = []
     for item in name.split("+")[1:]:
         key, value = parse_set_option(item)
+        if key in ROW_FIXED_KNOBS:
+            raise ConfigError(f"bench config {name!r} sets {key}, which every row shares or its name says; "
+                              f"{ROW_FIXED_KNOBS[key]}")
         normalize(RunConfig(**{key: value}))  # one line naming the fix for a value no run would accept
         options += ["--set", item.strip()]
     return options

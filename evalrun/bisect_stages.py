@@ -308,10 +308,13 @@ def _layer_summary(first_out: LayerPoint | None, first_bits: LayerPoint | None) 
 def _layer_notes(good: EffectiveConfig, culprit: EffectiveConfig) -> list[str]:
     changed = [key for key in ("cudagraph_mode", "batch_size", "prefill_buckets", "batch_buckets")
                if getattr(good, key) != getattr(culprit, key)]
-    if not changed:
-        return []
-    return [f"{', '.join(changed)} act through graph capture, batching or padding, which this unpadded batch-1 "
-            "forward without CUDA graphs does not reproduce"]
+    notes = [] if not changed else [
+        f"{', '.join(changed)} act through graph capture, batching or padding, which this unpadded batch-1 "
+        "forward without CUDA graphs does not reproduce"]
+    if good.linear_kernel != culprit.linear_kernel:  # engine/linear.py: the GEMV takes 1-4 rows only
+        notes.append(f"linear_kernel={culprit.linear_kernel} computes projections of 1-4 rows (decode steps); this "
+                     "forward runs the whole sequence at once, so it does not act here: the step stage shows its effect")
+    return notes
 
 
 # ---------------------------------------------------------------- stage 2: inside the compiler

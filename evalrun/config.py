@@ -598,9 +598,17 @@ def _check_decode_levers(config: EffectiveConfig) -> None:
     if config.engine != "evalrun":
         raise ConfigError(f"linear_kernel={config.linear_kernel} replaces evalrun's own projections; use --engine "
                           "evalrun, or linear_kernel=aten")
-    if not config.on_gpu and os.environ.get("TRITON_INTERPRET") != "1":
+    if config.dtype not in ("bfloat16", "float16", "float32"):
+        raise ConfigError(f"linear_kernel={config.linear_kernel} computes bfloat16, float16 and float32 projections; "
+                          f"with dtype {config.dtype} use linear_kernel=aten")
+    if config.on_gpu:
+        return
+    if os.environ.get("TRITON_INTERPRET") != "1":
         raise ConfigError(f"linear_kernel={config.linear_kernel} is a CUDA kernel; on CPU use linear_kernel=aten "
                           "(or --device cuda)")
+    if config.is_static:
+        raise ConfigError(f"linear_kernel={config.linear_kernel} under Triton's interpreter (TRITON_INTERPRET=1, "
+                          "tests) runs eagerly only; use -O0 or --device cuda")
 
 
 def validate(config: EffectiveConfig, cuda_available: bool, gpu_count: int | None = None) -> None:

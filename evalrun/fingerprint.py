@@ -24,6 +24,7 @@ from .hashing import hash_bytes, hash_value
 NUMERICS_ENV_VARS = (
     "CUBLAS_WORKSPACE_CONFIG", "CUDA_VISIBLE_DEVICES", "CUDA_LAUNCH_BLOCKING", "NVIDIA_TF32_OVERRIDE",
     "TORCH_CUDNN_V8_API_DISABLED", "TORCH_ALLOW_TF32_CUBLAS_OVERRIDE", "TORCHINDUCTOR_MAX_AUTOTUNE",
+    "TORCH_BLAS_PREFER_CUBLASLT", "TRITON_INTERPRET",
     "TORCHINDUCTOR_FREEZING", "TORCHINDUCTOR_COORDINATE_DESCENT_TUNING", "TORCHINDUCTOR_FORCE_DISABLE_CACHES",
     "TORCHINDUCTOR_DETERMINISTIC", "TORCH_COMPILE_DEBUG", "PYTORCH_CUDA_ALLOC_CONF", "OMP_NUM_THREADS",
     "MKL_NUM_THREADS", "OPENBLAS_NUM_THREADS", "OPENBLAS_CORETYPE", "ATEN_CPU_CAPABILITY", "DNNL_MAX_CPU_ISA",
@@ -169,7 +170,7 @@ def apply_numerics_flags(effective: EffectiveConfig) -> dict[str, Any]:
     torch.backends.cuda.matmul.allow_bf16_reduced_precision_reduction = reduced
     applied.update({"use_deterministic_algorithms": deterministic, "cudnn_deterministic": deterministic,
                     "cudnn_benchmark": False, "tf32": tf32, "reduced_precision_reductions": reduced})
-    if effective.on_gpu:  # set every run, so TORCH_BLAS_PREFER_CUBLASLT in the environment decides nothing
+    if effective.on_gpu and torch.version.hip is None:  # CUDA: set every run, from the config alone
         torch.backends.cuda.preferred_blas_library(effective.blas_library)
         applied["preferred_blas_library"] = effective.blas_library
     try:

@@ -65,11 +65,12 @@ def golden_path(name: str, directory: str | Path = DEFAULT_DIR) -> Path:
 # ---------------------------------------------------------------- the configs a golden records
 
 def reference_config(config: EffectiveConfig) -> EffectiveConfig:
-    """O0: eager, no CUDA graphs, deterministic, no TF32, Inductor knobs at their defaults; all else kept."""
+    """O0: eager, no CUDA graphs, deterministic, no TF32, Inductor knobs and decode levers (BLAS library,
+    projection kernel) at their defaults; all else kept."""
     return config.replace(opt_level=0, compilation_mode=CompilationMode.NONE, cudagraph_mode=CUDAGraphMode.NONE,
                           deterministic=True, tf32=False, max_autotune=False, coordinate_descent_tuning=False,
                           epilogue_fusion=True, emulate_precision_casts=False, adjustments=(), keep_logits="none",
-                          strict_config=False)
+                          strict_config=False, blas_library="cublas", linear_kernel="aten")
 
 
 def function_config(config: EffectiveConfig) -> EffectiveConfig:

@@ -7,6 +7,7 @@ a child process); on a GPU it runs compiled, also inside torch.compile and a CUD
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import sqlite3
@@ -51,6 +52,12 @@ strided = linear.linear(x3, w3, None, "triton-gemv")
 cases.append({"dtype": "strided", "rows": 2, "shape": list(strided.shape), "applies": True, "repeatable": True,
               "error": (strided.double() - F.linear(x3.double(), w3.double())).abs().max().item(),
               "scale": 16.0, "out_dtype": str(strided.dtype), "aten_bits": False})
+wb, xb = torch.randn(32, 256, generator=g), torch.randn(1, 256, generator=g)
+bias_every_other = torch.randn(64, generator=g)[::2]  # not contiguous: the GEMV leaves it to F.linear
+cases.append({"dtype": "strided-bias", "rows": 1, "shape": [1, 32], "repeatable": True, "error": 0.0, "scale": 1.0,
+              "out_dtype": "strided-bias", "applies": linear.gemv_applies(xb, wb, bias_every_other),
+              "aten_bits": torch.equal(linear.linear(xb, wb, bias_every_other, "triton-gemv"),
+                                       F.linear(xb, wb, bias_every_other))})
 print(json.dumps(cases))
 """
 
@@ -78,7 +85,9 @@ def test_gemv_takes_one_to_four_rows_and_is_repeatable(interpreted):
     assert all(case["repeatable"] for case in interpreted)
     five_rows = [c for c in interpreted if c["rows"] == 5]
     assert five_rows and all(c["aten_bits"] for c in five_rows)  # more rows: F.linear itself
-    assert interpreted[-1]["shape"] == [2, 1, 32]
+    strided, strided_bias = interpreted[-2], interpreted[-1]
+    assert strided["shape"] == [2, 1, 32]
+    assert not strided_bias["applies"] and strided_bias["aten_bits"]  # a strided bias: F.linear, not wrong numbers
 
 
 def test_a_run_with_the_gemv_computes_other_bits_under_another_hash(tmp_path):
@@ -99,6 +108,81 @@ def test_a_run_with_the_gemv_computes_other_bits_under_another_hash(tmp_path):
     assert gemv["config_hash"] != aten["config_hash"]
     assert gemv["logits_digest"] != aten["logits_digest"]
     assert [r["tokens"] for r in gemv["results"]] == [r["tokens"] for r in aten["results"]]
+
+
+def test_a_golden_made_with_the_gemv_verifies_without_it_as_drift_not_changed(tmp_path):
+    """The golden's reference, float64 oracle and function check run with the decode levers at their defaults
+    (they are execution knobs, like Inductor's), so a verify without the GEMV is drift; and a verify that keeps
+    the golden's GEMV where it cannot run is refused, not run on cuBLAS while recorded as the GEMV."""
+    pytest.importorskip("triton")
+    base = {**os.environ, "EVALRUN_CACHE": str(tmp_path / "cache")}
+    interpreted = {**base, "TRITON_INTERPRET": "1"}
+    plain = {k: v for k, v in base.items() if k != "TRITON_INTERPRET"}
+
+    def evalrun(env, *args):
+        return subprocess.run([sys.executable, "-m", "evalrun", *args, "--dir", str(tmp_path / "golden"), "--quiet"],
+                              capture_output=True, text=True, env=env, timeout=900)
+
+    made = evalrun(interpreted, "golden", "create", "g", "--model", "random:tiny", "--prompts", "smoke",
+                   "--max-new-tokens", "4", "--set", "linear_kernel=triton-gemv")
+    assert made.returncode == 0, made.stderr[-2000:]
+    verified = evalrun(plain, "golden", "verify", "g", "--set", "linear_kernel=aten", "--json")
+    assert verified.returncode == 0, verified.stdout[-2000:] + verified.stderr[-2000:]
+    verdict = json.loads(verified.stdout)
+    assert verdict["verdict"] == "drift" and any(c["key"] == "linear_kernel" for c in verdict["config_diff"])
+    refused = evalrun(plain, "golden", "verify", "g")
+    assert refused.returncode == 2 and "linear_kernel=triton-gemv is a CUDA kernel" in refused.stderr
+    assert len(refused.stderr.strip().splitlines()) == 1
+
+
+def test_the_gemv_asked_for_where_it_was_never_prepared_is_refused_not_run_as_cublas(monkeypatch):
+    from evalrun.engine import linear
+    from evalrun.engine.transformer import Transformer
+    from evalrun.models import load_model
+
+    monkeypatch.setattr(linear, "INTERPRETED", False)
+    monkeypatch.setattr(linear, "_OP", {})
+    with pytest.raises(ConfigError, match="needs a CUDA device with Triton"):
+        linear.linear(torch.ones(1, 8), torch.ones(4, 8), None, "triton-gemv")
+    assert torch.equal(linear.linear(torch.ones(1, 8), torch.ones(4, 8), None, "aten"), torch.full((1, 4), 8.0))
+    loaded = load_model("random:tiny", "cpu", "float32")
+    with pytest.raises(ConfigError, match="is a CUDA kernel; on CPU use linear_kernel=aten"):
+        Transformer(loaded.model, "sdpa", "triton-gemv")
+
+
+def test_every_projection_of_an_moe_layer_gets_the_runs_kernel(monkeypatch, tmp_path):
+    """The o projection of an MoE layer goes through the run's kernel in the forward as in bisect's
+    forward_states (it used to be left on aten in the forward only)."""
+    from test_moe import moe_checkpoint
+
+    from evalrun.engine import transformer as engine
+    from evalrun.models import load_model
+
+    loaded = load_model(str(moe_checkpoint(tmp_path / "ckpt")), "cpu", "float32")
+    model = engine.Transformer(loaded.model, "sdpa")
+    model.variant = dataclasses.replace(model.variant, linear_kernel="recorded")  # no GEMV needed: only recorded
+    kernels = []
+
+    def recorded(x, weight, bias, kernel="aten"):
+        kernels.append(kernel)
+        return torch.nn.functional.linear(x, weight, bias)
+
+    monkeypatch.setattr(engine.projections, "linear", recorded)
+    tokens = torch.tensor([[5, 6, 7]])
+    cache = model.new_cache(1, 16)
+    model.forward(tokens, torch.arange(3)[None], torch.arange(3), torch.ones(1, 16, dtype=torch.bool), cache)
+    moe_layers = sum(w.moe is not None for w in model.layers)
+    assert moe_layers and kernels.count("recorded") == len(kernels)
+    assert len(kernels) >= 2 * len(model.layers) + 1  # q/k/v and o of every layer, and the head
+
+
+def test_bisect_says_the_layer_stage_cannot_show_the_gemv():
+    from evalrun.bisect_stages import _layer_notes
+
+    good = resolve(RunConfig(model="random:tiny", device="cuda"), cuda_available=True)
+    notes = _layer_notes(good, good.replace(linear_kernel="triton-gemv"))
+    assert len(notes) == 1 and "projections of 1-4 rows" in notes[0] and "step stage" in notes[0]
+    assert _layer_notes(good, good) == []
 
 
 def test_the_levers_at_their_defaults_leave_every_stored_hash_as_it_was():
@@ -127,6 +211,22 @@ def test_a_lever_where_it_cannot_run_is_one_line_and_exit_2(cli, tiny_args, stor
             assert db.execute("select count(*) from runs").fetchone() == (0,)
 
 
+@pytest.mark.parametrize("sets, message", [
+    (["--dtype", "float64", "--set", "linear_kernel=triton-gemv"],
+     "computes bfloat16, float16 and float32 projections; with dtype float64 use linear_kernel=aten"),
+    (["--compilation-mode", "stock", "--set", "linear_kernel=triton-gemv"], "runs eagerly only; use -O0"),
+])
+def test_the_gemv_where_the_interpreter_cannot_run_it_is_refused(cli, tiny_args, monkeypatch, sets, message):
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
+    one_line_exit_2(cli("run", *tiny_args, "--device", "cpu", *sets), message)
+
+
+def test_triton_interpret_is_part_of_the_environment_fingerprint(monkeypatch):
+    from evalrun.fingerprint import NUMERICS_ENV_VARS
+
+    assert {"TRITON_INTERPRET", "TORCH_BLAS_PREFER_CUBLASLT"} <= set(NUMERICS_ENV_VARS)
+
+
 def test_bench_measures_a_lever_beside_the_config_without_it():
     matrix = BenchRequest(matrix_names="O2,O2+blas_library=cublaslt+linear_kernel=triton-gemv,O0@transformers"
                                        "+blas_library=cublaslt").matrix(on_gpu=True)
@@ -134,9 +234,14 @@ def test_bench_measures_a_lever_beside_the_config_without_it():
     assert matrix[0][1] == ["-O2"]
     assert matrix[1][1] == ["-O2", "--set", "blas_library=cublaslt", "--set", "linear_kernel=triton-gemv"]
     assert matrix[2][1] == ["-O0", "--engine", "transformers", "--set", "blas_library=cublaslt"]
+    lists = BenchRequest(matrix_names="O2 + prefill_buckets=16,32, O3").matrix(on_gpu=True)  # a list value
+    assert lists == [("O2+prefill_buckets=16,32", ["-O2", "--set", "prefill_buckets=16,32"]), ("O3", ["-O3"])]
     for bad, words in (("O2+nosuch=1", "unknown config key 'nosuch'"), ("O2+linear_kernel", "needs the form KEY=VALUE"),
                        ("O9+blas_library=cublaslt", "unknown bench config"),
-                       ("O2+blas_library=mkl", "blas_library='mkl' is not valid")):
+                       ("O2+blas_library=mkl", "blas_library='mkl' is not valid"),
+                       ("O2+opt_level=3", "sets opt_level, which every row shares or its name says; name the level"),
+                       ("O2@transformers+engine=evalrun", "sets engine"), ("O2+model=random:tiny", "sets model"),
+                       ("O2,32", "unknown bench config '32'")):
         with pytest.raises(ConfigError, match=words):
             BenchRequest(matrix_names=bad).matrix(on_gpu=True)
 

@@ -6,8 +6,10 @@ reads the small ones (Llama-3-8B's q/k/v and o) at 2.9 and 2.4 of the H200's 4.3
 and 3.0; on the large ones (gate/up, down, the head) cuBLAS is as fast or faster, so they stay with it
 (benchmarks/decode_breakdown.py --gemv-grid). The GEMV is another reduction order, so other bits: a knob
 in the config hash, never on by default. Which calls it takes is decided by shape alone (rows <=
-GEMV_MAX_ROWS, a weight of at most GEMV_MAX_WEIGHT elements with contiguous rows): prefill stays on
-`F.linear`, and one compiled piece always makes the same choice.
+GEMV_MAX_ROWS, a weight of at most GEMV_MAX_WEIGHT elements with contiguous rows): a prefill of more than 4
+tokens stays on `F.linear`, and one compiled piece always makes the same choice. Which projections are small
+enough depends on the model: Llama-3-8B's q/k/v and o; every projection and the head of SmolLM2-135M; more of
+them on a tensor-parallel rank's shards. The golden's reference and oracle run without it (golden.py).
 """
 
 from __future__ import annotations
@@ -32,8 +34,10 @@ _OP: dict = {}  # "op": the registered torch op, once prepare() ran on a CUDA de
 
 def prepare(kernel: str, device: torch.device | str) -> None:
     """Register the GEMV as a torch op for a CUDA device, once, before anything is compiled (triton_ops)."""
-    if kernel != "triton-gemv" or "op" in _OP or INTERPRETED or torch.device(device).type != "cuda":
+    if kernel != "triton-gemv" or "op" in _OP or INTERPRETED:
         return
+    if torch.device(device).type != "cuda":  # config.validate refuses this; here for configs built without it
+        raise ConfigError("linear_kernel=triton-gemv is a CUDA kernel; on CPU use linear_kernel=aten")
     if not can_register(device):
         raise ConfigError("linear_kernel=triton-gemv needs Triton, which this torch lacks; install triton, or use "
                           "linear_kernel=aten")
@@ -53,18 +57,23 @@ def blocks(rows: int) -> tuple[int, int, int]:
     return GEMV_BLOCKS[max(1, 1 << (rows - 1).bit_length())]
 
 
-def gemv_applies(x: torch.Tensor, weight: torch.Tensor) -> bool:
-    """Whether the GEMV computes x [..., K] @ weight [N, K]^T: few rows, a small weight with contiguous rows, a
-    float dtype, on a device where it is registered (or interpreted)."""
+def gemv_applies(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> bool:
+    """Whether the GEMV computes x [..., K] @ weight [N, K]^T (+ bias [N]): few rows, a small weight with
+    contiguous rows, one float dtype, a contiguous bias, on a CUDA device (or interpreted)."""
     rows = x.numel() // max(1, x.shape[-1])
     return (1 <= rows <= GEMV_MAX_ROWS and weight.dim() == 2 and weight.numel() <= GEMV_MAX_WEIGHT
-            and weight.stride(-1) == 1 and x.dtype == weight.dtype
-            and x.dtype in GEMV_DTYPES and ("op" in _OP or INTERPRETED))
+            and weight.stride(-1) == 1 and x.dtype == weight.dtype and x.dtype in GEMV_DTYPES
+            and (bias is None or (bias.dtype == x.dtype and bias.dim() == 1 and bias.is_contiguous()))
+            and (x.is_cuda or INTERPRETED))
 
 
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, kernel: str = "aten") -> torch.Tensor:
     """x [..., K] @ weight [N, K]^T + bias [N] -> [..., N], by `kernel` (aten | triton-gemv) where it applies."""
-    if kernel != "triton-gemv" or not gemv_applies(x, weight):
+    if kernel != "triton-gemv":
+        return F.linear(x, weight, bias)
+    if "op" not in _OP and not INTERPRETED:  # asked for and never prepared: refused, not run as cuBLAS
+        raise ConfigError("linear_kernel=triton-gemv needs a CUDA device with Triton; use linear_kernel=aten")
+    if not gemv_applies(x, weight, bias):
         return F.linear(x, weight, bias)
     rows = x.reshape(-1, x.shape[-1]).contiguous()  # [M, K]
     if INTERPRETED:

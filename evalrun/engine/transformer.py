@@ -245,7 +245,8 @@ class Transformer:
             if w.moe is not None:
                 m = w.moe
                 x, experts, margin = self.moe_post_attention(x, attended, w.o, w.post_norm, m.router, m.gate_up, m.down,
-                                                             self.eps, self.activation, m.top_k, m.normalize, w.o_bias)
+                                                             self.eps, self.activation, m.top_k, m.normalize, w.o_bias,
+                                                             variant)
                 cache.routing.record(m.slot, experts, margin)
                 continue
             x = self.post_attention(x, attended, w.o, w.post_norm, w.gate_up, w.down, self.eps, self.activation,
@@ -439,10 +440,10 @@ def mlp_block(x: torch.Tensor, post_norm: torch.Tensor, gate_up: torch.Tensor, d
 def moe_post_attention(x: torch.Tensor, attended: torch.Tensor, wo: torch.Tensor, post_norm: torch.Tensor,
                        router: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor, eps: float, activation: str,
                        top_k: int, normalize: bool, bo: torch.Tensor | None = None,
-                       ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+                       variant: Variant = LLAMA_VARIANT) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """post_attention of an MoE layer (engine/moe.py): x [B, T, hidden], attended [B, H, T, D] -> x, and
     the routing of each row's last token: experts [B, k], margin [B]. One piece (piecewise mode compiles it)."""
-    x = output_projection(x, attended, wo, bo)
+    x = output_projection(x, attended, wo, bo, variant=variant)
     return moe.mlp_block(x, rms_norm(x, post_norm, eps), router, gate_up, down, lambda t: activate(t, activation),
                          top_k, normalize)
 
