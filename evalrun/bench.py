@@ -71,16 +71,22 @@ class BenchRequest:
 ROW_FIXED_KNOBS = {"opt_level": "name the level (O0..O3)", "engine": "use NAME@ENGINE",
                    "model": "use --model for every row", "prompts": "use --prompts for every row",
                    "device": "use --device for every row", "max_new_tokens": "use --max-new-tokens for every row",
-                   "batch_size": "use --batch-size for every row"}
+                   "batch_size": "use --batch-size for every row", "dtype": "use --dtype for every row",
+                   "tensor_parallel": "bench runs each row as one process; measure tensor parallelism under torchrun",
+                   "warmup": "the warm-up keeps compile time out of the measured figures",
+                   "keep_logits": "bench measures speed; keep logits with evalrun run --keep-logits"}
+COMPILATION_NAMES = ("none", "stock", "trace-once", "piecewise")  # names that already say the compilation mode
+LIST_KNOBS = ("prefill_buckets", "batch_buckets")  # values with commas: a matrix piece may continue them
 
 
 def split_matrix(text: str, known: dict) -> list[str]:
     """'O2,O2+prefill_buckets=16,32,O3' -> ['O2', 'O2+prefill_buckets=16,32', 'O3']: a comma-separated piece
-    that names no configuration continues the list value of the knob before it."""
+    that names no configuration continues the value of a list knob (LIST_KNOBS) just before it."""
     names: list[str] = []
     for piece in text.split(","):
         piece = "+".join(part.strip() for part in piece.split("+"))
-        if names and base_name(piece) not in known and "=" in names[-1].rpartition("+")[2]:
+        last_knob = names[-1].rpartition("+")[2].partition("=")[0].strip().replace("-", "_") if names else ""
+        if base_name(piece) not in known and "+" in (names[-1] if names else "") and last_knob in LIST_KNOBS:
             names[-1] += "," + piece
         else:
             names.append(piece)
@@ -104,10 +110,11 @@ def knob_options(name: str) -> list[str]:
     options = []
     for item in name.split("+")[1:]:
         key, value = parse_set_option(item)
-        if key in ROW_FIXED_KNOBS:
+        if key in ROW_FIXED_KNOBS or (key == "compilation_mode" and base_name(name) in COMPILATION_NAMES):
             raise ConfigError(f"bench config {name!r} sets {key}, which every row shares or its name says; "
-                              f"{ROW_FIXED_KNOBS[key]}")
-        normalize(RunConfig(**{key: value}))  # one line naming the fix for a value no run would accept
+                              f"{ROW_FIXED_KNOBS.get(key, 'name the compilation mode')}")
+        engine = engine_options(name)[1:] or ["evalrun"]
+        normalize(RunConfig(engine=engine[0], **{key: value}))  # one line naming the fix for a value no run takes
         options += ["--set", item.strip()]
     return options
 

@@ -80,6 +80,7 @@ ATTENTION_IMPLEMENTATIONS = ("sdpa", "eager")
 # Decode-speed levers (issue #16), each a numerics knob: other kernels, other bits. Never on by default.
 BLAS_LIBRARIES = ("cublas", "cublaslt")  # torch.backends.cuda.preferred_blas_library on CUDA
 LINEAR_KERNELS = ("aten", "triton-gemv")  # engine/linear.py: who computes a projection of 1-4 rows
+GEMV_MAX_ROWS = 4  # the GEMV's rows: decode at batch <= 4 (engine/linear.py)
 KEEP_LOGITS_PATTERN = re.compile(r"none|all|([^,@\s]+(@\d+(-\d+)?)?)(,[^,@\s]+(@\d+(-\d+)?)?)*")
 MAX_NEW_TOKENS_LIMIT = 8192  # past any context the shipped models have; larger asks are typos
 MAX_BATCH_SIZE = 4096
@@ -598,10 +599,17 @@ def _check_decode_levers(config: EffectiveConfig) -> None:
     if config.engine != "evalrun":
         raise ConfigError(f"linear_kernel={config.linear_kernel} replaces evalrun's own projections; use --engine "
                           "evalrun, or linear_kernel=aten")
+    if config.batch_size > GEMV_MAX_ROWS and not config.batch_invariant:
+        raise ConfigError(f"linear_kernel={config.linear_kernel} computes projections of 1-{GEMV_MAX_ROWS} rows; at "
+                          f"batch_size {config.batch_size} it would compute none: use --batch-size {GEMV_MAX_ROWS} or "
+                          "less, or linear_kernel=aten")
     if config.dtype not in ("bfloat16", "float16", "float32"):
         raise ConfigError(f"linear_kernel={config.linear_kernel} computes bfloat16, float16 and float32 projections; "
                           f"with dtype {config.dtype} use linear_kernel=aten")
     if config.on_gpu:
+        if os.environ.get("TRITON_INTERPRET") == "1":
+            raise ConfigError(f"linear_kernel={config.linear_kernel} on a GPU runs compiled, not under Triton's "
+                              "interpreter; unset TRITON_INTERPRET")
         return
     if os.environ.get("TRITON_INTERPRET") != "1":
         raise ConfigError(f"linear_kernel={config.linear_kernel} is a CUDA kernel; on CPU use linear_kernel=aten "

@@ -18,6 +18,7 @@ import numpy as np
 import torch
 
 from .config import EffectiveConfig
+from .errors import ConfigError
 from .hashing import hash_bytes, hash_value
 
 # Environment variables that can change kernels, their selection, or their reduction order.
@@ -173,6 +174,9 @@ def apply_numerics_flags(effective: EffectiveConfig) -> dict[str, Any]:
     if effective.on_gpu and torch.version.hip is None:  # CUDA: set every run, from the config alone
         torch.backends.cuda.preferred_blas_library(effective.blas_library)
         applied["preferred_blas_library"] = effective.blas_library
+    elif effective.on_gpu and effective.blas_library != "cublas":
+        raise ConfigError(f"blas_library={effective.blas_library} chooses a CUDA library and this torch is built for "
+                          "ROCm; use blas_library=cublas")
     try:
         import torch._inductor.config as inductor_config
 

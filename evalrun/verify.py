@@ -428,10 +428,12 @@ def _run_forced(context: Context, config: EffectiveConfig, phase: str,
 
 
 def _function_config(context: Context) -> EffectiveConfig:
-    """The golden's function config, on the candidate's device and workload."""
+    """The golden's function config, on the candidate's device and workload, with the decode levers at their
+    defaults (golden.reference_config; goldens made before it kept them)."""
     golden_function = context.golden.config("function")
     workload = {key: getattr(context.candidate.config, key) for key in ("model", "prompts", "max_new_tokens")}
-    return golden_function.replace(device=context.candidate.config.device, **workload)
+    return golden_function.replace(device=context.candidate.config.device, blas_library="cublas",
+                                   linear_kernel="aten", **workload)
 
 
 def _function_check(context: Context, forced: dict[int, PromptResult], function: dict[int, PromptResult] | None,
@@ -505,7 +507,9 @@ def _envelope(context: Context, here: dict[int, PromptResult] | None
 
 
 def _describe(config: EffectiveConfig) -> str:
-    return (f"{config.dtype} -O{config.opt_level} {config.compilation_mode}/{config.cudagraph_mode} "
+    levers = "".join(f" {key}={getattr(config, key)}" for key, default in (("blas_library", "cublas"),
+                     ("linear_kernel", "aten")) if getattr(config, key) != default)
+    return (f"{config.dtype} -O{config.opt_level} {config.compilation_mode}/{config.cudagraph_mode}{levers} "
             f"batch {config.batch_size} on {config.device}")
 
 

@@ -180,8 +180,10 @@ def test_bisect_says_the_layer_stage_cannot_show_the_gemv():
     from evalrun.bisect_stages import _layer_notes
 
     good = resolve(RunConfig(model="random:tiny", device="cuda"), cuda_available=True)
-    notes = _layer_notes(good, good.replace(linear_kernel="triton-gemv"))
-    assert len(notes) == 1 and "projections of 1-4 rows" in notes[0] and "step stage" in notes[0]
+    gemv = good.replace(linear_kernel="triton-gemv")
+    for notes in (_layer_notes(good, gemv), _layer_notes(gemv, good)):  # whichever side runs the GEMV
+        assert len(notes) == 1 and "linear_kernel=triton-gemv computes projections of 1-4 rows" in notes[0]
+        assert "step stage" in notes[0]
     assert _layer_notes(good, good) == []
 
 
@@ -221,6 +223,12 @@ def test_the_gemv_where_the_interpreter_cannot_run_it_is_refused(cli, tiny_args,
     one_line_exit_2(cli("run", *tiny_args, "--device", "cpu", *sets), message)
 
 
+def test_the_gemv_at_a_batch_it_would_not_touch_is_refused(cli, tiny_args, monkeypatch):
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
+    one_line_exit_2(cli("run", *tiny_args, "--device", "cpu", "--batch-size", "6", "--set", "linear_kernel=triton-gemv"),
+                    "at batch_size 6 it would compute none: use --batch-size 4 or less")
+
+
 def test_triton_interpret_is_part_of_the_environment_fingerprint(monkeypatch):
     from evalrun.fingerprint import NUMERICS_ENV_VARS
 
@@ -236,12 +244,17 @@ def test_bench_measures_a_lever_beside_the_config_without_it():
     assert matrix[2][1] == ["-O0", "--engine", "transformers", "--set", "blas_library=cublaslt"]
     lists = BenchRequest(matrix_names="O2 + prefill_buckets=16,32, O3").matrix(on_gpu=True)  # a list value
     assert lists == [("O2+prefill_buckets=16,32", ["-O2", "--set", "prefill_buckets=16,32"]), ("O3", ["-O3"])]
+    served = BenchRequest(matrix_names="O0@openai:http://127.0.0.1:9/v1+served_model=m").matrix(on_gpu=False)
+    assert served[0][1][-2:] == ["--set", "served_model=m"]  # checked with the row's engine
     for bad, words in (("O2+nosuch=1", "unknown config key 'nosuch'"), ("O2+linear_kernel", "needs the form KEY=VALUE"),
                        ("O9+blas_library=cublaslt", "unknown bench config"),
                        ("O2+blas_library=mkl", "blas_library='mkl' is not valid"),
                        ("O2+opt_level=3", "sets opt_level, which every row shares or its name says; name the level"),
                        ("O2@transformers+engine=evalrun", "sets engine"), ("O2+model=random:tiny", "sets model"),
-                       ("O2,32", "unknown bench config '32'")):
+                       ("O2,32", "unknown bench config '32'"), ("O2+seed=1,O9", "unknown bench config 'O9'"),
+                       ("stock+compilation_mode=piecewise", "sets compilation_mode"),
+                       ("O0+keep_logits=capital,none", "sets keep_logits"), ("O2+warmup=0", "sets warmup"),
+                       ("O2+dtype=float16", "use --dtype for every row")):
         with pytest.raises(ConfigError, match=words):
             BenchRequest(matrix_names=bad).matrix(on_gpu=True)
 

@@ -19,10 +19,10 @@ from typing import Optional
 import torch
 import torch.nn.functional as F
 
+from ..config import GEMV_MAX_ROWS  # decode at batch <= 4; more rows: F.linear
 from ..errors import ConfigError
 from .triton_ops import INTERPRETED, can_register, registering
 
-GEMV_MAX_ROWS = 4  # decode at batch <= 4; more rows: F.linear
 GEMV_MAX_WEIGHT = 1 << 25  # elements (64 MB in bf16): larger weights read as fast or faster by cuBLAS
 GEMV_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 # (BLOCK_N, BLOCK_K, num_warps) by rows padded to a power of two: fixed, so the bits depend on shapes only
@@ -61,7 +61,8 @@ def gemv_applies(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | Non
     """Whether the GEMV computes x [..., K] @ weight [N, K]^T (+ bias [N]): few rows, a small weight with
     contiguous rows, one float dtype, a contiguous bias, on a CUDA device (or interpreted)."""
     rows = x.numel() // max(1, x.shape[-1])
-    return (1 <= rows <= GEMV_MAX_ROWS and weight.dim() == 2 and weight.numel() <= GEMV_MAX_WEIGHT
+    return (1 <= rows <= GEMV_MAX_ROWS and weight.dim() == 2 and weight.shape[1] == x.shape[-1]
+            and weight.numel() <= GEMV_MAX_WEIGHT
             and weight.stride(-1) == 1 and x.dtype == weight.dtype and x.dtype in GEMV_DTYPES
             and (bias is None or (bias.dtype == x.dtype and bias.dim() == 1 and bias.is_contiguous()))
             and (x.is_cuda or INTERPRETED))
