@@ -2,8 +2,8 @@
 Triton GEMV (linear_triton_kernel.py), chosen by the run's `linear_kernel` knob (issue #16).
 
 At batch 1 a decode step's projections are matrix-vector products bound by reading the weights; cuBLAS
-reads the small ones (Llama-3-8B's q/k/v and o) at 2.9 and 2.4 of the H200's 4.3 TB/s, the GEMV at 3.5
-and 3.0; on the large ones (gate/up, down, the head) cuBLAS is as fast or faster, so they stay with it
+reads the small ones (Llama-3-8B's q/k/v and o) at 2.9-3.1 and 2.4 of the H200's 4.3 TB/s, the GEMV at 3.4
+and 2.9; on the large ones (gate/up, down, the head) cuBLAS is as fast or faster, so they stay with it
 (benchmarks/decode_breakdown.py --gemv-grid). The GEMV is another reduction order, so other bits: a knob
 in the config hash, never on by default. Which calls it takes is decided by shape alone (rows <=
 GEMV_MAX_ROWS, a weight of at most GEMV_MAX_WEIGHT elements with contiguous rows): a prefill of more than 4
