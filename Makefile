@@ -41,8 +41,8 @@ fuzz: setup
 bench: setup
 	$(BIN)/python benchmarks/capture_overhead.py --model random:smollm2
 	$(BIN)/python benchmarks/diff_speed.py
-	$(BIN)/python benchmarks/cpu_speed.py
 	$(BIN)/python benchmarks/cpu_decode_floor.py
+	$(BIN)/python benchmarks/cpu_speed.py  # last: exits 1 below its target ratio (1.4x; README: not met)
 
 clean:
 	rm -rf $(VENV)
