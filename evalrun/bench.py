@@ -85,8 +85,9 @@ def split_matrix(text: str, known: dict) -> list[str]:
     names: list[str] = []
     for piece in text.split(","):
         piece = "+".join(part.strip() for part in piece.split("+"))
-        last_knob = names[-1].rpartition("+")[2].partition("=")[0].strip().replace("-", "_") if names else ""
-        if base_name(piece) not in known and "+" in (names[-1] if names else "") and last_knob in LIST_KNOBS:
+        before = names[-1] if names else ""
+        last_knob = before.rpartition("+")[2].partition("=")[0].strip().replace("-", "_") if "+" in before else ""
+        if base_name(piece) not in known and last_knob in LIST_KNOBS:
             names[-1] += "," + piece
         else:
             names.append(piece)
@@ -107,14 +108,13 @@ def engine_options(name: str) -> list[str]:
 def knob_options(name: str) -> list[str]:
     """`NAME+KEY=VALUE+...` sets config knobs on top of NAME (`--set`), e.g. O2+linear_kernel=triton-gemv:
     a lever measured side by side with the configuration without it. Keys and values are checked here."""
-    options = []
+    options, engine = [], (engine_options(name)[1:] or ["evalrun"])[0]
     for item in name.split("+")[1:]:
         key, value = parse_set_option(item)
         if key in ROW_FIXED_KNOBS or (key == "compilation_mode" and base_name(name) in COMPILATION_NAMES):
             raise ConfigError(f"bench config {name!r} sets {key}, which every row shares or its name says; "
                               f"{ROW_FIXED_KNOBS.get(key, 'name the compilation mode')}")
-        engine = engine_options(name)[1:] or ["evalrun"]
-        normalize(RunConfig(engine=engine[0], **{key: value}))  # one line naming the fix for a value no run takes
+        normalize(RunConfig(engine=engine, **{key: value}))  # one line naming the fix for a value no run takes
         options += ["--set", item.strip()]
     return options
 

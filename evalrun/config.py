@@ -81,6 +81,7 @@ ATTENTION_IMPLEMENTATIONS = ("sdpa", "eager")
 BLAS_LIBRARIES = ("cublas", "cublaslt")  # torch.backends.cuda.preferred_blas_library on CUDA
 LINEAR_KERNELS = ("aten", "triton-gemv")  # engine/linear.py: who computes a projection of 1-4 rows
 GEMV_MAX_ROWS = 4  # the GEMV's rows: decode at batch <= 4 (engine/linear.py)
+GEMV_DTYPE_NAMES = ("bfloat16", "float16", "float32")  # the dtypes the GEMV computes
 KEEP_LOGITS_PATTERN = re.compile(r"none|all|([^,@\s]+(@\d+(-\d+)?)?)(,[^,@\s]+(@\d+(-\d+)?)?)*")
 MAX_NEW_TOKENS_LIMIT = 8192  # past any context the shipped models have; larger asks are typos
 MAX_BATCH_SIZE = 4096
@@ -603,7 +604,7 @@ def _check_decode_levers(config: EffectiveConfig) -> None:
         raise ConfigError(f"linear_kernel={config.linear_kernel} computes projections of 1-{GEMV_MAX_ROWS} rows; at "
                           f"batch_size {config.batch_size} it would compute none: use --batch-size {GEMV_MAX_ROWS} or "
                           "less, or linear_kernel=aten")
-    if config.dtype not in ("bfloat16", "float16", "float32"):
+    if config.dtype not in GEMV_DTYPE_NAMES:
         raise ConfigError(f"linear_kernel={config.linear_kernel} computes bfloat16, float16 and float32 projections; "
                           f"with dtype {config.dtype} use linear_kernel=aten")
     if config.on_gpu:

@@ -54,12 +54,12 @@ def cache_keyword(model: torch.nn.Module) -> str:
                                 f"model: upgrade transformers or use evalrun's engine")
 
 
-def forward_for(model: torch.nn.Module) -> Callable[..., torch.Tensor]:
+def forward_for(model: torch.nn.Module, cache_name: str) -> Callable[..., torch.Tensor]:
     """(model, tokens, positions [B, T] int64, mask [B, K] int64, cache) -> last logits [B, V]; K: the cache's
-    key length. `logits_to_keep=1` where the forward has it (else the head runs on every position)."""
+    key length; cache_name: the forward's keyword for it (cache_keyword). `logits_to_keep=1` where the
+    forward has it (else the head runs on every position)."""
     parameters = inspect.signature(type(model).forward).parameters
     keywords = {"use_cache": True, **({"logits_to_keep": 1} if "logits_to_keep" in parameters else {})}
-    cache_name = cache_keyword(model)
 
     def hf_forward(model: torch.nn.Module, tokens: torch.Tensor, positions: torch.Tensor, mask: torch.Tensor,
                    cache: Any) -> torch.Tensor:
@@ -85,7 +85,8 @@ class TransformersEngine(ShapePlan):
         self.inductor_graphs = self.cudagraph_mode.has_full_cudagraphs()
         self.calls_to_warm = 2 if self.inductor_graphs else 1  # graph trees record a path on its second call
         self.fallbacks: list[str] = []
-        self.eager_forward = forward_for(model)
+        self.cache_name = cache_keyword(model)  # refused here, before anything runs, if the forward takes none
+        self.eager_forward = forward_for(model, self.cache_name)
         self.caches: dict[tuple[int, int], Any] = {}
         self.plan_slots: int | None = None
         self.plan_steps: int | None = None
@@ -153,7 +154,7 @@ class TransformersEngine(ShapePlan):
 
         probe = DynamicCache(config=self.model.config)
         token = torch.zeros(batch, 1, dtype=torch.int64, device=self.device)
-        self.model(input_ids=token, position_ids=token, use_cache=True, **{cache_keyword(self.model): probe})
+        self.model(input_ids=token, position_ids=token, use_cache=True, **{self.cache_name: probe})
         keys = [layer.keys for layer in probe.layers]
         values = [layer.values for layer in probe.layers]
         for layer, k, v in zip(cache.layers, keys, values):

@@ -19,12 +19,12 @@ from typing import Optional
 import torch
 import torch.nn.functional as F
 
-from ..config import GEMV_MAX_ROWS  # decode at batch <= 4; more rows: F.linear
+from ..config import GEMV_DTYPE_NAMES, GEMV_MAX_ROWS  # decode at batch <= 4; more rows: F.linear
 from ..errors import ConfigError
 from .triton_ops import INTERPRETED, can_register, registering
 
 GEMV_MAX_WEIGHT = 1 << 25  # elements (64 MB in bf16): larger weights read as fast or faster by cuBLAS
-GEMV_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
+GEMV_DTYPES = tuple(getattr(torch, name) for name in GEMV_DTYPE_NAMES)
 # (BLOCK_N, BLOCK_K, num_warps) by rows padded to a power of two: fixed, so the bits depend on shapes only
 # (never autotuned at run time by timing). One row: the best of a grid on the H200 for q/k/v and o
 # (benchmarks/decode_breakdown.py --gemv-grid); 2 and 4 rows: the same with the accumulator kept in registers.

@@ -48,6 +48,6 @@ def launch(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, blo
     even = n % block_n == 0 and k % block_k == 0
     wrap(gemv_kernel)[(triton.cdiv(n, block_n),)](
         x, weight, x if bias is None else bias, y, rows, n, x.stride(0), weight.stride(0), y.stride(0), k,
-        HAS_BIAS=bias is not None, EVEN=even, ROWS_POW2=max(1, 1 << (rows - 1).bit_length()), BLOCK_N=block_n,
+        HAS_BIAS=bias is not None, EVEN=even, ROWS_POW2=triton.next_power_of_2(rows), BLOCK_N=block_n,
         BLOCK_K=block_k, num_warps=num_warps)
     return y
