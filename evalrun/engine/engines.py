@@ -70,17 +70,19 @@ def check_model(engine: str, model: Any) -> None:
 
 
 def _is_causal(model: Any) -> bool:
-    """Whether the model's logits at a position ignore later tokens: two forwards of 8 tokens that differ only
-    in the last must agree on the first 7 positions (a bidirectional model's move at every position)."""
+    """Whether the model's logits at a position ignore later tokens: two forwards of 8 tokens that share the
+    first 2 and differ in all 6 after them must agree on the first 2 positions (a bidirectional model's move
+    there). Changing one last token only moved a small random BERT's logits within the tolerance in 13 of
+    200 seeds; changing six, in none of 300."""
     import torch
 
     device = next(model.parameters()).device
     vocab = int(model.config.get_text_config().vocab_size)
     tokens = (torch.arange(3, 11, device=device) % vocab)[None]  # [1, 8]
     changed = tokens.clone()
-    changed[0, -1] = (tokens[0, -1] + 1) % vocab
+    changed[0, 2:] = (tokens[0, 2:] + 1 + torch.arange(6, device=device)) % vocab
     with torch.no_grad():
-        first, second = (model(input_ids=ids).logits[0, :-1].float() for ids in (tokens, changed))  # [7, V]
+        first, second = (model(input_ids=ids).logits[0, :2].float() for ids in (tokens, changed))  # [2, V]
     return bool(torch.allclose(first, second, rtol=1e-3, atol=1e-3 * float(first.abs().max()) + 1e-6))
 
 
