@@ -79,7 +79,7 @@ DTYPE_ALIASES = {"fp32": "float32", "bf16": "bfloat16", "fp16": "float16", "fp64
 ATTENTION_IMPLEMENTATIONS = ("sdpa", "eager")
 # Decode-speed levers (issue #16), each a numerics knob: other kernels, other bits. Never on by default.
 BLAS_LIBRARIES = ("cublas", "cublaslt")  # torch.backends.cuda.preferred_blas_library on CUDA
-LINEAR_KERNELS = ("aten", "triton-gemv")  # engine/linear.py: who computes a projection of 1-4 rows
+LINEAR_KERNELS = ("aten", "triton-gemv", "gguf-gemv")  # engine/linear.py: who computes a projection of 1-4 rows
 GEMV_MAX_ROWS = 4  # the GEMV's rows: decode at batch <= 4 (engine/linear.py)
 GEMV_DTYPE_NAMES = ("bfloat16", "float16", "float32")  # the dtypes the GEMV computes
 KEEP_LOGITS_PATTERN = re.compile(r"none|all|([^,@\s]+(@\d+(-\d+)?)?)(,[^,@\s]+(@\d+(-\d+)?)?)*")
@@ -146,7 +146,7 @@ class RunConfig:
     device: str = "auto"
     attn_implementation: str = "sdpa"
     blas_library: str = "cublas"  # cublas | cublaslt: the library CUDA matrix products prefer (GPU only)
-    linear_kernel: str = "aten"  # aten | triton-gemv: projections of 1-4 rows (decode) by a Triton GEMV (GPU only)
+    linear_kernel: str = "aten"  # aten | triton-gemv (GPU) | gguf-gemv (CPU, GGUF models): projections of 1-4 rows
     batch_size: int = 1
     max_new_tokens: int = 32
     top_k: int = 8
@@ -604,6 +604,9 @@ def _check_decode_levers(config: EffectiveConfig) -> None:
         raise ConfigError(f"linear_kernel={config.linear_kernel} computes projections of 1-{GEMV_MAX_ROWS} rows; at "
                           f"batch_size {config.batch_size} it would compute none: use --batch-size {GEMV_MAX_ROWS} or "
                           "less, or linear_kernel=aten")
+    if config.linear_kernel == "gguf-gemv":
+        _check_gguf_gemv(config)
+        return
     if config.dtype not in GEMV_DTYPE_NAMES:
         raise ConfigError(f"linear_kernel={config.linear_kernel} computes bfloat16, float16 and float32 projections; "
                           f"with dtype {config.dtype} use linear_kernel=aten")
@@ -618,6 +621,21 @@ def _check_decode_levers(config: EffectiveConfig) -> None:
     if config.is_static:
         raise ConfigError(f"linear_kernel={config.linear_kernel} under Triton's interpreter (TRITON_INTERPRET=1, "
                           "tests) runs eagerly only; use -O0 or --device cuda")
+
+
+def _check_gguf_gemv(config: EffectiveConfig) -> None:
+    """The GGUF-block GEMV (engine/gguf_blocks.py): float32 on the CPU, one process, a GGUF model."""
+    fix = "or linear_kernel=aten"
+    if config.on_gpu:
+        raise ConfigError(f"linear_kernel=gguf-gemv is a CPU kernel; on a GPU use linear_kernel=triton-gemv {fix}")
+    if config.dtype != "float32":
+        raise ConfigError("linear_kernel=gguf-gemv rebuilds a GGUF model's float32 weights exactly; use --dtype float32 "
+                          f"{fix}")
+    if config.tensor_parallel > 1:
+        raise ConfigError(f"linear_kernel=gguf-gemv reads whole weights; use --tensor-parallel 1 {fix}")
+    if not (config.model == "smollm2-135m" or config.model.endswith(".gguf")):
+        raise ConfigError(f"linear_kernel=gguf-gemv reads the weights of a GGUF file; model {config.model[:80]!r} is "
+                          f"not one: use smollm2-135m or a .gguf path, {fix}")
 
 
 def validate(config: EffectiveConfig, cuda_available: bool, gpu_count: int | None = None) -> None:

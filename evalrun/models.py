@@ -79,6 +79,7 @@ class LoadedModel:
     tokenizer: Any
     source: dict[str, Any]
     weights_hash: str = ""
+    gguf_path: Path | None = None  # the GGUF file the weights were converted from (linear_kernel=gguf-gemv reads it)
 
     @property
     def text_config(self) -> Any:
@@ -475,6 +476,7 @@ def load_model(ref: str, device: str, dtype: str, attn_implementation: str = "sd
                              + ", a Hugging Face directory, or a .gguf file")
         loaded = _load_directory(ref, directory, torch_device, torch_dtype, attn_implementation, source,
                                  check_family=engine == "evalrun")
+        loaded.gguf_path = gguf
     if loaded.model.config.model_type not in HF_EAGER_ONLY:  # SDPA would drop Gemma 2's soft-capping
         loaded.model.config._attn_implementation = attn_implementation
     loaded.model.eval()

@@ -60,7 +60,7 @@ class Prepared:
             if self.config.tensor_parallel > 1:
                 here = distributed.world()
                 shard = (here.rank, here.size, distributed.model_group())
-            self.mode = build_engine(self.loaded.model, self.config, shard)
+            self.mode = build_engine(self.loaded.model, self.config, shard, self.loaded.gguf_path)
         return self.mode
 
 

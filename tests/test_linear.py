@@ -201,7 +201,7 @@ def test_the_levers_at_their_defaults_leave_every_stored_hash_as_it_was():
     ("blas_library=cublaslt", "evalrun", "blas_library=cublaslt chooses a CUDA library; on CPU use blas_library=cublas"),
     ("linear_kernel=triton-gemv", "evalrun", "linear_kernel=triton-gemv is a CUDA kernel; on CPU use linear_kernel=aten"),
     ("linear_kernel=triton-gemv", "transformers", "replaces evalrun's own projections; use --engine evalrun"),
-    ("linear_kernel=cutlass", "evalrun", "linear_kernel='cutlass' is not valid; use one of: aten, triton-gemv"),
+    ("linear_kernel=cutlass", "evalrun", "linear_kernel='cutlass' is not valid; use one of: aten, triton-gemv, gguf-gemv"),
     ("blas_library=hipblaslt", "evalrun", "blas_library='hipblaslt' is not valid; use one of: cublas, cublaslt"),
 ])
 def test_a_lever_where_it_cannot_run_is_one_line_and_exit_2(cli, tiny_args, store_path, monkeypatch, sets, engine,

@@ -15,6 +15,7 @@ The runner (`runner.execute`) sees nothing else: warm-up, batching, results and 
 
 from __future__ import annotations
 
+from pathlib import Path
 from typing import Any, Protocol
 
 from ..config import EffectiveConfig
@@ -86,10 +87,12 @@ def _is_causal(model: Any) -> bool:
     return bool(torch.allclose(first, second, rtol=1e-3, atol=1e-3 * float(first.abs().max()) + 1e-6))
 
 
-def build_engine(model: Any, config: EffectiveConfig, shard: tuple[int, int, Any] | None = None) -> Engine:
+def build_engine(model: Any, config: EffectiveConfig, shard: tuple[int, int, Any] | None = None,
+                 gguf: Path | None = None) -> Engine:
     """The engine `config.engine` names over a loaded Hugging Face module, in `config`'s execution mode.
     ConfigError (exit 2) when that engine cannot honour the mode; never another engine or mode instead.
-    `shard` (rank, ranks, process group): this rank's place in a tensor-parallel world (runner gives it)."""
+    `shard` (rank, ranks, process group): this rank's place in a tensor-parallel world (runner gives it);
+    `gguf`: the file the model was converted from, whose blocks linear_kernel=gguf-gemv reads."""
     if config.engine == "evalrun":
         from .modes import build_execution_mode
         from .transformer import Transformer
@@ -100,7 +103,15 @@ def build_engine(model: Any, config: EffectiveConfig, shard: tuple[int, int, Any
             assert shard is not None, "a tensor-parallel engine needs its rank, rank count and process group"
             transformer = sharded_transformer(model, config.attn_implementation, *shard)
             return build_execution_mode(transformer.with_linear_kernel(config.linear_kernel), config)
-        return build_execution_mode(Transformer(model, config.attn_implementation, config.linear_kernel), config)
+        transformer = Transformer(model, config.attn_implementation, config.linear_kernel)
+        if config.linear_kernel == "gguf-gemv":
+            from .gguf_blocks import attach
+
+            if gguf is None:
+                raise ConfigError("linear_kernel=gguf-gemv reads the weights of a GGUF file; this model was not loaded "
+                                  "from one: use linear_kernel=aten")
+            transformer = attach(transformer, gguf)
+        return build_execution_mode(transformer, config)
     if config.engine == "transformers":
         from .hf_engine import TransformersEngine
 

@@ -21,6 +21,7 @@ import torch.nn.functional as F
 
 from ..config import GEMV_DTYPE_NAMES, GEMV_MAX_ROWS  # decode at batch <= 4; more rows: F.linear
 from ..errors import ConfigError
+from .gguf_blocks import BlockWeight, gemv
 from .triton_ops import INTERPRETED, can_register, registering
 
 GEMV_MAX_WEIGHT = 1 << 25  # elements (64 MB in bf16): larger weights read as fast or faster by cuBLAS
@@ -68,8 +69,12 @@ def gemv_applies(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | Non
             and (x.is_cuda or INTERPRETED))
 
 
-def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, kernel: str = "aten") -> torch.Tensor:
-    """x [..., K] @ weight [N, K]^T + bias [N] -> [..., N], by `kernel` (aten | triton-gemv) where it applies."""
+def linear(x: torch.Tensor, weight: "torch.Tensor | BlockWeight", bias: torch.Tensor | None,
+           kernel: str = "aten") -> torch.Tensor:
+    """x [..., K] @ weight [N, K]^T + bias [N] -> [..., N], by `kernel` (aten | triton-gemv | gguf-gemv) where
+    it applies."""
+    if kernel == "gguf-gemv":
+        return _block_linear(x, weight, bias)
     if kernel != "triton-gemv":
         return F.linear(x, weight, bias)
     if "op" not in _OP and not INTERPRETED:  # asked for and never prepared: refused, not run as cuBLAS
@@ -83,4 +88,19 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, ker
         out = launch(rows, weight, bias, *blocks(rows.shape[0]))
     else:
         out = _OP["op"](rows, weight, bias)  # [M, N]
+    return out.view(*x.shape[:-1], weight.shape[0])
+
+
+def _block_linear(x: torch.Tensor, weight: "torch.Tensor | BlockWeight", bias: torch.Tensor | None) -> torch.Tensor:
+    """linear_kernel=gguf-gemv: 1-4 float32 CPU rows read the weight's GGUF blocks (gguf_blocks.py); more rows
+    (a prefill) multiply its dense tensor. A weight without blocks is refused, never computed another way."""
+    if not isinstance(weight, BlockWeight):
+        raise ConfigError("linear_kernel=gguf-gemv needs the projections of a GGUF model read by gguf_blocks.attach; "
+                          "use linear_kernel=aten")
+    rows = x.numel() // max(1, x.shape[-1])
+    if not (1 <= rows <= GEMV_MAX_ROWS and x.dtype == torch.float32 and x.device.type == "cpu"):
+        return F.linear(x, weight.dense, bias)
+    out = gemv(x.reshape(rows, x.shape[-1]).contiguous(), weight.blocks)  # [M, N]
+    if bias is not None:
+        out = out + bias
     return out.view(*x.shape[:-1], weight.shape[0])

@@ -1,0 +1,215 @@
+"""Decode projections that read a GGUF model's weights in their stored blocks (`linear_kernel=gguf-gemv`, issue #16).
+
+A GGUF model is stored quantized (SmolLM2-135M: Q4_1 projections, a Q8_0 embedding and head) and loads as
+float32 weights dequantized from those blocks. At batch 1 on a CPU a decode step is bound by reading the
+weights: 540 MB of float32 against 96 MB of blocks. This kernel reads the blocks, rebuilds each weight in
+registers with gguf's own float32 formula (Q8_0 q*d, Q4_0 d*(q-8), Q4_1 d*q+m: every product exact, so the
+weights are bit for bit the loaded ones) and multiplies in float32. Only the order of the sums differs from
+`F.linear`: other bits, so a knob in the config hash, never on by default.
+
+`attach` maps the file's tensors onto evalrun's stacked projections (q/k rows un-permuted as transformers
+does for Llama, q/k/v and gate/up stacked) and checks that the blocks give exactly the model's weights;
+any projection that does not is refused (ConfigError, exit 2), never computed from other weights. The
+kernel is one pure function per format, compiled by Inductor (a fused C++ loop on the CPU); a prefill of
+more than GEMV_MAX_ROWS tokens, like every other projection of a model, stays on `F.linear`.
+"""
+
+from __future__ import annotations
+
+import copy
+import dataclasses
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Callable
+
+import numpy as np
+import torch
+
+from ..errors import ConfigError
+
+BLOCK = 32  # elements per block in Q4_0, Q4_1 and Q8_0
+# format -> (bytes per block, [(field, byte offset, numpy dtype, count)]): gguf's block layouts
+LAYOUTS = {
+    "Q8_0": (34, (("d", 0, np.float16, 1), ("qs", 2, np.int8, 32))),
+    "Q4_0": (18, (("d", 0, np.float16, 1), ("qs", 2, np.uint8, 16))),
+    "Q4_1": (20, (("d", 0, np.float16, 1), ("m", 2, np.float16, 1), ("qs", 4, np.uint8, 16))),
+}
+# evalrun's stacked projection -> the file's tensors stacked in its rows (Llama's names in gguf)
+STACKS = {"qkv": ("attn_q", "attn_k", "attn_v"), "o": ("attn_output",), "gate_up": ("ffn_gate", "ffn_up"),
+          "down": ("ffn_down",)}
+
+
+@dataclass(frozen=True)
+class Blocks:
+    """A weight [N, K] as gguf blocks: qs [N, K/32, 32] int8 (Q8_0) or [N, K/32, 16] uint8 nibbles (Q4_x, the low
+    nibble of byte j is element j, the high one element j+16); d, m [N, K/32] float16 (m: Q4_1 only)."""
+
+    format: str
+    qs: torch.Tensor
+    d: torch.Tensor
+    m: torch.Tensor | None = None
+
+    @property
+    def shape(self) -> tuple[int, int]:
+        return self.qs.shape[0], self.qs.shape[1] * BLOCK
+
+    def rows(self, index: torch.Tensor) -> "Blocks":
+        return Blocks(self.format, self.qs[index], self.d[index], None if self.m is None else self.m[index])
+
+
+@dataclass(frozen=True)
+class BlockWeight:
+    """A projection's weight both ways: `dense` [N, K] (the model's own tensor, for prefill) and its `blocks`."""
+
+    dense: torch.Tensor
+    blocks: Blocks
+
+    @property
+    def shape(self) -> torch.Size:
+        return self.dense.shape
+
+
+def stack(parts: list[Blocks]) -> Blocks:
+    first = parts[0]
+    if any(p.format != first.format or p.shape[1] != first.shape[1] for p in parts):
+        raise ConfigError("linear_kernel=gguf-gemv: a stacked projection mixes GGUF formats "
+                          f"({', '.join(p.format for p in parts)}); use linear_kernel=aten")
+    m = None if first.m is None else torch.cat([p.m for p in parts])
+    return Blocks(first.format, torch.cat([p.qs for p in parts]), torch.cat([p.d for p in parts]), m)
+
+
+def read_blocks(path: Path) -> dict[str, Blocks]:
+    """The file's tensors in a format of LAYOUTS, by gguf name, copied out of the memory map."""
+    from gguf import GGUFReader
+
+    found = {}
+    for tensor in GGUFReader(path).tensors:
+        name = tensor.tensor_type.name
+        if name not in LAYOUTS:
+            continue
+        size, fields = LAYOUTS[name]
+        rows = int(tensor.shape[-1]) if len(tensor.shape) > 1 else 1  # gguf lists the shape innermost first
+        raw = np.ascontiguousarray(tensor.data).reshape(rows, -1, size)  # [N, K/32, bytes]
+        parts = {}
+        for field, offset, dtype, count in fields:
+            width = np.dtype(dtype).itemsize * count
+            values = np.ascontiguousarray(raw[:, :, offset:offset + width]).view(dtype)
+            parts[field] = torch.from_numpy(values.reshape(raw.shape[0], raw.shape[1], count).squeeze(-1)
+                                            if count == 1 else values.reshape(raw.shape[0], raw.shape[1], count))
+        found[tensor.name] = Blocks(name, parts["qs"], parts["d"], parts.get("m"))
+    return found
+
+
+def _nibbles(qs: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """[N, B, 16] uint8 -> (low, high) [N, B, 16] float32: elements 0-15 and 16-31 of each block."""
+    return (qs & 15).to(torch.float32), (qs >> 4).to(torch.float32)
+
+
+def dequantize(blocks: Blocks) -> torch.Tensor:
+    """[N, K] float32 with gguf's formulas (gguf.quants), the values a loaded model's weight holds."""
+    d = blocks.d.to(torch.float32)[:, :, None]  # [N, B, 1]
+    if blocks.format == "Q8_0":
+        values = blocks.qs.to(torch.float32) * d
+    else:
+        low, high = _nibbles(blocks.qs)
+        values = torch.cat([low, high], dim=-1)  # [N, B, 32]
+        values = d * (values - 8) if blocks.format == "Q4_0" else d * values + blocks.m.to(torch.float32)[:, :, None]
+    return values.reshape(blocks.shape)
+
+
+def gemv_q8_0(x: torch.Tensor, qs: torch.Tensor, d: torch.Tensor) -> torch.Tensor:
+    """x [R, K] float32, qs [N, B, 32] int8, d [N, B] float16 -> [R, N]: sum over k of x * (q * d)."""
+    w = qs.to(torch.float32)[None] * d.to(torch.float32)[None, :, :, None]  # [1, N, B, 32]
+    return (w * x.view(x.shape[0], 1, -1, BLOCK)).sum(dim=(-1, -2))
+
+
+def gemv_q4_0(x: torch.Tensor, qs: torch.Tensor, d: torch.Tensor) -> torch.Tensor:
+    """x [R, K] float32, qs [N, B, 16] uint8, d [N, B] float16 -> [R, N]: sum over k of x * (d * (q - 8))."""
+    halves = x.view(x.shape[0], 1, -1, 2, BLOCK // 2)  # [R, 1, B, 2, 16]
+    scale = d.to(torch.float32)[None, :, :, None]
+    low, high = ((q.to(torch.float32)[None] - 8) * scale for q in (qs & 15, qs >> 4))
+    return (low * halves[:, :, :, 0] + high * halves[:, :, :, 1]).sum(dim=(-1, -2))
+
+
+def gemv_q4_1(x: torch.Tensor, qs: torch.Tensor, d: torch.Tensor, m: torch.Tensor) -> torch.Tensor:
+    """x [R, K] float32, qs [N, B, 16] uint8, d, m [N, B] float16 -> [R, N]: sum over k of x * (d * q + m)."""
+    halves = x.view(x.shape[0], 1, -1, 2, BLOCK // 2)  # [R, 1, B, 2, 16]
+    scale, offset = d.to(torch.float32)[None, :, :, None], m.to(torch.float32)[None, :, :, None]
+    low, high = (q.to(torch.float32)[None] * scale + offset for q in (qs & 15, qs >> 4))
+    return (low * halves[:, :, :, 0] + high * halves[:, :, :, 1]).sum(dim=(-1, -2))
+
+
+_KERNELS = {"Q8_0": gemv_q8_0, "Q4_0": gemv_q4_0, "Q4_1": gemv_q4_1}
+_COMPILED: dict[tuple, Callable] = {}  # (format, shapes) -> the kernel compiled by Inductor for those shapes
+
+
+def gemv(x: torch.Tensor, blocks: Blocks) -> torch.Tensor:
+    """x [R, K] float32 @ the blocks' weight [N, K]^T -> [R, N]. Inside a compiled piece (-O1 and up) the kernel
+    is traced into the piece; eagerly, each shape's kernel is compiled by Inductor once (one fused C++ loop:
+    static shapes, as the decode step's), with no guards to check per call and no recompile limit to reach."""
+    kernel = _KERNELS[blocks.format]
+    args = (x, blocks.qs, blocks.d) + (() if blocks.m is None else (blocks.m,))
+    if torch.compiler.is_compiling():
+        return kernel(*args)
+    key = (blocks.format, *(tuple(a.shape) for a in args))
+    if key not in _COMPILED:
+        from torch.fx.experimental.proxy_tensor import make_fx
+
+        _COMPILED[key] = torch._inductor.compile(make_fx(kernel)(*args), list(args))
+    return _COMPILED[key](*args)
+
+
+def _unpermute_rows(rows: int, heads: int) -> torch.Tensor:
+    """The row order transformers gives a Llama q or k weight read from GGUF (llama.cpp stores each head's
+    rotary halves interleaved): index [rows] into the file's rows."""
+    dim = rows // heads // 2
+    return torch.arange(rows).reshape(heads, dim, 2).transpose(1, 2).reshape(rows)
+
+
+def attach(transformer, path: Path):
+    """A shallow copy of `transformer` whose projections and head are BlockWeights over the GGUF file at `path`.
+    ConfigError (exit 2) unless every one of them is stored in a format of LAYOUTS and gives exactly the
+    model's weight."""
+    from gguf import GGUFReader
+
+    architecture = GGUFReader(path).fields["general.architecture"]
+    arch = bytes(architecture.parts[architecture.data[0]]).decode()
+    if arch != "llama":
+        raise ConfigError(f"linear_kernel=gguf-gemv reads Llama-architecture GGUF files; {path.name} is {arch!r}: "
+                          "use linear_kernel=aten")
+    found = read_blocks(path)
+    orders = {"attn_q": transformer.heads, "attn_k": transformer.kv_heads}
+
+    def blocks_of(gguf_names: list[str]) -> Blocks:
+        parts = []
+        for name in gguf_names:
+            if name not in found:
+                raise ConfigError(f"linear_kernel=gguf-gemv: {path.name} stores {name} in a format this kernel does "
+                                  f"not read (it reads {', '.join(LAYOUTS)}); use linear_kernel=aten")
+            blocks = found[name]
+            short = name.split(".")[-2]
+            if short in orders:
+                blocks = blocks.rows(_unpermute_rows(blocks.shape[0], orders[short]))
+            parts.append(blocks)
+        return stack(parts)
+
+    def checked(label: str, dense: torch.Tensor, blocks: Blocks) -> BlockWeight:
+        if (tuple(dense.shape) != blocks.shape or dense.dtype != torch.float32
+                or not torch.equal(dequantize(blocks), dense.detach().cpu())):
+            raise ConfigError(f"linear_kernel=gguf-gemv: the model's {label} is not exactly the weight {path.name} "
+                              "stores (another file, or another conversion); use linear_kernel=aten")
+        return BlockWeight(dense, blocks)
+
+    layers = []
+    for index, weights in enumerate(transformer.layers):
+        if weights.moe is not None:
+            raise ConfigError("linear_kernel=gguf-gemv computes dense layers only; use linear_kernel=aten")
+        fields = {field: checked(f"layer {index} {field}", getattr(weights, field),
+                                 blocks_of([f"blk.{index}.{name}.weight" for name in names]))
+                  for field, names in STACKS.items()}
+        layers.append(dataclasses.replace(weights, **fields))
+    head_name = "output.weight" if "output.weight" in found else "token_embd.weight"
+    chosen = copy.copy(transformer)
+    chosen.layers = layers
+    chosen.lm_head = checked("head", transformer.lm_head, blocks_of([head_name]))
+    return chosen

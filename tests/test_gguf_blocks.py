@@ -1,0 +1,130 @@
+"""linear_kernel=gguf-gemv (engine/gguf_blocks.py): decode projections that read a GGUF model's stored blocks.
+
+The weights it rebuilds must be bit for bit the loaded model's (never another model), its products the same
+within float32 rounding, its tokens the same on the real SmolLM2, and every place it cannot run refused."""
+
+from __future__ import annotations
+
+import json
+
+import numpy as np
+import pytest
+import torch
+from conftest import one_line_exit_2
+
+from evalrun.engine import gguf_blocks
+from evalrun.engine.gguf_blocks import Blocks, BlockWeight
+from evalrun.errors import ConfigError
+from evalrun.models import smollm2_gguf_path
+
+
+def random_blocks(fmt: str, rows: int, cols: int, seed: int = 0) -> Blocks:
+    generator = torch.Generator().manual_seed(seed)
+    blocks = cols // gguf_blocks.BLOCK
+    d = (torch.rand(rows, blocks, generator=generator) * 0.02 + 1e-4).half()
+    if fmt == "Q8_0":
+        return Blocks(fmt, torch.randint(-128, 128, (rows, blocks, 32), generator=generator, dtype=torch.int8), d)
+    qs = torch.randint(0, 256, (rows, blocks, 16), generator=generator, dtype=torch.uint8)
+    m = (-torch.rand(rows, blocks, generator=generator) * 0.1).half() if fmt == "Q4_1" else None
+    return Blocks(fmt, qs, d, m)
+
+
+def test_the_blocks_dequantize_to_ggufs_own_values_bit_for_bit():
+    """Every block tensor of the shipped SmolLM2 file, read by read_blocks and rebuilt with the kernel's
+    formulas, equals gguf's numpy dequantization (what transformers loads) exactly."""
+    from gguf import GGUFReader
+    from gguf.quants import dequantize
+
+    path = smollm2_gguf_path()
+    found = gguf_blocks.read_blocks(path)
+    tensors = {t.name: t for t in GGUFReader(path).tensors}
+    assert {b.format for b in found.values()} == {"Q4_1", "Q8_0"} and len(found) == 30 * 7 + 1
+    for name in ("token_embd.weight", "blk.0.attn_q.weight", "blk.29.ffn_down.weight", "blk.7.attn_v.weight"):
+        tensor = tensors[name]
+        expected = dequantize(tensor.data, tensor.tensor_type).reshape(found[name].shape)
+        assert np.array_equal(gguf_blocks.dequantize(found[name]).numpy().view(np.uint32), expected.view(np.uint32))
+
+
+@pytest.mark.parametrize("fmt", ["Q8_0", "Q4_0", "Q4_1"])
+@pytest.mark.parametrize("rows", [1, 2, 4])
+def test_the_kernel_computes_the_product_of_the_rebuilt_weight_within_float32_rounding(fmt, rows):
+    blocks = random_blocks(fmt, 96, 128)
+    x = torch.randn(rows, 128, generator=torch.Generator().manual_seed(1))
+    expected = x.double() @ gguf_blocks.dequantize(blocks).double().T  # [rows, 96]
+    got = gguf_blocks.gemv(x, blocks)
+    assert got.shape == (rows, 96) and got.dtype == torch.float32
+    torch.testing.assert_close(got.double(), expected, rtol=1e-5, atol=1e-5)
+    assert torch.equal(gguf_blocks.gemv(x, blocks), got)  # repeatable
+
+
+def test_the_kernels_bits_do_not_depend_on_the_thread_count():
+    blocks, x = random_blocks("Q4_1", 256, 576), torch.randn(1, 576)
+    threads = torch.get_num_threads()
+    try:
+        torch.set_num_threads(1)
+        one = gguf_blocks.gemv(x, blocks)
+        torch.set_num_threads(max(2, threads))
+        assert torch.equal(gguf_blocks.gemv(x, blocks), one)
+    finally:
+        torch.set_num_threads(threads)
+
+
+def test_a_q_or_k_weight_gets_transformers_row_order():
+    """transformers un-permutes llama.cpp's interleaved rotary halves: rows (h, i, 2) -> (h, 2, i)."""
+    order = gguf_blocks._unpermute_rows(8, 2)
+    assert order.tolist() == [0, 2, 1, 3, 4, 6, 5, 7]
+
+
+@pytest.mark.slow
+def test_attach_reads_every_projection_of_smollm2_and_refuses_a_weight_one_ulp_off():
+    from evalrun.engine.transformer import Transformer
+    from evalrun.models import load_model
+
+    loaded = load_model("smollm2-135m", "cpu", "float32")
+    transformer = Transformer(loaded.model, linear_kernel="gguf-gemv")
+    attached = gguf_blocks.attach(transformer, loaded.gguf_path)
+    weights = [w for layer in attached.layers for w in (layer.qkv, layer.o, layer.gate_up, layer.down)]
+    assert all(isinstance(w, BlockWeight) for w in weights) and isinstance(attached.lm_head, BlockWeight)
+    assert {w.blocks.format for w in weights} == {"Q4_1"} and attached.lm_head.blocks.format == "Q8_0"
+    x = torch.randn(1, 576)
+    torch.testing.assert_close(gguf_blocks.gemv(x, attached.layers[3].qkv.blocks), x @ transformer.layers[3].qkv.T,
+                               rtol=1e-5, atol=1e-5)
+    weight = loaded.model.model.layers[5].mlp.up_proj.weight
+    weight.data[7, 3] = torch.nextafter(weight.data[7, 3], torch.tensor(1.0))
+    with pytest.raises(ConfigError, match="layer 5 gate_up is not exactly the weight"):
+        gguf_blocks.attach(Transformer(loaded.model, linear_kernel="gguf-gemv"), loaded.gguf_path)
+
+
+def test_a_projection_without_blocks_is_refused_not_computed_by_aten():
+    from evalrun.engine.linear import linear
+
+    with pytest.raises(ConfigError, match="needs the projections of a GGUF model"):
+        linear(torch.randn(1, 64), torch.randn(32, 64), None, "gguf-gemv")
+    weight = BlockWeight(gguf_blocks.dequantize(random_blocks("Q8_0", 32, 64)), random_blocks("Q8_0", 32, 64))
+    prefill = torch.randn(1, 9, 64)  # more rows than a decode step: the dense tensor
+    assert torch.equal(linear(prefill, weight, None, "gguf-gemv"), torch.nn.functional.linear(prefill, weight.dense))
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("level", ["0", "2"])
+def test_smollm2_with_the_blocks_gives_the_same_tokens_under_another_hash(cli, store_path, level):
+    common = ["run", "-O" + level, "--prompts", "smoke", "--max-new-tokens", "8", "--store", str(store_path), "--json",
+              "--quiet"]
+    aten = json.loads(cli(*common)[1])
+    code, out, err = cli(*common, "--set", "linear_kernel=gguf-gemv")
+    assert code == 0, err
+    blocks = json.loads(out)
+    assert blocks["config"]["linear_kernel"] == "gguf-gemv" and blocks["config_hash"] != aten["config_hash"]
+    assert blocks["logits_digest"] != aten["logits_digest"]
+    assert [r["tokens"] for r in blocks["results"]] == [r["tokens"] for r in aten["results"]]
+
+
+@pytest.mark.parametrize("args, message", [
+    (["--model", "random:tiny"], "reads the weights of a GGUF file; model 'random:tiny' is not one"),
+    (["--dtype", "bfloat16"], "rebuilds a GGUF model's float32 weights exactly; use --dtype float32"),
+    (["--batch-size", "8"], "at batch_size 8 it would compute none: use --batch-size 4 or less"),
+    (["--engine", "transformers"], "replaces evalrun's own projections; use --engine evalrun"),
+])
+def test_the_blocks_where_they_cannot_run_are_one_line_and_exit_2(cli, store_path, args, message):
+    one_line_exit_2(cli("run", "--device", "cpu", "--prompts", "smoke", "--store", str(store_path), *args,
+                        "--set", "linear_kernel=gguf-gemv"), message)
