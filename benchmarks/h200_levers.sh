@@ -2,6 +2,7 @@
 # deadline. On that machine, with the SmolLM2 GGUF joined at /root/g/smollm2.gguf (random shapes borrow
 # its tokenizer) and the wheels in .whl:
 #   setsid bash benchmarks/h200_levers.sh /root/lev > /root/lev.log 2>&1 < /dev/null &
+#   (BENCH_ONLY=1 LEVERS=O2,O3,... : only the tests on GPU 0 and the bench of LEVERS on GPU 1)
 # then poll /root/lev/stages.txt (`done` ends it). It first copies the repo to /root/repo, so a later
 # call's working-tree sync cannot change the scripts under it.
 #   GPU 0  every `pytest -m gpu` test but the NCCL ones; then `evalrun bench` of random:llama3-8b with the
@@ -22,17 +23,25 @@ nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv > "$RES/gpu
 python3 -c "import torch, transformers, triton; print(torch.__version__, transformers.__version__, triton.__version__)" >> "$RES/gpu.txt" 2>&1
 LEVERS=${LEVERS:-O2,O2+linear_kernel=triton-gemv,O2+blas_library=cublaslt,O2+blas_library=cublaslt+linear_kernel=triton-gemv,O3}
 
+bench_levers() {
+  step bench-levers python3 -m evalrun bench --model random:llama3-8b --dtype bfloat16 --device cuda --prompts smoke \
+    --max-new-tokens 128 --config-timeout 300 --matrix "$LEVERS" --json
+}
+# BENCH_ONLY=1: GPU 0 runs the tests alone and GPU 1 the bench alone (no breakdown, no warm compile)
 ( export CUDA_VISIBLE_DEVICES=0
   stage "gpu0 tests"
   timeout 420 python3 -m pytest -p no:cacheprovider -q -m gpu -n 4 tests --ignore tests/test_distributed.py \
     > "$RES/gpu-tests.txt" 2>&1
-  step bench-levers python3 -m evalrun bench --model random:llama3-8b --dtype bfloat16 --device cuda --prompts smoke \
-    --max-new-tokens 128 --config-timeout 300 --matrix "$LEVERS" --json
+  [ "${BENCH_ONLY:-0}" = 1 ] || bench_levers
   stage "gpu0 done" ) &
 ( export CUDA_VISIBLE_DEVICES=1
-  step breakdown timeout 300 python3 benchmarks/decode_breakdown.py --model random:llama3-8b --gemv-grid \
-    --json "$RES/breakdown-report.json"
-  DEADLINE_S=$(left) bash benchmarks/h200_warm_compile.sh "$RES/warm"
+  if [ "${BENCH_ONLY:-0}" = 1 ]; then
+    bench_levers
+  else
+    step breakdown timeout 300 python3 benchmarks/decode_breakdown.py --model random:llama3-8b --gemv-grid \
+      --json "$RES/breakdown-report.json"
+    DEADLINE_S=$(left) bash benchmarks/h200_warm_compile.sh "$RES/warm"
+  fi
   stage "gpu1 done" ) &
 wait
 stage done
