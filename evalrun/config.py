@@ -24,6 +24,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from .engine.shapes import bucket_size
 from .errors import ConfigError
 from .hashing import hash_value
 
@@ -604,6 +605,12 @@ def _check_decode_levers(config: EffectiveConfig) -> None:
         raise ConfigError(f"linear_kernel={config.linear_kernel} computes projections of 1-{GEMV_MAX_ROWS} rows; at "
                           f"batch_size {config.batch_size} it would compute none: use --batch-size {GEMV_MAX_ROWS} or "
                           "less, or linear_kernel=aten")
+    padded = bucket_size(config.batch_size, config.batch_buckets)  # a static mode's rows (engine/shapes.py)
+    if config.is_static and padded > GEMV_MAX_ROWS and not config.batch_invariant:
+        raise ConfigError(f"linear_kernel={config.linear_kernel} computes projections of 1-{GEMV_MAX_ROWS} rows; "
+                          f"batch_buckets pad batch_size {config.batch_size} to {padded} rows, where it would compute "
+                          f"none: add a bucket of {config.batch_size} to {GEMV_MAX_ROWS} (--set batch_buckets=1,2,4), "
+                          "or linear_kernel=aten")
     if config.linear_kernel == "gguf-gemv":
         _check_gguf_gemv(config)
         return

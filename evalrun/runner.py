@@ -136,8 +136,11 @@ def prepare(config: RunConfig | EffectiveConfig, reuse: Prepared | None = None) 
     vocab = loaded.vocab_size
     if effective.top_k > vocab:
         raise ConfigError(f"top_k={effective.top_k} is larger than the model's vocabulary ({vocab}); use a smaller top_k")
-    return Prepared(effective, applied, loaded, prompt_set, build_header(effective, applied, loaded, prompt_set),
-                    load_seconds)
+    prepared = Prepared(effective, applied, loaded, prompt_set, build_header(effective, applied, loaded, prompt_set),
+                        load_seconds)
+    if effective.linear_kernel == "gguf-gemv":  # its blocks are read and checked now: a refusal stores nothing
+        prepared.execution_mode()
+    return prepared
 
 
 def plan_batches(prompt_set: PromptSet, config: EffectiveConfig) -> list[list[int]]:

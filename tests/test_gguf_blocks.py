@@ -117,6 +117,20 @@ def test_smollm2_with_the_blocks_gives_the_same_tokens_under_another_hash(cli, s
     assert blocks["config"]["linear_kernel"] == "gguf-gemv" and blocks["config_hash"] != aten["config_hash"]
     assert blocks["logits_digest"] != aten["logits_digest"]
     assert [r["tokens"] for r in blocks["results"]] == [r["tokens"] for r in aten["results"]]
+    assert blocks["timings"]["compile_s"] > 0  # the kernels' Inductor compile counts, at -O0 too
+
+
+@pytest.mark.slow
+def test_a_file_whose_blocks_the_kernel_cannot_read_is_refused_before_anything_is_stored(cli, store_path,
+                                                                                        monkeypatch):
+    import sqlite3
+
+    monkeypatch.delitem(gguf_blocks.LAYOUTS, "Q8_0")  # as if the head were stored in a format it does not read
+    one_line_exit_2(cli("run", "--prompts", "smoke", "--max-new-tokens", "2", "--store", str(store_path), "--set",
+                        "linear_kernel=gguf-gemv"), "stores token_embd.weight in a format this kernel does not read")
+    if store_path.exists():
+        with sqlite3.connect(store_path) as db:
+            assert db.execute("select count(*) from runs").fetchone() == (0,)
 
 
 @pytest.mark.parametrize("args, message", [
@@ -124,6 +138,7 @@ def test_smollm2_with_the_blocks_gives_the_same_tokens_under_another_hash(cli, s
     (["--dtype", "bfloat16"], "rebuilds a GGUF model's float32 weights exactly; use --dtype float32"),
     (["--batch-size", "8"], "at batch_size 8 it would compute none: use --batch-size 4 or less"),
     (["--engine", "transformers"], "replaces evalrun's own projections; use --engine evalrun"),
+    (["-O1", "--set", "batch_buckets=8"], "batch_buckets pad batch_size 1 to 8 rows, where it would compute none"),
 ])
 def test_the_blocks_where_they_cannot_run_are_one_line_and_exit_2(cli, store_path, args, message):
     one_line_exit_2(cli("run", "--device", "cpu", "--prompts", "smoke", "--store", str(store_path), *args,

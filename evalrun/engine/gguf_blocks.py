@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import copy
 import dataclasses
+import time
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable
@@ -141,6 +142,11 @@ def gemv_q4_1(x: torch.Tensor, qs: torch.Tensor, d: torch.Tensor, m: torch.Tenso
 
 _KERNELS = {"Q8_0": gemv_q8_0, "Q4_0": gemv_q4_0, "Q4_1": gemv_q4_1}
 _COMPILED: dict[tuple, Callable] = {}  # (format, shapes) -> the kernel compiled by Inductor for those shapes
+_COMPILE_SECONDS = [0.0]  # spent compiling them in this process (a run's compile_s counts it: modes.py)
+
+
+def compile_seconds() -> float:
+    return _COMPILE_SECONDS[0]
 
 
 def gemv(x: torch.Tensor, blocks: Blocks) -> torch.Tensor:
@@ -155,7 +161,9 @@ def gemv(x: torch.Tensor, blocks: Blocks) -> torch.Tensor:
     if key not in _COMPILED:
         from torch.fx.experimental.proxy_tensor import make_fx
 
+        started = time.perf_counter()
         _COMPILED[key] = torch._inductor.compile(make_fx(kernel)(*args), list(args))
+        _COMPILE_SECONDS[0] += time.perf_counter() - started
     return _COMPILED[key](*args)
 
 
@@ -178,6 +186,7 @@ def attach(transformer, path: Path):
         raise ConfigError(f"linear_kernel=gguf-gemv reads Llama-architecture GGUF files; {path.name} is {arch!r}: "
                           "use linear_kernel=aten")
     found = read_blocks(path)
+    _COMPILED.clear()  # this config's Inductor settings compile its kernels afresh (C++ builds stay cached)
     orders = {"attn_q": transformer.heads, "attn_k": transformer.kv_heads}
 
     def blocks_of(gguf_names: list[str]) -> Blocks:
