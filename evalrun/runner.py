@@ -136,11 +136,8 @@ def prepare(config: RunConfig | EffectiveConfig, reuse: Prepared | None = None) 
     vocab = loaded.vocab_size
     if effective.top_k > vocab:
         raise ConfigError(f"top_k={effective.top_k} is larger than the model's vocabulary ({vocab}); use a smaller top_k")
-    prepared = Prepared(effective, applied, loaded, prompt_set, build_header(effective, applied, loaded, prompt_set),
-                        load_seconds)
-    if effective.linear_kernel == "gguf-gemv":  # its blocks are read and checked now: a refusal stores nothing
-        prepared.execution_mode()
-    return prepared
+    return Prepared(effective, applied, loaded, prompt_set, build_header(effective, applied, loaded, prompt_set),
+                    load_seconds)
 
 
 def plan_batches(prompt_set: PromptSet, config: EffectiveConfig) -> list[list[int]]:
@@ -339,8 +336,10 @@ def record(store: Store | None, header: dict[str, Any], produce: Callable[[], Ru
 
 def execute_run(config: RunConfig | EffectiveConfig, store: Store | None, label: str | None = None,
                 progress_factory: Callable[[int], Any] | None = None, prepared: Prepared | None = None) -> Run:
-    """`evalrun run`: prepare, execute with a progress bar, record in the store."""
+    """`evalrun run`: prepare, build the engine, execute with a progress bar, record in the store. The engine is
+    built before the run is stored, so one that refuses its config (exit 2) stores nothing."""
     prepared = prepared or prepare(config)
+    prepared.execution_mode()
 
     def produce() -> Run:
         bar = progress_factory(len(prepared.prompt_set.records)) if progress_factory else None

@@ -131,6 +131,7 @@ def execute_sharded_run(config, store: Store | None, label: str | None = None,
     """`evalrun run` on this process's shard: under torchrun rank 0 stores the joined run (the others
     return theirs, unstored); with --shard the job stores its part, marked as such."""
     prepared = runner.prepare(config)  # through the module: tests replace its functions
+    prepared.execution_mode()  # before anything is stored: an engine that refuses its config stores nothing
     here, current = distributed.world(), active_shard(prepared.config.tensor_parallel, shard)
     only = shard_prompts(prepared, current)
     joined_by_ranks = here.distributed and prepared.config.tensor_parallel == 1

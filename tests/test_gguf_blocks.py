@@ -35,9 +35,9 @@ def test_the_blocks_dequantize_to_ggufs_own_values_bit_for_bit():
     from gguf import GGUFReader
     from gguf.quants import dequantize
 
-    path = smollm2_gguf_path()
-    found = gguf_blocks.read_blocks(path)
-    tensors = {t.name: t for t in GGUFReader(path).tensors}
+    reader = GGUFReader(smollm2_gguf_path())
+    found = gguf_blocks.read_blocks(reader)
+    tensors = {t.name: t for t in reader.tensors}
     assert {b.format for b in found.values()} == {"Q4_1", "Q8_0"} and len(found) == 30 * 7 + 1
     for name in ("token_embd.weight", "blk.0.attn_q.weight", "blk.29.ffn_down.weight", "blk.7.attn_v.weight"):
         tensor = tensors[name]

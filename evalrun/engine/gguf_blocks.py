@@ -79,68 +79,66 @@ def stack(parts: list[Blocks]) -> Blocks:
     return Blocks(first.format, torch.cat([p.qs for p in parts]), torch.cat([p.d for p in parts]), m)
 
 
-def read_blocks(path: Path) -> dict[str, Blocks]:
-    """The file's tensors in a format of LAYOUTS, by gguf name, copied out of the memory map."""
-    from gguf import GGUFReader
-
+def read_blocks(reader) -> dict[str, Blocks]:
+    """The tensors of a gguf.GGUFReader in a format of LAYOUTS, by gguf name, copied out of the memory map."""
     found = {}
-    for tensor in GGUFReader(path).tensors:
-        name = tensor.tensor_type.name
-        if name not in LAYOUTS:
+    for tensor in reader.tensors:
+        fmt = tensor.tensor_type.name
+        if fmt not in LAYOUTS:
             continue
-        size, fields = LAYOUTS[name]
+        size, fields = LAYOUTS[fmt]
         rows = int(tensor.shape[-1]) if len(tensor.shape) > 1 else 1  # gguf lists the shape innermost first
         raw = np.ascontiguousarray(tensor.data).reshape(rows, -1, size)  # [N, K/32, bytes]
         parts = {}
         for field, offset, dtype, count in fields:
             width = np.dtype(dtype).itemsize * count
-            values = np.ascontiguousarray(raw[:, :, offset:offset + width]).view(dtype)
-            parts[field] = torch.from_numpy(values.reshape(raw.shape[0], raw.shape[1], count).squeeze(-1)
-                                            if count == 1 else values.reshape(raw.shape[0], raw.shape[1], count))
-        found[tensor.name] = Blocks(name, parts["qs"], parts["d"], parts.get("m"))
+            values = np.ascontiguousarray(raw[:, :, offset:offset + width]).view(dtype)  # [N, K/32, count]
+            parts[field] = torch.from_numpy(values[:, :, 0] if count == 1 else values)
+        found[tensor.name] = Blocks(fmt, parts["qs"], parts["d"], parts.get("m"))
     return found
 
 
-def _nibbles(qs: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """[N, B, 16] uint8 -> (low, high) [N, B, 16] float32: elements 0-15 and 16-31 of each block."""
-    return (qs & 15).to(torch.float32), (qs >> 4).to(torch.float32)
+def q8_values(qs: torch.Tensor, d: torch.Tensor) -> torch.Tensor:
+    """Q8_0: qs [N, B, 32] int8, d [N, B] float16 -> the weights [N, B, 32] float32, q * d (gguf.quants)."""
+    return qs.to(torch.float32) * d.to(torch.float32)[:, :, None]
+
+
+def q4_values(qs: torch.Tensor, d: torch.Tensor, m: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """Q4_0 (m None) and Q4_1: qs [N, B, 16] uint8 nibbles, d, m [N, B] float16 -> the weights of elements 0-15
+    and 16-31 of each block, [N, B, 16] float32 each: d * (q - 8), or d * q + m (gguf.quants). Kept as two
+    halves: the kernel that multiplies them without joining them runs 2.5x faster (Inductor's C++ loop)."""
+    scale = d.to(torch.float32)[:, :, None]
+    if m is None:
+        return tuple(scale * (q.to(torch.float32) - 8) for q in (qs & 15, qs >> 4))
+    offset = m.to(torch.float32)[:, :, None]
+    return tuple(scale * q.to(torch.float32) + offset for q in (qs & 15, qs >> 4))
 
 
 def dequantize(blocks: Blocks) -> torch.Tensor:
-    """[N, K] float32 with gguf's formulas (gguf.quants), the values a loaded model's weight holds."""
-    d = blocks.d.to(torch.float32)[:, :, None]  # [N, B, 1]
+    """[N, K] float32: the values a loaded model's weight holds, by the formulas the kernels use."""
     if blocks.format == "Q8_0":
-        values = blocks.qs.to(torch.float32) * d
-    else:
-        low, high = _nibbles(blocks.qs)
-        values = torch.cat([low, high], dim=-1)  # [N, B, 32]
-        values = d * (values - 8) if blocks.format == "Q4_0" else d * values + blocks.m.to(torch.float32)[:, :, None]
-    return values.reshape(blocks.shape)
+        return q8_values(blocks.qs, blocks.d).reshape(blocks.shape)
+    return torch.cat(q4_values(blocks.qs, blocks.d, blocks.m), dim=-1).reshape(blocks.shape)
 
 
-def gemv_q8_0(x: torch.Tensor, qs: torch.Tensor, d: torch.Tensor) -> torch.Tensor:
-    """x [R, K] float32, qs [N, B, 32] int8, d [N, B] float16 -> [R, N]: sum over k of x * (q * d)."""
-    w = qs.to(torch.float32)[None] * d.to(torch.float32)[None, :, :, None]  # [1, N, B, 32]
-    return (w * x.view(x.shape[0], 1, -1, BLOCK)).sum(dim=(-1, -2))
+def gemv_q8(x: torch.Tensor, qs: torch.Tensor, d: torch.Tensor) -> torch.Tensor:
+    """x [R, K] float32 @ the Q8_0 weight [N, K]^T -> [R, N]."""
+    return (q8_values(qs, d) * x.view(x.shape[0], 1, -1, BLOCK)).sum(dim=(-1, -2))
+
+
+def gemv_q4(x: torch.Tensor, qs: torch.Tensor, d: torch.Tensor, m: torch.Tensor | None = None) -> torch.Tensor:
+    """x [R, K] float32 @ the Q4_0 or Q4_1 weight [N, K]^T -> [R, N]."""
+    low, high = q4_values(qs, d, m)  # [N, B, 16] each
+    halves = x.view(x.shape[0], 1, -1, 2, BLOCK // 2)  # [R, 1, B, 2, 16]
+    return (low * halves[:, :, :, 0] + high * halves[:, :, :, 1]).sum(dim=(-1, -2))
 
 
 def gemv_q4_0(x: torch.Tensor, qs: torch.Tensor, d: torch.Tensor) -> torch.Tensor:
-    """x [R, K] float32, qs [N, B, 16] uint8, d [N, B] float16 -> [R, N]: sum over k of x * (d * (q - 8))."""
-    halves = x.view(x.shape[0], 1, -1, 2, BLOCK // 2)  # [R, 1, B, 2, 16]
-    scale = d.to(torch.float32)[None, :, :, None]
-    low, high = ((q.to(torch.float32)[None] - 8) * scale for q in (qs & 15, qs >> 4))
-    return (low * halves[:, :, :, 0] + high * halves[:, :, :, 1]).sum(dim=(-1, -2))
+    """gemv_q4 without m: what make_fx traces takes tensors only, all of them."""
+    return gemv_q4(x, qs, d)
 
 
-def gemv_q4_1(x: torch.Tensor, qs: torch.Tensor, d: torch.Tensor, m: torch.Tensor) -> torch.Tensor:
-    """x [R, K] float32, qs [N, B, 16] uint8, d, m [N, B] float16 -> [R, N]: sum over k of x * (d * q + m)."""
-    halves = x.view(x.shape[0], 1, -1, 2, BLOCK // 2)  # [R, 1, B, 2, 16]
-    scale, offset = d.to(torch.float32)[None, :, :, None], m.to(torch.float32)[None, :, :, None]
-    low, high = (q.to(torch.float32)[None] * scale + offset for q in (qs & 15, qs >> 4))
-    return (low * halves[:, :, :, 0] + high * halves[:, :, :, 1]).sum(dim=(-1, -2))
-
-
-_KERNELS = {"Q8_0": gemv_q8_0, "Q4_0": gemv_q4_0, "Q4_1": gemv_q4_1}
+_KERNELS = {"Q8_0": gemv_q8, "Q4_0": gemv_q4_0, "Q4_1": gemv_q4}
 _COMPILED: dict[tuple, Callable] = {}  # (format, shapes) -> the kernel compiled by Inductor for those shapes
 _COMPILE_SECONDS = [0.0]  # spent compiling them in this process (a run's compile_s counts it: modes.py)
 
@@ -180,12 +178,13 @@ def attach(transformer, path: Path):
     model's weight."""
     from gguf import GGUFReader
 
-    architecture = GGUFReader(path).fields["general.architecture"]
+    reader = GGUFReader(path)
+    architecture = reader.fields["general.architecture"]
     arch = bytes(architecture.parts[architecture.data[0]]).decode()
     if arch != "llama":
         raise ConfigError(f"linear_kernel=gguf-gemv reads Llama-architecture GGUF files; {path.name} is {arch!r}: "
                           "use linear_kernel=aten")
-    found = read_blocks(path)
+    found = read_blocks(reader)
     _COMPILED.clear()  # this config's Inductor settings compile its kernels afresh (C++ builds stay cached)
     orders = {"attn_q": transformer.heads, "attn_k": transformer.kv_heads}
 

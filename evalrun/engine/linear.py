@@ -10,6 +10,9 @@ GEMV_MAX_ROWS, a weight of at most GEMV_MAX_WEIGHT elements with contiguous rows
 tokens stays on `F.linear`, and one compiled piece always makes the same choice. Which projections are small
 enough depends on the model: Llama-3-8B's q/k/v and o; every projection and the head of SmolLM2-135M; more of
 them on a tensor-parallel rank's shards. The golden's reference and oracle run without it (golden.py).
+
+`gguf-gemv` (CPU) computes those rows from a GGUF model's stored blocks instead (gguf_blocks.py): its weights
+are BlockWeights, and a prefill multiplies their dense tensors.
 """
 
 from __future__ import annotations

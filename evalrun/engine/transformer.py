@@ -57,7 +57,7 @@ class Variant:
     attn_softcap: float | None = None  # Gemma 2: scores -> c * tanh(scores / c) before the mask
     final_softcap: float | None = None  # Gemma 2: logits -> c * tanh(logits / c)
     sliding_window: int | None = None  # a query sees the keys of its last `sliding_window` slots
-    linear_kernel: str = "aten"  # aten | triton-gemv: who computes projections of 1-4 rows (linear.py)
+    linear_kernel: str = "aten"  # aten | triton-gemv | gguf-gemv: who computes projections of 1-4 rows (linear.py)
 
 
 LLAMA_VARIANT = Variant()
