@@ -10,7 +10,9 @@ and the engine's decode step under three modes with its kernel time by kind.
    engine's block sizes; `--gemv-grid` also at other block sizes (how GEMV_BLOCKS is chosen).
 3. One decode step (batch 1) in eager, piecewise-compiled without graphs, and -O2 (piecewise pieces,
    whole decode step in one CUDA graph), and -O2 with the Triton GEMV: step time p50, kernels per step,
-   GPU kernel time by kind (profiler), and the share of the step with no kernel running.
+   GPU kernel time by kind (profiler), and the share of the step with no kernel running; last, that step
+   again with the KV cache written by a separate index_copy per layer (before the write moved into the
+   pre-attention piece), side by side.
 """
 
 from __future__ import annotations
@@ -112,8 +114,9 @@ def profile_decode(mode: ExecutionMode, workspace, steps: int) -> tuple[dict[str
     return dict(kinds), [{"kernel": name, "per_step": round(n, 1), "ms": round(ms, 4)} for name, (n, ms) in top]
 
 
-def measure_decode(transformer: Transformer, compilation: str, graphs: str, prompt: list[int], steps: int) -> dict:
-    mode = ExecutionMode(transformer, CompilationMode(compilation), CUDAGraphMode(graphs))
+def measure_decode(transformer: Transformer, compilation: str, graphs: str, prompt: list[int], steps: int,
+                   **mode_options) -> dict:
+    mode = ExecutionMode(transformer, CompilationMode(compilation), CUDAGraphMode(graphs), **mode_options)
     mode.plan(len(prompt), steps)
     for _ in range(1 + mode.calls_to_warm):  # compile, record, then one more warm pass
         output = generate_batch(transformer, BatchSpec([prompt], steps, pad_id=0), mode)
@@ -173,6 +176,10 @@ def main() -> None:
     gemv_row = measure_decode(transformer.with_linear_kernel("triton-gemv"), "piecewise", "full-and-piecewise", prompt,
                               args.steps)
     report["decode"].append({**gemv_row, "mode": "piecewise/full-and-piecewise +triton-gemv"})
+    torch._dynamo.reset()  # side by side: the same step with the KV cache written by its own index_copy per layer
+    separate = measure_decode(transformer.with_linear_kernel("triton-gemv"), "piecewise", "full-and-piecewise", prompt,
+                              args.steps, kv_write_in_piece=False)
+    report["decode"].append({**separate, "mode": "piecewise/full-and-piecewise +triton-gemv, KV write separate"})
     print(f"{report['device']}  torch {report['torch']}  {args.model} {args.dtype}")
     print(f"copy bandwidth {report['copy_tb_per_s']:.2f} TB/s -> limit {report['bandwidth_limit_tokens_per_s']:.0f} tok/s "
           f"({report['weights_read_per_step_gb']:.2f} GB read per step)")
@@ -187,9 +194,9 @@ def main() -> None:
               + ", ".join(f"{k} {v:.2f}" for k, v in grid.items()) + ")")
     for row in report["decode"]:
         kinds = "  ".join(f"{k} {v['kernels']:.0f}x {v['ms']:.3f} ms" for k, v in sorted(row["by_kind"].items()))
-        print(f"  {row['mode']:30s} step {row['step_p50_ms']:.3f} ms ({1000 / row['step_p50_ms']:.1f} tok/s)  "
+        print(f"  {row['mode']:62s} step {row['step_p50_ms']:.3f} ms ({1000 / row['step_p50_ms']:.1f} tok/s)  "
               f"TTFT {row['ttft_ms']:.1f} ms  {row['kernels_per_step']:.0f} kernels  idle {row['idle_share']:.0%}  {kinds}")
-    for entry in report["decode"][-2]["top_kernels"]:
+    for entry in report["decode"][-2]["top_kernels"]:  # the -O2 step with the GEMV
         print(f"    {entry['per_step']:6.1f}x/step {entry['ms']:.4f} ms  {entry['kernel']}")
     if args.json:
         Path(args.json).write_text(json.dumps(report, indent=1))

@@ -2,7 +2,8 @@
 # deadline. On that machine, with the SmolLM2 GGUF joined at /root/g/smollm2.gguf (random shapes borrow
 # its tokenizer) and the wheels in .whl:
 #   setsid bash benchmarks/h200_levers.sh /root/lev > /root/lev.log 2>&1 < /dev/null &
-#   (BENCH_ONLY=1 LEVERS=O2,O3,... : only the tests on GPU 0 and the bench of LEVERS on GPU 1)
+#   (BENCH_ONLY=1 LEVERS=O2,O3,... : only the tests on GPU 0 and the bench of LEVERS on GPU 1;
+#    with PROBES=1 too, GPU 0 then runs decode_breakdown.py and fusion_candidates.py)
 # then poll /root/lev/stages.txt (`done` ends it). It first copies the repo to /root/repo, so a later
 # call's working-tree sync cannot change the scripts under it.
 #   GPU 0  every `pytest -m gpu` test but the NCCL ones; then `evalrun bench` of random:llama3-8b with the
@@ -33,6 +34,11 @@ bench_levers() {
   timeout 420 python3 -m pytest -p no:cacheprovider -q -m gpu -n 4 tests --ignore tests/test_distributed.py \
     > "$RES/gpu-tests.txt" 2>&1
   [ "${BENCH_ONLY:-0}" = 1 ] || bench_levers
+  if [ "${PROBES:-0}" = 1 ]; then
+    step breakdown timeout 420 python3 benchmarks/decode_breakdown.py --model random:llama3-8b \
+      --json "$RES/breakdown-report.json"
+    step fusion timeout 300 python3 benchmarks/fusion_candidates.py --json "$RES/fusion-report.json"
+  fi
   stage "gpu0 done" ) &
 ( export CUDA_VISIBLE_DEVICES=1
   if [ "${BENCH_ONLY:-0}" = 1 ]; then

@@ -203,3 +203,41 @@ def test_a_second_process_takes_compiled_graphs_from_evalruns_cache_with_the_sam
     assert cold["misses"] > 0 and cold["hits"] == 0
     assert warm["hits"] == cold["misses"] and warm["misses"] == 0
     assert runs[0]["logits_digest"] == runs[1]["logits_digest"]
+
+
+@pytest.mark.parametrize("device,graphs", [("cpu", "none"), pytest.param("cuda", "full-and-piecewise",
+                                                                         marks=pytest.mark.gpu)])
+def test_the_kv_write_inside_the_piece_keeps_the_bits_and_runs_no_index_copy(device, graphs):
+    """Compiled pieces without Inductor's CUDA graphs write the cache in the pre-attention piece: the same
+    logits and tokens as the separate index_copy, and no eager cache write left in a decode step."""
+    import torch
+
+    from evalrun.config import CompilationMode, CUDAGraphMode
+    from evalrun.engine.driver import generate_batch
+    from evalrun.engine.generate import BatchSpec
+    from evalrun.engine.modes import ExecutionMode, allow_recompiles_for
+    from evalrun.engine.transformer import Transformer
+    from evalrun.models import load_model
+
+    if device == "cuda" and not torch.cuda.is_available():
+        pytest.skip("needs CUDA")
+    loaded = load_model("random:tiny", device, "float32" if device == "cpu" else "bfloat16")
+    prompts = [loaded.tokenizer("The cache is written where")["input_ids"], loaded.tokenizer("Keys")["input_ids"]]
+    spec = BatchSpec(prompts, 10, pad_id=0, keep_logits=True)
+
+    outputs, writes = [], []
+    for in_piece in (False, True):
+        torch._dynamo.reset()
+        mode = ExecutionMode(Transformer(loaded.model), CompilationMode.PIECEWISE, CUDAGraphMode(graphs),
+                             prefill_buckets=(16,), batch_buckets=(2,), kv_write_in_piece=in_piece)
+        allow_recompiles_for(mode.prefill_buckets, mode.batch_buckets)
+        generate_batch(mode.transformer, spec, mode)  # warm-up: compiles every piece
+        with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU], record_shapes=True) as profile:
+            outputs.append(generate_batch(mode.transformer, spec, mode))
+        writes.append(sum(event.name == "aten::index_copy_" and len(event.input_shapes[0]) == 5  # a layer's cache
+                          for event in profile.events()))  # run eagerly, not inside a compiled kernel
+    assert outputs[0].tokens.tolist() == outputs[1].tokens.tolist()
+    assert outputs[0].logits.tobytes() == outputs[1].logits.tobytes()
+    layers = len(loaded.model.model.layers)
+    if device == "cpu":  # every step (prefill and 9 decode steps) wrote each layer eagerly, then none did
+        assert writes == [layers * 10, 0]

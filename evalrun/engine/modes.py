@@ -45,7 +45,7 @@ from .generate import (BatchOutput, BatchSpec, PaddedBatch, Workspace, decode_st
 from .shapes import ShapePlan
 from .timing import StepClock
 from .transformer import (StatePieces, Transformer, head, mlp_block, moe_post_attention, output_projection,
-                          post_attention, pre_attention, prologue)
+                          post_attention, pre_attention, pre_attention_writing, prologue)
 
 DEFAULT_PREFILL_BUCKETS = (16, 32, 64, 128, 256, 512, 1024, 2048)
 DEFAULT_BATCH_BUCKETS = (1, 2, 4, 8, 16, 32)
@@ -80,6 +80,9 @@ class ExecutionMode(ShapePlan):
     inductor_options: dict[str, Any] = field(default_factory=dict)
     fallbacks: list[str] = field(default_factory=list)
     batch_invariant: bool = False  # rows run one at a time (generate)
+    # Compiled pieces without Inductor's CUDA graphs write the KV cache inside the pre-attention piece
+    # (transformer.pre_attention_writing): one kernel fewer per layer, the same bits. Off only to measure it.
+    kv_write_in_piece: bool = True
 
     def __post_init__(self) -> None:
         self.static = (self.compilation_mode, self.cudagraph_mode) != (CompilationMode.NONE, CUDAGraphMode.NONE)
@@ -106,6 +109,8 @@ class ExecutionMode(ShapePlan):
         view = copy.copy(self.transformer)
         view.prologue = self._compile(prologue, f"{tag}_prologue", graphs, True, False)
         view.pre_attention = self._compile(pre_attention, f"{tag}_pre", graphs, True, False)
+        if not graphs and self.kv_write_in_piece:  # Inductor's CUDA graphs would skip a piece that mutates its input
+            view.pre_attention_writing = self._compile(pre_attention_writing, f"{tag}_pre_writing", False, True, False)
         view.post_attention = self._compile(post_attention, f"{tag}_post", graphs, True, False)
         view.moe_post_attention = self._compile(moe_post_attention, f"{tag}_moe_post", graphs, True, False)
         view.head = self._compile(head, f"{tag}_head", graphs, True, False)

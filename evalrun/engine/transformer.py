@@ -139,6 +139,10 @@ class Transformer:
         rotary_embedding = inner.rotary_emb
         # The pieces the forward calls; an execution mode may replace them with compiled versions.
         self.prologue, self.pre_attention, self.post_attention, self.head = prologue, pre_attention, post_attention, head
+        # Set by an execution mode whose compiled pieces run without Inductor's CUDA graphs: the pre-attention
+        # piece writes the step's keys and values into the cache itself (pre_attention_writing), so Inductor
+        # fuses the write into the rotary kernel instead of a separate index_copy per layer. Same bits.
+        self.pre_attention_writing: Callable | None = None
         self.moe_post_attention = moe_post_attention  # an MoE layer's piece (engine/moe.py)
         moe_layers = [w.moe for w in self.layers if w.moe is not None]
         # (L, k): the routing each step captures, for MoE models only
@@ -218,13 +222,26 @@ class Transformer:
 
     # ------------------------------------------------------------ forward
 
-    def attend(self, index: int, q: torch.Tensor, kv: torch.Tensor, slots: torch.Tensor, mask: torch.Tensor,
+    def attend(self, index: int, q: torch.Tensor, kv: torch.Tensor | None, slots: torch.Tensor, mask: torch.Tensor,
                cache: KVCache) -> torch.Tensor:
-        """Write kv [2, B, G, T, D] into layer `index`'s cache at `slots` [T]; attend over all S slots."""
+        """Write kv [2, B, G, T, D] into layer `index`'s cache at `slots` [T] (None: already written);
+        attend over all S slots."""
         layer = cache.kv[index]  # [2, B, G, S, D]
-        layer.index_copy_(3, slots, kv)
+        if kv is not None:
+            layer.index_copy_(3, slots, kv)
         return attention(q, layer[0], layer[1], mask, self.attn_implementation, self.variant.attn_scale,
                          self.variant.attn_softcap)
+
+    def _query_and_write(self, index: int, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, w: LayerWeights,
+                         slots: torch.Tensor, cache: KVCache) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """Layer `index`'s queries [B, H, T, D], and its keys and values [2, B, G, T, D] still to write, or None
+        where the piece wrote them into the cache itself."""
+        shape = (self.heads, self.kv_heads, self.head_dim, self.eps)
+        if self.pre_attention_writing is None:
+            return self.pre_attention(x, cos, sin, w.input_norm, w.qkv, *shape, w.qkv_bias, w.q_norm, w.k_norm,
+                                      self.variant)
+        return self.pre_attention_writing(x, cos, sin, w.input_norm, w.qkv, *shape, cache.kv[index], slots,
+                                          w.qkv_bias, w.q_norm, w.k_norm, self.variant), None
 
     def _positional(self, prologue: Callable, tokens: torch.Tensor, positions: torch.Tensor, slots: torch.Tensor,
                     key_valid: torch.Tensor) -> tuple[torch.Tensor, dict[str, tuple[torch.Tensor, ...]]]:
@@ -236,11 +253,10 @@ class Transformer:
                 key_valid: torch.Tensor, cache: KVCache) -> torch.Tensor:
         """tokens/positions [B, T], slots [T], key_valid [B, S] -> logits of the last token [B, V]."""
         x, kinds = self._positional(self.prologue, tokens, positions, slots, key_valid)
-        shape, variant = (self.heads, self.kv_heads, self.head_dim, self.eps), self.variant
+        variant = self.variant
         for index, w in enumerate(self.layers):
             cos, sin, mask = kinds[self.layer_kinds[index]]
-            q, kv = self.pre_attention(x, cos, sin, w.input_norm, w.qkv, *shape, w.qkv_bias, w.q_norm, w.k_norm,
-                                       variant)
+            q, kv = self._query_and_write(index, x, cos, sin, w, slots, cache)
             attended = self.attend(index, q, kv, slots, mask, cache)
             if w.moe is not None:
                 m = w.moe
@@ -375,6 +391,20 @@ def pre_attention(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, input_n
     if q_norm is not None:
         q, k = norm(q, q_norm, eps, variant), norm(k, k_norm, eps, variant)
     return apply_rotary(q, cos, sin), torch.stack((apply_rotary(k, cos, sin), v))
+
+
+def pre_attention_writing(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, input_norm: torch.Tensor,
+                          wqkv: torch.Tensor, heads: int, kv_heads: int, head_dim: int, eps: float,
+                          layer_cache: torch.Tensor, slots: torch.Tensor, bqkv: torch.Tensor | None = None,
+                          q_norm: torch.Tensor | None = None, k_norm: torch.Tensor | None = None,
+                          variant: Variant = LLAMA_VARIANT) -> torch.Tensor:
+    """pre_attention that also writes the keys and values into layer_cache [2, B, G, S, D] at slots [T]
+    (the same values as Transformer.attend's index_copy); returns q [B, H, T, D]. Compiled as one piece,
+    the write is a store of the rotary kernel (gpt-fast's cache update), not a kernel of its own."""
+    q, kv = pre_attention(x, cos, sin, input_norm, wqkv, heads, kv_heads, head_dim, eps, bqkv, q_norm, k_norm,
+                          variant)
+    layer_cache[:, :, :, slots] = kv
+    return q
 
 
 def post_attention(x: torch.Tensor, attended: torch.Tensor, wo: torch.Tensor, post_norm: torch.Tensor,
