@@ -158,7 +158,7 @@ def main() -> None:
     torch.backends.cuda.preferred_blas_library(default_blas)
     linear.prepare("triton-gemv", "cuda")
     gemv = lambda x, w: linear.linear(x, w, None, "triton-gemv")  # noqa: E731
-    report["gemv_blocks"] = "x".join(map(str, linear.blocks(1)))  # weights over GEMV_MAX_WEIGHT: cuBLAS
+    report["gemv_blocks"] = "x".join(map(str, linear.blocks(1)))  # over GEMV_MAX_WEIGHT: cuBLAS, or GEMV_LONG_BLOCKS
     report["projections_triton_gemv"] = {name: projection_bandwidth([getattr(w, name) for w in layers], gemv)
                                          for name in ("qkv", "o", "gate_up", "down")}
     report["projections_triton_gemv"]["lm_head"] = projection_bandwidth([transformer.lm_head] * 2, gemv)

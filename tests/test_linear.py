@@ -259,6 +259,37 @@ def test_bench_measures_a_lever_beside_the_config_without_it():
             BenchRequest(matrix_names=bad).matrix(on_gpu=True)
 
 
+# One row of a weight past GEMV_MAX_WEIGHT with long rows (a down projection) takes the GEMV with its longer blocks;
+# two rows of it, or one row of a large weight with short rows (gate/up, the head), stay with F.linear.
+LONG_ROW_CASES = r"""
+import json
+import torch
+import torch.nn.functional as F
+from evalrun.engine import linear
+
+g = torch.Generator().manual_seed(5)
+k = (linear.GEMV_MAX_WEIGHT // 8) + linear.GEMV_LONG_BLOCKS[1]  # 8 rows of it: just past GEMV_MAX_WEIGHT
+w = (torch.randn(8, k, generator=g) / k ** 0.5).to(torch.bfloat16)
+x = torch.randn(2, k, generator=g).to(torch.bfloat16)
+y = linear.linear(x[:1], w, None, "triton-gemv")
+exact = F.linear(x[:1].double(), w.double())
+wide = torch.zeros(linear.GEMV_MAX_WEIGHT // 4096 + 8, 4096, dtype=torch.bfloat16)
+print(json.dumps({"blocks": list(linear.blocks(1, w)), "one_row": linear.gemv_applies(x[:1], w),
+                  "two_rows": linear.gemv_applies(x, w), "short_rows": linear.gemv_applies(x[:1, :4096], wide),
+                  "error": (y.double() - exact).abs().max().item(), "scale": exact.abs().max().item(),
+                  "aten_bits": torch.equal(y, F.linear(x[:1], w))}))
+"""
+
+
+def test_one_row_of_a_long_row_weight_takes_the_gemv_with_long_blocks():
+    from evalrun.engine import linear
+
+    case = run_under_triton_interpreter(LONG_ROW_CASES)
+    assert case["blocks"] == list(linear.GEMV_LONG_BLOCKS)
+    assert case["one_row"] and not case["two_rows"] and not case["short_rows"]
+    assert case["error"] <= case["scale"] * 2.0 ** -7 + 1e-4, case
+
+
 # ---------------------------------------------------------------- GPU
 
 gpu = pytest.mark.gpu
@@ -267,16 +298,17 @@ needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUD
 
 @gpu
 @needs_cuda
-@pytest.mark.parametrize("rows", [1, 2, 4])
-def test_gpu_gemv_eager_compiled_and_graphed_agree_bitwise(rows):
+@pytest.mark.parametrize("rows,n,k", [(1, 6144, 4096), (2, 6144, 4096), (4, 6144, 4096), (1, 4096, 14336)])
+def test_gpu_gemv_eager_compiled_and_graphed_agree_bitwise(rows, n, k):
     import torch.nn.functional as F
 
     from evalrun.engine import linear
 
     linear.prepare("triton-gemv", "cuda")
-    x = torch.randn(rows, 4096, device="cuda", dtype=torch.bfloat16)
-    w = torch.randn(6144, 4096, device="cuda", dtype=torch.bfloat16) * 0.02
-    b = torch.randn(6144, device="cuda", dtype=torch.bfloat16)
+    x = torch.randn(rows, k, device="cuda", dtype=torch.bfloat16)
+    w = torch.randn(n, k, device="cuda", dtype=torch.bfloat16) * 0.02
+    b = torch.randn(n, device="cuda", dtype=torch.bfloat16)
+    assert linear.gemv_applies(x, w, b)  # the last: Llama-3-8B's down at batch 1, past GEMV_MAX_WEIGHT
     y = linear.linear(x, w, b, "triton-gemv")
     exact = F.linear(x.double(), w.double(), b.double())
     assert (y.double() - exact).abs().max().item() <= exact.abs().max().item() * 2 ** -7 + 1e-3
