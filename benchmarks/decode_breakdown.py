@@ -158,7 +158,8 @@ def main() -> None:
     torch.backends.cuda.preferred_blas_library(default_blas)
     linear.prepare("triton-gemv", "cuda")
     gemv = lambda x, w: linear.linear(x, w, None, "triton-gemv")  # noqa: E731
-    report["gemv_blocks"] = "x".join(map(str, linear.blocks(1)))  # over GEMV_MAX_WEIGHT: cuBLAS, or GEMV_LONG_BLOCKS
+    report["gemv_blocks"] = {name: "x".join(map(str, linear.blocks(1, getattr(layers[0], name))))
+                             for name in ("qkv", "o", "down")}  # the weights the GEMV takes at batch 1
     report["projections_triton_gemv"] = {name: projection_bandwidth([getattr(w, name) for w in layers], gemv)
                                          for name in ("qkv", "o", "gate_up", "down")}
     report["projections_triton_gemv"]["lm_head"] = projection_bandwidth([transformer.lm_head] * 2, gemv)
@@ -196,7 +197,7 @@ def main() -> None:
         kinds = "  ".join(f"{k} {v['kernels']:.0f}x {v['ms']:.3f} ms" for k, v in sorted(row["by_kind"].items()))
         print(f"  {row['mode']:62s} step {row['step_p50_ms']:.3f} ms ({1000 / row['step_p50_ms']:.1f} tok/s)  "
               f"TTFT {row['ttft_ms']:.1f} ms  {row['kernels_per_step']:.0f} kernels  idle {row['idle_share']:.0%}  {kinds}")
-    for entry in report["decode"][-2]["top_kernels"]:  # the -O2 step with the GEMV
+    for entry in report["decode"][-2]["top_kernels"]:  # the -O2 step with the GEMV, the KV write in the piece
         print(f"    {entry['per_step']:6.1f}x/step {entry['ms']:.4f} ms  {entry['kernel']}")
     if args.json:
         Path(args.json).write_text(json.dumps(report, indent=1))

@@ -34,9 +34,9 @@ bench_levers() {
   timeout 420 python3 -m pytest -p no:cacheprovider -q -m gpu -n 4 tests --ignore tests/test_distributed.py \
     > "$RES/gpu-tests.txt" 2>&1
   [ "${BENCH_ONLY:-0}" = 1 ] || bench_levers
-  if [ "${PROBES:-0}" = 1 ]; then
-    step breakdown timeout 420 python3 benchmarks/decode_breakdown.py --model random:llama3-8b \
-      --json "$RES/breakdown-report.json"
+  if [ "${BENCH_ONLY:-0}" = 1 ] && [ "${PROBES:-0}" = 1 ]; then  # (otherwise GPU 1 runs the breakdown)
+    step probe-breakdown timeout 420 python3 benchmarks/decode_breakdown.py --model random:llama3-8b \
+      --json "$RES/probe-breakdown-report.json"
     step fusion timeout 300 python3 benchmarks/fusion_candidates.py --json "$RES/fusion-report.json"
   fi
   stage "gpu0 done" ) &

@@ -311,7 +311,7 @@ def _layer_notes(good: EffectiveConfig, culprit: EffectiveConfig) -> list[str]:
     notes = [] if not changed else [
         f"{', '.join(changed)} act through graph capture, batching or padding, which this unpadded batch-1 "
         "forward without CUDA graphs does not reproduce"]
-    if good.linear_kernel != culprit.linear_kernel:  # engine/linear.py: the GEMV takes 1-4 rows only
+    if good.linear_kernel != culprit.linear_kernel:  # engine/linear.py: the GEMV takes 1-4 rows (long rows: 1)
         gemv = culprit.linear_kernel if culprit.linear_kernel != "aten" else good.linear_kernel
         notes.append(f"linear_kernel={gemv} computes projections of 1-4 rows (decode steps); this forward runs the "
                      "whole sequence at once, so it acts here only on a sequence of at most 4 tokens: the step stage "

@@ -205,11 +205,12 @@ def test_a_second_process_takes_compiled_graphs_from_evalruns_cache_with_the_sam
     assert runs[0]["logits_digest"] == runs[1]["logits_digest"]
 
 
-@pytest.mark.parametrize("device,graphs", [("cpu", "none"), pytest.param("cuda", "full-and-piecewise",
-                                                                         marks=pytest.mark.gpu)])
+@pytest.mark.parametrize("device,graphs", [("cpu", "none")] + [
+    pytest.param("cuda", graphs, marks=pytest.mark.gpu) for graphs in ("none", "full", "full-and-piecewise")])
 def test_the_kv_write_inside_the_piece_keeps_the_bits_and_runs_no_index_copy(device, graphs):
     """Compiled pieces without Inductor's CUDA graphs write the cache in the pre-attention piece: the same
-    logits and tokens as the separate index_copy, and no eager cache write left in a decode step."""
+    logits and tokens as the separate index_copy (prefill and decode), as many Dynamo graphs, no recompile or
+    fallback, and on CPU no eager cache write left in the run."""
     import torch
 
     from evalrun.config import CompilationMode, CUDAGraphMode
@@ -224,20 +225,48 @@ def test_the_kv_write_inside_the_piece_keeps_the_bits_and_runs_no_index_copy(dev
     loaded = load_model("random:tiny", device, "float32" if device == "cpu" else "bfloat16")
     prompts = [loaded.tokenizer("The cache is written where")["input_ids"], loaded.tokenizer("Keys")["input_ids"]]
     spec = BatchSpec(prompts, 10, pad_id=0, keep_logits=True)
-
-    outputs, writes = [], []
+    outputs, writes, graphs_compiled = [], [], []
     for in_piece in (False, True):
         torch._dynamo.reset()
         mode = ExecutionMode(Transformer(loaded.model), CompilationMode.PIECEWISE, CUDAGraphMode(graphs),
                              prefill_buckets=(16,), batch_buckets=(2,), kv_write_in_piece=in_piece)
         allow_recompiles_for(mode.prefill_buckets, mode.batch_buckets)
         generate_batch(mode.transformer, spec, mode)  # warm-up: compiles every piece
+        mode.start_measuring()
         with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU], record_shapes=True) as profile:
             outputs.append(generate_batch(mode.transformer, spec, mode))
         writes.append(sum(event.name == "aten::index_copy_" and len(event.input_shapes[0]) == 5  # a layer's cache
                           for event in profile.events()))  # run eagerly, not inside a compiled kernel
+        evidence = mode.evidence()
+        assert evidence["fallbacks"] == [] and evidence["recompiles_after_warmup"] == 0, evidence
+        assert evidence["inductor_cudagraph_skips"] == 0, evidence
+        graphs_compiled.append(evidence["dynamo_graphs"])
     assert outputs[0].tokens.tolist() == outputs[1].tokens.tolist()
     assert outputs[0].logits.tobytes() == outputs[1].logits.tobytes()
+    assert graphs_compiled[0] == graphs_compiled[1]  # the writing piece replaces the plain one, shape for shape
     layers = len(loaded.model.model.layers)
-    if device == "cpu":  # every step (prefill and 9 decode steps) wrote each layer eagerly, then none did
+    if device == "cpu":  # every forward (prefill and 9 decode steps) wrote each layer eagerly, then none did
         assert writes == [layers * 10, 0]
+
+
+@pytest.mark.parametrize("graphs", ["none", "piecewise", "full", "full-decode-only", "full-and-piecewise"])
+def test_only_pieces_without_inductors_cuda_graphs_write_the_cache(graphs):
+    """Inductor's CUDA graphs skip a piece that mutates its input: the writing piece goes exactly to the pieces
+    compiled without them (every piece at full, the decode pieces of full-and-piecewise), and the mode's own
+    Transformer is left as it was."""
+    from evalrun.config import CompilationMode, CUDAGraphMode
+    from evalrun.engine.modes import ExecutionMode
+    from evalrun.engine.transformer import Transformer
+    from evalrun.models import load_model
+
+    transformer = Transformer(load_model("random:tiny", "cpu", "float32").model)
+    cudagraph_mode = CUDAGraphMode(graphs)
+    mode = ExecutionMode(transformer, CompilationMode.PIECEWISE, cudagraph_mode)
+    prefill_writes = not cudagraph_mode.has_piecewise_cudagraphs()
+    decode_writes = cudagraph_mode is not CUDAGraphMode.PIECEWISE
+    assert (mode.prefill_forward.__self__.pre_attention_writing is not None) == prefill_writes
+    assert (mode.decode_forward.__self__.pre_attention_writing is not None) == decode_writes
+    assert transformer.pre_attention_writing is None
+    off = ExecutionMode(transformer, CompilationMode.PIECEWISE, cudagraph_mode, kv_write_in_piece=False)
+    assert off.prefill_forward.__self__.pre_attention_writing is None
+    assert off.decode_forward.__self__.pre_attention_writing is None

@@ -5,11 +5,11 @@ At batch 1 a decode step's projections are matrix-vector products bound by readi
 reads the small ones (Llama-3-8B's q/k/v and o) at 2.9-3.1 and 2.4 of the H200's 4.3 TB/s, the GEMV at 3.4
 and 2.9. Of the large ones, gate/up and the head stay with cuBLAS, as fast or faster there
 (benchmarks/decode_breakdown.py --gemv-grid); a single row of a long-row product (Llama-3-8B's down, K =
-14336), which cuBLAS splits over two kernels, takes the GEMV with longer blocks: 3.95-4.00 TB/s against
-cuBLAS's 3.67-3.69 in two H200 runs (benchmarks/fusion_candidates.py). The GEMV is another reduction order,
+14336), which cuBLAS splits over two kernels, takes the GEMV with longer blocks: 4.00 TB/s against
+cuBLAS's 3.69 in two H200 runs (benchmarks/decode_breakdown.py). The GEMV is another reduction order,
 so other bits: a knob in the config hash, never on by default. Which calls it takes is decided by shape alone
-(rows <= GEMV_MAX_ROWS and a weight of at most GEMV_MAX_WEIGHT elements, or one row of a weight whose rows
-are at least GEMV_LONG_ROW long; contiguous rows): a prefill of more than 4 tokens stays on `F.linear`, and
+(rows <= GEMV_MAX_ROWS and a weight of at most GEMV_MAX_WEIGHT elements, or one row of a larger weight shaped
+like a down projection, is_long_row; contiguous rows): a prefill of more than 4 tokens stays on `F.linear`, and
 one compiled piece always makes the same choice. Which projections that is depends on the model: Llama-3-8B's
 q/k/v and o, and down at batch 1; every projection and the head of SmolLM2-135M; more of them on a
 tensor-parallel rank's shards. The golden's reference and oracle run without it (golden.py).
@@ -30,14 +30,16 @@ from ..errors import ConfigError
 from .gguf_blocks import BlockWeight, gemv
 from .triton_ops import INTERPRETED, can_register, registering
 
-GEMV_MAX_WEIGHT = 1 << 25  # elements (64 MB in bf16): larger weights read as fast or faster by cuBLAS
+GEMV_MAX_WEIGHT = 1 << 25  # elements (64 MB in bf16): larger ones stay with cuBLAS, but for a long-row one
 GEMV_DTYPES = tuple(getattr(torch, name) for name in GEMV_DTYPE_NAMES)
 # (BLOCK_N, BLOCK_K, num_warps) by rows padded to a power of two: fixed, so the bits depend on shapes only
 # (never autotuned at run time by timing). One row: the best of a grid on the H200 for q/k/v and o
 # (benchmarks/decode_breakdown.py --gemv-grid); 2 and 4 rows: the same with the accumulator kept in registers.
 GEMV_BLOCKS = {1: (8, 512, 4), 2: (8, 512, 4), 4: (8, 256, 4)}
-# One row of a weight over GEMV_MAX_WEIGHT whose rows are this long (a down projection) takes the GEMV with
-# these blocks: the best of the grid for Llama-3-8B's down on the H200 (8x1024x4: 4.00 TB/s, cuBLAS 3.69).
+# One row of a weight over GEMV_MAX_WEIGHT shaped like a down projection (rows at least this long, and longer
+# than there are rows: K >= GEMV_LONG_ROW and K > N) takes the GEMV with these blocks: the best of the grid for
+# Llama-3-8B's down on the H200 (8x1024x4: 4.00 TB/s, cuBLAS 3.69). Gate/up, q/k/v, o and the head of larger
+# models (K <= N) stay with cuBLAS: not measured.
 GEMV_LONG_ROW = 8192
 GEMV_LONG_BLOCKS = (8, 1024, 4)
 _OP: dict = {}  # "op": the registered torch op, once prepare() ran on a CUDA device with Triton
@@ -71,13 +73,18 @@ def blocks(rows: int, weight: torch.Tensor | None = None) -> tuple[int, int, int
     return GEMV_BLOCKS[max(1, 1 << (rows - 1).bit_length())]
 
 
+def is_long_row(weight: torch.Tensor) -> bool:
+    """A weight [N, K] shaped like a down projection: rows of at least GEMV_LONG_ROW, longer than N."""
+    return weight.shape[1] >= GEMV_LONG_ROW and weight.shape[1] > weight.shape[0]
+
+
 def gemv_applies(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> bool:
     """Whether the GEMV computes x [..., K] @ weight [N, K]^T (+ bias [N]): few rows of a small weight, or one
     row of a weight with long rows; contiguous rows, one float dtype, a contiguous bias, on a CUDA device (or
     interpreted)."""
     rows = x.numel() // max(1, x.shape[-1])
     return (1 <= rows <= GEMV_MAX_ROWS and weight.dim() == 2 and weight.shape[1] == x.shape[-1]
-            and (weight.numel() <= GEMV_MAX_WEIGHT or (rows == 1 and weight.shape[1] >= GEMV_LONG_ROW))
+            and (weight.numel() <= GEMV_MAX_WEIGHT or (rows == 1 and is_long_row(weight)))
             and weight.stride(-1) == 1 and x.dtype == weight.dtype and x.dtype in GEMV_DTYPES
             and (bias is None or (bias.dtype == x.dtype and bias.dim() == 1 and bias.is_contiguous()))
             and (x.is_cuda or INTERPRETED))

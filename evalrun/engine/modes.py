@@ -7,8 +7,9 @@ Compilation modes (vLLM's names in brackets)
               a recompile after warm-up is a fallback
   piecewise   regional: the pieces (prologue: embedding, rotary, mask; norm +   [VLLM_COMPILE]
               projections + rotary; output projection + MLP or MoE; head) compiled once,
-              the layer pieces shared by every layer; attention with its KV-cache
-              write runs between them
+              the layer pieces shared by every layer; attention runs between them,
+              and the KV-cache write with it, or inside the norm + projections piece where
+              that piece runs without Inductor's CUDA graphs (pre_attention_writing)
 CUDA graph modes
   none                no graphs
   piecewise           Inductor's CUDA graphs around the compiled pieces (prefill and decode)
@@ -109,8 +110,11 @@ class ExecutionMode(ShapePlan):
         view = copy.copy(self.transformer)
         view.prologue = self._compile(prologue, f"{tag}_prologue", graphs, True, False)
         view.pre_attention = self._compile(pre_attention, f"{tag}_pre", graphs, True, False)
-        if not graphs and self.kv_write_in_piece:  # Inductor's CUDA graphs would skip a piece that mutates its input
-            view.pre_attention_writing = self._compile(pre_attention_writing, f"{tag}_pre_writing", False, True, False)
+        # Inductor's CUDA graphs would skip a piece that mutates its input. The writing piece takes the layer's
+        # cache, so it compiles once per cache length S (as the prologue's mask already does).
+        writes = not graphs and self.kv_write_in_piece
+        view.pre_attention_writing = (self._compile(pre_attention_writing, f"{tag}_pre_writing", False, True, False)
+                                      if writes else None)
         view.post_attention = self._compile(post_attention, f"{tag}_post", graphs, True, False)
         view.moe_post_attention = self._compile(moe_post_attention, f"{tag}_moe_post", graphs, True, False)
         view.head = self._compile(head, f"{tag}_head", graphs, True, False)

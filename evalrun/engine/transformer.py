@@ -321,8 +321,9 @@ def _stacked_biases(projections: list[torch.nn.Module]) -> torch.Tensor | None:
     return stack_rows(biases)
 
 
-# The pure pieces of the forward. Piecewise compilation compiles these (one compiled artefact per
-# piece serves every layer: same code, same shapes); attention and its KV-cache write stay between.
+# The pieces of the forward, pure functions but for pre_attention_writing, which writes the layer's KV cache.
+# Piecewise compilation compiles these (one compiled artefact per piece serves every layer: same code, same
+# shapes); attention stays between them, and so does the KV-cache write where a piece cannot hold it.
 
 def prologue(tokens: torch.Tensor, positions: torch.Tensor, slots: torch.Tensor, key_valid: torch.Tensor,
              embed: torch.Tensor, inv_freq: torch.Tensor, rope_scale: float, rows_per_key_head: int,
