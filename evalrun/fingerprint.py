@@ -8,8 +8,10 @@ evalrun changed any: flags that the config sets belong to the config, not to the
 
 from __future__ import annotations
 
+import functools
 import os
 import platform
+import subprocess
 import sys
 from pathlib import Path
 from typing import Any
@@ -29,6 +31,7 @@ NUMERICS_ENV_VARS = (
     "TORCHINDUCTOR_FREEZING", "TORCHINDUCTOR_COORDINATE_DESCENT_TUNING", "TORCHINDUCTOR_FORCE_DISABLE_CACHES",
     "TORCHINDUCTOR_DETERMINISTIC", "TORCH_COMPILE_DEBUG", "PYTORCH_CUDA_ALLOC_CONF", "OMP_NUM_THREADS",
     "MKL_NUM_THREADS", "OPENBLAS_NUM_THREADS", "OPENBLAS_CORETYPE", "ATEN_CPU_CAPABILITY", "DNNL_MAX_CPU_ISA",
+    "CXX", "TORCHINDUCTOR_CPP_MARCH",
 )
 CUBLAS_DETERMINISTIC_WORKSPACE = ":4096:8"
 _SET_BY_EVALRUN: dict[str, str] = {}  # variables evalrun set itself, with the value (config, not environment)
@@ -80,6 +83,23 @@ def _cpu_name() -> str:
     return platform.processor() or platform.machine()
 
 
+def cpp_compiler() -> str | None:
+    """The C++ compiler Inductor builds its CPU kernels with (the compiled modes on CPU, linear_kernel=gguf-gemv):
+    the first line of its `--version`, or None where there is none. Inductor's default, read without importing
+    Inductor (a second per run): $CXX, else g++ (clang++ on macOS)."""
+    return _compiler_version(os.environ.get("CXX", "clang++" if sys.platform == "darwin" else "g++"))
+
+
+@functools.lru_cache(maxsize=8)
+def _compiler_version(command: str) -> str | None:
+    try:
+        done = subprocess.run([command, "--version"], capture_output=True, text=True, timeout=30)
+    except (OSError, subprocess.SubprocessError):
+        return None
+    lines = done.stdout.strip().splitlines()
+    return lines[0].strip() if done.returncode == 0 and lines else None
+
+
 def _gpu(device: str) -> dict[str, Any]:
     if not device.startswith("cuda") or not torch.cuda.is_available():
         return {}
@@ -128,6 +148,7 @@ def environment(device: str) -> dict[str, Any]:
         "os": f"{platform.system()} {platform.release()}",
         "libc": " ".join(platform.libc_ver()),
         "python_implementation": sys.implementation.name,
+        "cpp_compiler": cpp_compiler(),
         "engine_code": engine_code_digest(),
         **_gpu(device),
         "env": {name: os.environ.get(name) for name in NUMERICS_ENV_VARS

@@ -162,3 +162,18 @@ def test_environment_names_the_engine_code(monkeypatch, tmp_path):
     assert fingerprint.engine_code_digest() == copy
     (package / "engine" / "capture.py").write_text("# capture.py, one line changed\n")
     assert fingerprint.engine_code_digest() != copy != digest
+
+
+def test_environment_names_the_cpp_compiler_inductor_builds_cpu_kernels_with(monkeypatch, tmp_path):
+    """The compiled modes on CPU and linear_kernel=gguf-gemv run C++ that the host compiler built: another
+    compiler (or version) shows as an environment difference; no compiler at all is recorded as None."""
+    fake = tmp_path / "fake-cxx"
+    fake.write_text("#!/bin/sh\necho 'fake-c++ (evalrun test) 99.1'\necho 'second line'\n")
+    fake.chmod(0o755)
+    before = environment("cpu")
+    monkeypatch.setenv("CXX", str(fake))
+    env = environment("cpu")
+    assert env["cpp_compiler"] == "fake-c++ (evalrun test) 99.1" and env["env"]["CXX"] == str(fake)
+    assert environment_hash(env) != environment_hash(before)
+    monkeypatch.setenv("CXX", str(tmp_path / "no-such-compiler"))
+    assert environment("cpu")["cpp_compiler"] is None
