@@ -30,7 +30,7 @@ from ..errors import ConfigError
 from .gguf_blocks import BlockWeight, gemv
 from .triton_ops import INTERPRETED, can_register, registering
 
-GEMV_MAX_WEIGHT = 1 << 25  # elements (64 MB in bf16): larger ones stay with cuBLAS, but for a long-row one
+GEMV_MAX_WEIGHT = 1 << 25  # elements (64 MB in bf16): larger ones stay with cuBLAS, except long-row ones
 GEMV_DTYPES = tuple(getattr(torch, name) for name in GEMV_DTYPE_NAMES)
 # (BLOCK_N, BLOCK_K, num_warps) by rows padded to a power of two: fixed, so the bits depend on shapes only
 # (never autotuned at run time by timing). One row: the best of a grid on the H200 for q/k/v and o
