@@ -29,7 +29,7 @@ from typing import Any, Callable
 
 import numpy as np
 
-from .compare import dict_diff, digest_mismatch_steps, first_divergence, worst_verdict
+from .compare import dict_diff, digest_mismatch_steps, environment_causes, first_divergence, worst_verdict
 from .config import EffectiveConfig, RunConfig
 from .golden import ENVELOPE_ROLES, Golden
 from .hashing import hash_value
@@ -56,7 +56,7 @@ def verify_with_server(golden: Golden, config: RunConfig | EffectiveConfig, stri
     env_diff = dict_diff(golden.pinned.json["environment"], sp.header["environment"])
     causes = [f"config: {k} {a} -> {b}" for k, a, b in config_diff]
     if from_server:
-        causes += [f"environment: {k} {a} -> {b}" for k, a, b in env_diff]
+        causes += environment_causes(golden.pinned.json["environment"], sp.header["environment"])
     else:  # evalrun's environment record against a server's identity: every key differs, name the server once
         causes.append(f"environment: the golden ran in evalrun's engine; the candidate is a server "
                       f"({hash_value(sp.header['environment'])[:12]}: {sp.identity['headers'] or 'no identifying headers'}, "

@@ -29,7 +29,7 @@ from typing import Any, Callable
 
 import numpy as np
 
-from .compare import dict_diff, digest_mismatch_steps, first_divergence, worst_verdict
+from .compare import dict_diff, digest_mismatch_steps, environment_causes, first_divergence, worst_verdict
 from .config import EffectiveConfig, RunConfig, build_config
 from .errors import ConfigError, GoldenError
 from .golden import ENVELOPE_ROLES, Golden, Hook, reference_config
@@ -272,7 +272,7 @@ def begin(golden: Golden, config: RunConfig, strict: bool = False, progress: Cal
     config_diff = dict_diff(pinned.factors(), candidate.config.factors())
     env_diff = dict_diff(golden.pinned.json["environment"], candidate.header["environment"])
     causes = [f"config: {k} {a} -> {b}" for k, a, b in config_diff]
-    causes += [f"environment: {k} {a} -> {b}" for k, a, b in env_diff]
+    causes += environment_causes(golden.pinned.json["environment"], candidate.header["environment"])
     golden_results = golden.results("pinned")
     gated = _gate(golden, candidate, golden_results)
     note = tokenizer_note(golden, candidate)

@@ -53,3 +53,19 @@ def test_bits_to_float_bfloat16():
     values = torch.tensor([1.5, -2.25, 3.0e38], dtype=torch.bfloat16)
     bits = values.view(torch.int16).numpy()
     assert bits_to_float(bits, "bfloat16").tolist() == values.double().tolist()
+
+
+def test_environment_causes_name_what_a_missing_field_means():
+    """A variable the golden ran without is unset; a field its record predates is not recorded: neither is a
+    bare None, which would read like a recorded value (no compiler, no library)."""
+    from evalrun.compare import environment_causes
+
+    golden = {"torch": "2.13.0", "triton": None, "env": {}}
+    candidate = {"torch": "2.13.0", "triton": "3.6.0", "cpp_compiler": "g++ 12.2.0", "env": {"CXX": "g++"}}
+    assert environment_causes(golden, candidate) == [
+        "environment: cpp_compiler (not recorded) -> g++ 12.2.0",
+        "environment: env.CXX (unset) -> g++",
+        "environment: triton None -> 3.6.0",  # recorded as absent: the library was not installed
+    ]
+    assert environment_causes(candidate, golden)[0] == "environment: cpp_compiler g++ 12.2.0 -> (not recorded)"
+    assert environment_causes(golden, golden) == []
