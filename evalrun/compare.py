@@ -111,10 +111,10 @@ def dict_diff(a: dict[str, Any], b: dict[str, Any], ignore: tuple[str, ...] = ()
             if flat_a.get(key) != flat_b.get(key) and not any(key.startswith(prefix) for prefix in ignore)]
 
 
-def environment_causes(golden: dict[str, Any], candidate: dict[str, Any]) -> list[str]:
-    """One cause line per environment field that differs. A field missing on one side is named for what its
-    absence means: an environment variable that was unset, or a field that record predates (added to the
-    fingerprint later), rather than a bare None that reads like a recorded value."""
+def environment_causes(diff: list[tuple[str, Any, Any]], golden: dict[str, Any], candidate: dict[str, Any]) -> list[str]:
+    """One cause line per entry of `diff` (dict_diff of the two environments). A field missing on one side is
+    named for what its absence means: an environment variable that was unset, or a field that record predates
+    (added to the fingerprint later), rather than a bare None that reads like a recorded value."""
     recorded = (flatten(golden), flatten(candidate))
 
     def shown(side: int, key: str, value: Any) -> str:
@@ -122,7 +122,7 @@ def environment_causes(golden: dict[str, Any], candidate: dict[str, Any]) -> lis
             return str(value)
         return "(unset)" if key.startswith("env.") else "(not recorded)"
 
-    return [f"environment: {key} {shown(0, key, a)} -> {shown(1, key, b)}" for key, a, b in dict_diff(golden, candidate)]
+    return [f"environment: {key} {shown(0, key, a)} -> {shown(1, key, b)}" for key, a, b in diff]
 
 
 # ---------------------------------------------------------------- element-level and sketch figures

@@ -53,10 +53,11 @@ def verify_with_server(golden: Golden, config: RunConfig | EffectiveConfig, stri
     pinned_config = golden.config("pinned")
     from_server = is_server(pinned_config)
     config_diff = dict_diff(pinned_config.factors(), sp.config.factors())
-    env_diff = dict_diff(golden.pinned.json["environment"], sp.header["environment"])
+    golden_env = golden.pinned.json["environment"]
+    env_diff = dict_diff(golden_env, sp.header["environment"])
     causes = [f"config: {k} {a} -> {b}" for k, a, b in config_diff]
     if from_server:
-        causes += environment_causes(golden.pinned.json["environment"], sp.header["environment"])
+        causes += environment_causes(env_diff, golden_env, sp.header["environment"])
     else:  # evalrun's environment record against a server's identity: every key differs, name the server once
         causes.append(f"environment: the golden ran in evalrun's engine; the candidate is a server "
                       f"({hash_value(sp.header['environment'])[:12]}: {sp.identity['headers'] or 'no identifying headers'}, "

@@ -270,9 +270,10 @@ def begin(golden: Golden, config: RunConfig, strict: bool = False, progress: Cal
         hook(candidate)
     pinned = golden.config("pinned")
     config_diff = dict_diff(pinned.factors(), candidate.config.factors())
-    env_diff = dict_diff(golden.pinned.json["environment"], candidate.header["environment"])
+    golden_env, candidate_env = golden.pinned.json["environment"], candidate.header["environment"]
+    env_diff = dict_diff(golden_env, candidate_env)
     causes = [f"config: {k} {a} -> {b}" for k, a, b in config_diff]
-    causes += environment_causes(golden.pinned.json["environment"], candidate.header["environment"])
+    causes += environment_causes(env_diff, golden_env, candidate_env)
     golden_results = golden.results("pinned")
     gated = _gate(golden, candidate, golden_results)
     note = tokenizer_note(golden, candidate)

@@ -60,12 +60,15 @@ def test_environment_causes_name_what_a_missing_field_means():
     bare None, which would read like a recorded value (no compiler, no library)."""
     from evalrun.compare import environment_causes
 
+    def environment_causes_of(a, b):
+        return environment_causes(dict_diff(a, b), a, b)
+
     golden = {"torch": "2.13.0", "triton": None, "env": {}}
     candidate = {"torch": "2.13.0", "triton": "3.6.0", "cpp_compiler": "g++ 12.2.0", "env": {"CXX": "g++"}}
-    assert environment_causes(golden, candidate) == [
+    assert environment_causes_of(golden, candidate) == [
         "environment: cpp_compiler (not recorded) -> g++ 12.2.0",
         "environment: env.CXX (unset) -> g++",
         "environment: triton None -> 3.6.0",  # recorded as absent: the library was not installed
     ]
-    assert environment_causes(candidate, golden)[0] == "environment: cpp_compiler g++ 12.2.0 -> (not recorded)"
-    assert environment_causes(golden, golden) == []
+    assert environment_causes_of(candidate, golden)[0] == "environment: cpp_compiler g++ 12.2.0 -> (not recorded)"
+    assert environment_causes_of(golden, golden) == []
