@@ -62,20 +62,27 @@ GEMV_GRID = [(8, 256, 4), (8, 512, 4), (8, 512, 2), (8, 512, 8), (8, 1024, 4), (
              (4, 1024, 4), (32, 128, 4)]
 
 
-def projection_bandwidth(weights: list[torch.Tensor], product=F.linear) -> dict[str, float]:
-    """weights: L matrices [N, K]; product(x [1, K], each), in one graph. Time per matrix and read TB/s."""
-    x = torch.randn(1, weights[0].shape[1], dtype=weights[0].dtype, device="cuda")
-    graph = torch.cuda.CUDAGraph()
+def graphed_ms(step, inputs: list[tuple], warmups: int = 1) -> float:
+    """Mean device time of step(*args) over every args in `inputs`, all replayed from one CUDA graph (after
+    `warmups` passes on a side stream: compiles, autotunes)."""
     stream = torch.cuda.Stream()
     stream.wait_stream(torch.cuda.current_stream())
     with torch.cuda.stream(stream):
-        for w in weights:
-            product(x, w)
+        for _ in range(warmups):
+            for args in inputs:
+                step(*args)
     torch.cuda.current_stream().wait_stream(stream)
+    graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
-        for w in weights:
-            product(x, w)
-    ms = timed_ms(graph.replay, 20) / len(weights)
+        for args in inputs:
+            step(*args)
+    return timed_ms(graph.replay, 20) / len(inputs)
+
+
+def projection_bandwidth(weights: list[torch.Tensor], product=F.linear) -> dict[str, float]:
+    """weights: L matrices [N, K]; product(x [1, K], each), in one graph. Time per matrix and read TB/s."""
+    x = torch.randn(1, weights[0].shape[1], dtype=weights[0].dtype, device="cuda")
+    ms = graphed_ms(product, [(x, w) for w in weights])
     nbytes = weights[0].numel() * weights[0].element_size()
     return {"shape": list(weights[0].shape), "us": ms * 1000, "tb_per_s": nbytes / ms / 1e9}
 

@@ -31,7 +31,7 @@ import triton.language as tl
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from benchmarks.decode_breakdown import timed_ms  # noqa: E402
+from benchmarks.decode_breakdown import graphed_ms  # noqa: E402
 from evalrun.engine import linear  # noqa: E402
 from evalrun.engine.linear_triton_kernel import launch  # noqa: E402
 from evalrun.engine.transformer import rms_norm  # noqa: E402
@@ -95,18 +95,7 @@ def silu_gemv(gate_up: torch.Tensor, weight: torch.Tensor, blocks=(8, 1024, 4)) 
 
 def graph_us(step, inputs: list[tuple]) -> float:
     """Device time per layer of step(*inputs[i]) for every layer, replayed from one CUDA graph."""
-    stream = torch.cuda.Stream()
-    stream.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(stream):
-        for _ in range(2):
-            for args in inputs:
-                step(*args)
-    torch.cuda.current_stream().wait_stream(stream)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        for args in inputs:
-            step(*args)
-    return timed_ms(graph.replay, 20) / len(inputs) * 1000
+    return graphed_ms(step, inputs, warmups=2) * 1000
 
 
 def main() -> None:
