@@ -216,7 +216,8 @@ def attach(transformer, path: Path):
                                  blocks_of([f"blk.{index}.{name}.weight" for name in names]))
                   for field, names in STACKS.items()}
         layers.append(dataclasses.replace(weights, **fields))
-    head_name = "output.weight" if "output.weight" in found else "token_embd.weight"
+    stored = {tensor.name for tensor in reader.tensors}  # an untied head in a format not read is refused as such
+    head_name = "output.weight" if "output.weight" in stored else "token_embd.weight"
     chosen = copy.copy(transformer)
     chosen.layers = layers
     chosen.lm_head = checked("head", transformer.lm_head, blocks_of([head_name]))
