@@ -10,9 +10,13 @@ and the engine's decode step under three modes with its kernel time by kind.
    engine's block sizes; `--gemv-grid` also at other block sizes (how GEMV_BLOCKS is chosen).
 3. One decode step (batch 1) in eager, piecewise-compiled without graphs, and -O2 (piecewise pieces,
    whole decode step in one CUDA graph), and -O2 with the Triton GEMV: step time p50, kernels per step,
-   GPU kernel time by kind (profiler), and the share of the step with no kernel running; last, that step
-   again with the KV cache written by a separate index_copy per layer (before the write moved into the
-   pre-attention piece), side by side.
+   GPU kernel time by kind (profiler), and the share of the step with no kernel running; then that step
+   again, side by side: with the KV cache written by a separate index_copy per layer (before the write
+   moved into the pre-attention piece), without the L2 prefetch of the output projection's weight
+   (engine/l2_prefetch.py), and with the next layer's q/k/v prefetched too; and -O2 without the GEMV and
+   without the prefetch. Each row also gives the time to first token of four more batches and one
+   profiled prefill (host wall time against the GPU's kernel time: is the prefill bound by the host?).
+   `--skip` leaves parts out.
 """
 
 from __future__ import annotations
@@ -121,14 +125,40 @@ def profile_decode(mode: ExecutionMode, workspace, steps: int) -> tuple[dict[str
     return dict(kinds), [{"kernel": name, "per_step": round(n, 1), "ms": round(ms, 4)} for name, (n, ms) in top]
 
 
+def profile_prefill(mode: ExecutionMode, transformer: Transformer, prompt: list[int]) -> dict:
+    """One prefill (a batch of one step) under the profiler: its host wall time, the GPU's kernel time and
+    count, the CUDA graphs the host launched, and the host operations that took longest (self time)."""
+    import time
+
+    from torch.profiler import ProfilerActivity, profile
+
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as profiler:
+        started = time.perf_counter()
+        generate_batch(transformer, BatchSpec([prompt], 1, pad_id=0), mode)
+        torch.cuda.synchronize()
+        wall_ms = (time.perf_counter() - started) * 1000
+    kernels = [e for e in profiler.events() if e.device_type == torch.autograd.DeviceType.CUDA]
+    host = defaultdict(float)
+    for event in profiler.key_averages():
+        host[event.key[:80]] += event.self_cpu_time_total / 1000
+    return {"wall_ms_profiled": wall_ms, "kernels": len(kernels),
+            "kernel_ms": sum(e.time_range.elapsed_us() for e in kernels) / 1000,
+            "graph_launches": sum(1 for e in profiler.events() if e.name == "cudaGraphLaunch"),
+            "host_self_ms_top": dict(sorted(host.items(), key=lambda item: -item[1])[:10])}
+
+
 def measure_decode(transformer: Transformer, compilation: str, graphs: str, prompt: list[int], steps: int,
                    **mode_options) -> dict:
     mode = ExecutionMode(transformer, CompilationMode(compilation), CUDAGraphMode(graphs), **mode_options)
     mode.plan(len(prompt), steps)
     for _ in range(1 + mode.calls_to_warm):  # compile, record, then one more warm pass
         output = generate_batch(transformer, BatchSpec([prompt], steps, pad_id=0), mode)
+    ttfts = [float(generate_batch(transformer, BatchSpec([prompt], steps, pad_id=0), mode).step_ms[0])
+             for _ in range(4)]  # after warm-up: is the time to first token steady from batch to batch?
     row = {"mode": f"{compilation}/{graphs}", "step_p50_ms": float(np.median(output.step_ms[1:])),
-           "ttft_ms": float(output.step_ms[0])}
+           "ttft_ms": float(output.step_ms[0]), "ttft_ms_next": ttfts, "l2_prefetch": list(mode.prefetched),
+           "prefill": profile_prefill(mode, transformer, prompt)}
     workspace = next(iter(mode.workspaces.values()), mode.last_workspace)
     kinds, top = profile_decode(mode, workspace, 8)
     kernel_ms = sum(k["ms"] for k in kinds.values())
@@ -139,21 +169,8 @@ def measure_decode(transformer: Transformer, compilation: str, graphs: str, prom
     return row
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--model", default="random:llama3-8b")
-    parser.add_argument("--dtype", default="bfloat16")
-    parser.add_argument("--steps", type=int, default=64)
-    parser.add_argument("--json", metavar="PATH")
-    parser.add_argument("--gemv-grid", action="store_true", help="time the Triton GEMV at other block sizes too")
-    args = parser.parse_args()
-    loaded = load_model(args.model, "cuda", args.dtype)
-    transformer = Transformer(loaded.model)
-    weights_bytes = sum(p.numel() * p.element_size() for name, p in loaded.model.named_parameters()
-                        if "embed_tokens" not in name)
-    report = {"device": torch.cuda.get_device_name(), "torch": torch.__version__, "model": args.model,
-              "dtype": args.dtype, "weights_read_per_step_gb": weights_bytes / 1e9, "copy_tb_per_s": copy_bandwidth()}
-    report["bandwidth_limit_tokens_per_s"] = report["copy_tb_per_s"] * 1e12 / weights_bytes
+def projections_report(report: dict, transformer: Transformer, gemv_grid: bool) -> None:
+    """Each projection's bandwidth by cuBLAS, cuBLASLt and the Triton GEMV (and its block grid, if asked)."""
     layers = transformer.layers
     report["projections"] = {name: projection_bandwidth([getattr(w, name) for w in layers])
                              for name in ("qkv", "o", "gate_up", "down")}
@@ -170,28 +187,61 @@ def main() -> None:
     report["projections_triton_gemv"] = {name: projection_bandwidth([getattr(w, name) for w in layers], gemv)
                                          for name in ("qkv", "o", "gate_up", "down")}
     report["projections_triton_gemv"]["lm_head"] = projection_bandwidth([transformer.lm_head] * 2, gemv)
-    if args.gemv_grid:
+    if gemv_grid:
         from evalrun.engine.linear_triton_kernel import launch
 
         report["gemv_grid"] = {
             name: {f"{bn}x{bk}x{warps}": projection_bandwidth(
                 [getattr(w, name) for w in layers], lambda x, w, c=(bn, bk, warps): launch(x, w, None, *c))["tb_per_s"]
                 for bn, bk, warps in GEMV_GRID} for name in ("qkv", "o", "gate_up", "down")}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--model", default="random:llama3-8b")
+    parser.add_argument("--dtype", default="bfloat16")
+    parser.add_argument("--steps", type=int, default=64)
+    parser.add_argument("--json", metavar="PATH")
+    parser.add_argument("--gemv-grid", action="store_true", help="time the Triton GEMV at other block sizes too")
+    parser.add_argument("--skip", default="", help="comma-separated parts to leave out: projections, eager "
+                        "(the eager and graphless steps), and the side-by-side rows kv-write, no-prefetch, qkv-prefetch")
+    args = parser.parse_args()
+    skip = set(args.skip.split(","))
+    loaded = load_model(args.model, "cuda", args.dtype)
+    transformer = Transformer(loaded.model)
+    weights_bytes = sum(p.numel() * p.element_size() for name, p in loaded.model.named_parameters()
+                        if "embed_tokens" not in name)
+    report = {"device": torch.cuda.get_device_name(), "torch": torch.__version__, "model": args.model,
+              "dtype": args.dtype, "weights_read_per_step_gb": weights_bytes / 1e9, "copy_tb_per_s": copy_bandwidth()}
+    report["bandwidth_limit_tokens_per_s"] = report["copy_tb_per_s"] * 1e12 / weights_bytes
+    if "projections" not in skip:
+        projections_report(report, transformer, args.gemv_grid)
     prompt = loaded.tokenizer("The capital of France is")["input_ids"]
+    modes = (("none", "none"), ("piecewise", "none")) if "eager" not in skip else ()
     report["decode"] = [measure_decode(transformer, c, g, prompt, args.steps)
-                        for c, g in (("none", "none"), ("piecewise", "none"), ("piecewise", "full-and-piecewise"))]
+                        for c, g in (*modes, ("piecewise", "full-and-piecewise"))]
     torch._dynamo.reset()
     gemv_row = measure_decode(transformer.with_linear_kernel("triton-gemv"), "piecewise", "full-and-piecewise", prompt,
                               args.steps)
     report["decode"].append({**gemv_row, "mode": "piecewise/full-and-piecewise +triton-gemv"})
-    torch._dynamo.reset()  # side by side: the same step with the KV cache written by its own index_copy per layer
-    separate = measure_decode(transformer.with_linear_kernel("triton-gemv"), "piecewise", "full-and-piecewise", prompt,
-                              args.steps, kv_write_in_piece=False)
-    report["decode"].append({**separate, "mode": "piecewise/full-and-piecewise +triton-gemv, KV write separate"})
+    # side by side: the same step with the KV cache written by its own index_copy per layer; without the L2
+    # prefetch, and with the next layer's q/k/v prefetched too (engine/l2_prefetch.py)
+    for name, label, options in (("kv-write", "KV write separate", {"kv_write_in_piece": False}),
+                                 ("no-prefetch", "no L2 prefetch", {"l2_prefetch": ()}),
+                                 ("qkv-prefetch", "L2 prefetch o + qkv", {"l2_prefetch": ("o", "qkv")})):
+        if name in skip:
+            continue
+        torch._dynamo.reset()
+        other = measure_decode(transformer.with_linear_kernel("triton-gemv"), "piecewise", "full-and-piecewise", prompt,
+                               args.steps, **options)
+        report["decode"].append({**other, "mode": f"piecewise/full-and-piecewise +triton-gemv, {label}"})
+    torch._dynamo.reset()
+    plain = measure_decode(transformer, "piecewise", "full-and-piecewise", prompt, args.steps, l2_prefetch=())
+    report["decode"].append({**plain, "mode": "piecewise/full-and-piecewise, no L2 prefetch"})
     print(f"{report['device']}  torch {report['torch']}  {args.model} {args.dtype}")
     print(f"copy bandwidth {report['copy_tb_per_s']:.2f} TB/s -> limit {report['bandwidth_limit_tokens_per_s']:.0f} tok/s "
           f"({report['weights_read_per_step_gb']:.2f} GB read per step)")
-    for name, row in report["projections"].items():
+    for name, row in report.get("projections", {}).items():
         lt, tg = report["projections_cublaslt"].get(name), report["projections_triton_gemv"][name]
         print(f"  {name:8s} {str(row['shape']):16s} {row['us']:8.1f} us  {row['tb_per_s']:.2f} TB/s"
               + (f"   cublaslt {lt['us']:8.1f} us  {lt['tb_per_s']:.2f} TB/s" if lt else "")
@@ -203,8 +253,13 @@ def main() -> None:
     for row in report["decode"]:
         kinds = "  ".join(f"{k} {v['kernels']:.0f}x {v['ms']:.3f} ms" for k, v in sorted(row["by_kind"].items()))
         print(f"  {row['mode']:62s} step {row['step_p50_ms']:.3f} ms ({1000 / row['step_p50_ms']:.1f} tok/s)  "
-              f"TTFT {row['ttft_ms']:.1f} ms  {row['kernels_per_step']:.0f} kernels  idle {row['idle_share']:.0%}  {kinds}")
-    for entry in report["decode"][-2]["top_kernels"]:  # the -O2 step with the GEMV, the KV write in the piece
+              f"{row['kernels_per_step']:.0f} kernels  idle {row['idle_share']:.0%}  {kinds}")
+        prefill = row["prefill"]
+        print(f"      TTFT {row['ttft_ms']:.1f} ms, then " + ", ".join(f"{t:.1f}" for t in row["ttft_ms_next"])
+              + f"; one prefill: {prefill['wall_ms_profiled']:.1f} ms on the host (profiled), "
+              f"{prefill['kernels']} kernels {prefill['kernel_ms']:.2f} ms, {prefill['graph_launches']} graph launches")
+    gemv_row = next(row for row in report["decode"] if row["mode"].endswith("+triton-gemv"))
+    for entry in gemv_row["top_kernels"]:  # the -O2 step with the GEMV as the engine runs it
         print(f"    {entry['per_step']:6.1f}x/step {entry['ms']:.4f} ms  {entry['kernel']}")
     if args.json:
         Path(args.json).write_text(json.dumps(report, indent=1))
