@@ -43,12 +43,10 @@ from ..config import CompilationMode, CUDAGraphMode, EffectiveConfig
 from . import gguf_blocks
 from .generate import (BatchOutput, BatchSpec, PaddedBatch, Workspace, decode_step, load_batch, prefill_step,
                        stack_outputs)
-from .l2_prefetch import L2Prefetcher
 from .shapes import ShapePlan
 from .timing import StepClock
 from .transformer import (StatePieces, Transformer, head, mlp_block, moe_post_attention, output_projection,
                           post_attention, pre_attention, pre_attention_writing, prologue)
-from .triton_ops import can_register
 
 DEFAULT_PREFILL_BUCKETS = (16, 32, 64, 128, 256, 512, 1024, 2048)
 DEFAULT_BATCH_BUCKETS = (1, 2, 4, 8, 16, 32)
@@ -86,9 +84,6 @@ class ExecutionMode(ShapePlan):
     # Compiled pieces without Inductor's CUDA graphs write the KV cache inside the pre-attention piece
     # (transformer.pre_attention_writing): one kernel fewer per layer, the same bits. Off only to measure it.
     kv_write_in_piece: bool = True
-    # What the decode step warms L2 with where it is captured whole (piecewise pieces, full decode graph, CUDA
-    # with Triton): l2_prefetch.py. No value changes; set otherwise only to measure it.
-    l2_prefetch: tuple[str, ...] = ("o",)
 
     def __post_init__(self) -> None:
         self.static = (self.compilation_mode, self.cudagraph_mode) != (CompilationMode.NONE, CUDAGraphMode.NONE)
@@ -101,7 +96,6 @@ class ExecutionMode(ShapePlan):
         self.plan_slots: int | None = None
         self.plan_steps: int | None = None
         self.kernel_launches_per_decode_step: int | None = None
-        self.prefetched: tuple[str, ...] = ()  # what the decode step warms L2 with (l2_prefetch.py)
         self.prefill_forward, self.decode_forward = self._build_forwards()
         self.started = dynamo_snapshot()
         self.measuring = self.started
@@ -124,16 +118,7 @@ class ExecutionMode(ShapePlan):
         view.post_attention = self._compile(post_attention, f"{tag}_post", graphs, True, False)
         view.moe_post_attention = self._compile(moe_post_attention, f"{tag}_moe_post", graphs, True, False)
         view.head = self._compile(head, f"{tag}_head", graphs, True, False)
-        view.l2 = self._prefetcher() if tag == "decode" else None
         return view
-
-    def _prefetcher(self) -> L2Prefetcher | None:
-        """The decode step's L2 prefetcher, where the step is captured whole in one CUDA graph on a CUDA device
-        with Triton (eager launches elsewhere would cost the host more than they save)."""
-        device = self.transformer.device
-        if not (self.l2_prefetch and self.cudagraph_mode.has_full_cudagraphs() and can_register(device)):
-            return None
-        return L2Prefetcher(device, self.l2_prefetch)
 
     def _build_forwards(self) -> tuple[Callable, Callable]:
         compilation, graphs = self.compilation_mode, self.cudagraph_mode
@@ -142,7 +127,6 @@ class ExecutionMode(ShapePlan):
         if compilation is CompilationMode.PIECEWISE:
             prefill = self._pieces("prefill", graphs.has_piecewise_cudagraphs())
             decode = self._pieces("decode", graphs is CUDAGraphMode.PIECEWISE)
-            self.prefetched = decode.l2.targets if decode.l2 is not None else ()
             return prefill.forward, decode.forward
         fullgraph, dynamic = (True, False) if compilation is CompilationMode.TRACE_ONCE else (False, None)
         compiled = self._compile(Transformer.forward, compilation.value.replace("-", "_"), False, fullgraph, dynamic)
@@ -312,7 +296,6 @@ class ExecutionMode(ShapePlan):
             **self.counts, "kernel_launches_per_decode_step": self.kernel_launches_per_decode_step,
             "prefill_buckets": self.prefill_buckets if self.static else None,
             "batch_buckets": self.batch_buckets if self.static else None,
-            "l2_prefetch": list(self.prefetched),
         }
         evidence["fallbacks"] = self.fallbacks + find_fallbacks(evidence)
         return evidence

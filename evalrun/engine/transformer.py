@@ -33,7 +33,7 @@ from __future__ import annotations
 
 import copy
 from dataclasses import dataclass, replace
-from typing import TYPE_CHECKING, Callable
+from typing import Callable
 
 import torch
 import torch.nn.functional as F
@@ -41,9 +41,6 @@ import torch.nn.functional as F
 from . import linear as projections
 from . import moe
 from .model_support import ACTIVATION_FIELD, FAMILIES, OFFSET_NORM_FAMILIES, WINDOWED_FAMILIES, check_config
-
-if TYPE_CHECKING:
-    from .l2_prefetch import L2Prefetcher
 
 SUPPORTED_ARCHITECTURES = tuple(FAMILIES)
 FULL, SLIDING = "full_attention", "sliding_attention"  # transformers' layer_types names
@@ -146,9 +143,6 @@ class Transformer:
         # piece writes the step's keys and values into the cache itself (pre_attention_writing), so Inductor
         # fuses the write into the rotary kernel instead of a separate index_copy per layer. Same bits.
         self.pre_attention_writing: Callable | None = None
-        # Set by an execution mode that captures the decode step whole: warms L2 with the weights the next
-        # projections read, on a side stream, while small kernels run (l2_prefetch.py). No value changes.
-        self.l2: "L2Prefetcher | None" = None
         self.moe_post_attention = moe_post_attention  # an MoE layer's piece (engine/moe.py)
         moe_layers = [w.moe for w in self.layers if w.moe is not None]
         # (L, k): the routing each step captures, for MoE models only
@@ -262,11 +256,7 @@ class Transformer:
         variant = self.variant
         for index, w in enumerate(self.layers):
             cos, sin, mask = kinds[self.layer_kinds[index]]
-            if self.l2 is not None and index:
-                self.l2.prefetch("qkv", w.qkv)  # beside this layer's norm
             q, kv = self._query_and_write(index, x, cos, sin, w, slots, cache)
-            if self.l2 is not None:
-                self.l2.prefetch("o", w.o)  # beside rotary, the KV write and attention
             attended = self.attend(index, q, kv, slots, mask, cache)
             if w.moe is not None:
                 m = w.moe
@@ -278,10 +268,7 @@ class Transformer:
             x = self.post_attention(x, attended, w.o, w.post_norm, w.gate_up, w.down, self.eps, self.activation,
                                     w.o_bias, w.gate_up_bias, w.down_bias, w.attn_out_norm, w.mlp_out_norm, variant,
                                     self.reduce)
-        logits = self.head(x[:, -1], self.final_norm, self.lm_head, self.eps, variant)
-        if self.l2 is not None:
-            self.l2.join()
-        return logits
+        return self.head(x[:, -1], self.final_norm, self.lm_head, self.eps, variant)
 
     def forward_states(self, tokens: torch.Tensor, positions: torch.Tensor, slots: torch.Tensor,
                        key_valid: torch.Tensor, cache: KVCache, pieces: "StatePieces | None" = None,
