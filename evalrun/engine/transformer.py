@@ -32,7 +32,7 @@ and passed as tensors of the same shapes, so one compiled piece still serves eve
 from __future__ import annotations
 
 import copy
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, fields, replace
 from typing import Callable
 
 import torch
@@ -213,6 +213,19 @@ class Transformer:
                             k_norm=None if norms[1] is None else norms[1].weight,
                             attn_out_norm=layer.post_attention_layernorm.weight if sandwich else None,
                             mlp_out_norm=layer.post_feedforward_layernorm.weight if sandwich else None, moe=experts)
+
+    def weights(self) -> list[torch.Tensor]:
+        """Every tensor of the model the pieces take as an argument: each layer's weights (stacked ones and an
+        MoE layer's experts included), the embedding, the final norm, the head and the rotary frequencies."""
+        found = [self.embed, self.final_norm, self.lm_head, self.inv_freq]
+        if self.local_rotary is not None:
+            found.append(self.local_rotary[0])
+        for layer in self.layers:
+            parts = [getattr(layer, f.name) for f in fields(layer)]
+            if layer.moe is not None:
+                parts += [getattr(layer.moe, f.name) for f in fields(layer.moe)]
+            found += [part for part in parts if isinstance(part, torch.Tensor)]
+        return found
 
     def new_cache(self, batch: int, slots: int) -> KVCache:
         cache = KVCache(len(self.layers), batch, self.kv_heads, slots, self.head_dim, self.dtype, self.device)
