@@ -10,13 +10,12 @@ and the engine's decode step under three modes with its kernel time by kind.
    engine's block sizes; `--gemv-grid` also at other block sizes (how GEMV_BLOCKS is chosen).
 3. One decode step (batch 1) in eager, piecewise-compiled without graphs, and -O2 (piecewise pieces,
    whole decode step in one CUDA graph), and -O2 with the Triton GEMV: step time p50, kernels per step,
-   GPU kernel time by kind (profiler), and the share of the step with no kernel running; then that step
-   again, side by side: with the KV cache written by a separate index_copy per layer (before the write
-   moved into the pre-attention piece), without the L2 prefetch of the output projection's weight
-   (engine/l2_prefetch.py), and with the next layer's q/k/v prefetched too; and -O2 without the GEMV and
-   without the prefetch. Each row also gives the time to first token of four more batches and one
-   profiled prefill (host wall time against the GPU's kernel time: is the prefill bound by the host?).
-   `--skip` leaves parts out.
+   GPU kernel time by kind (profiler), and the share of the step with no kernel running; last, that step
+   again with the KV cache written by a separate index_copy per layer (before the write moved into the
+   pre-attention piece), and with the MLP's residual added by its own kernel (before the GEMV's epilogue
+   took it), side by side. Each row also gives the time to first token of four more batches
+   and one profiled prefill: host wall time against the GPU's kernel time (is the prefill bound by the
+   host?) and its longest kernels. `--skip` leaves parts out.
 """
 
 from __future__ import annotations
@@ -39,6 +38,7 @@ from evalrun.engine.generate import BatchSpec  # noqa: E402
 from evalrun.config import CompilationMode, CUDAGraphMode  # noqa: E402
 from evalrun.engine.modes import ExecutionMode  # noqa: E402
 from evalrun.engine.timing import StepClock  # noqa: E402
+from evalrun.engine import transformer as transformer_module  # noqa: E402
 from evalrun.engine.transformer import Transformer  # noqa: E402
 from evalrun.models import load_model  # noqa: E402
 
@@ -139,13 +139,19 @@ def profile_prefill(mode: ExecutionMode, transformer: Transformer, prompt: list[
         torch.cuda.synchronize()
         wall_ms = (time.perf_counter() - started) * 1000
     kernels = [e for e in profiler.events() if e.device_type == torch.autograd.DeviceType.CUDA]
+    by_name: dict[str, list[float]] = defaultdict(lambda: [0, 0.0])
+    for event in kernels:
+        by_name[event.name[:90]][0] += 1
+        by_name[event.name[:90]][1] += event.time_range.elapsed_us() / 1000
     host = defaultdict(float)
     for event in profiler.key_averages():
         host[event.key[:80]] += event.self_cpu_time_total / 1000
     return {"wall_ms_profiled": wall_ms, "kernels": len(kernels),
             "kernel_ms": sum(e.time_range.elapsed_us() for e in kernels) / 1000,
             "graph_launches": sum(1 for e in profiler.events() if e.name == "cudaGraphLaunch"),
-            "host_self_ms_top": dict(sorted(host.items(), key=lambda item: -item[1])[:10])}
+            "host_self_ms_top": dict(sorted(host.items(), key=lambda item: -item[1])[:10]),
+            "kernels_top": [{"kernel": name, "count": n, "ms": round(ms, 4)}
+                            for name, (n, ms) in sorted(by_name.items(), key=lambda item: -item[1][1])[:15]]}
 
 
 def measure_decode(transformer: Transformer, compilation: str, graphs: str, prompt: list[int], steps: int,
@@ -157,7 +163,7 @@ def measure_decode(transformer: Transformer, compilation: str, graphs: str, prom
     ttfts = [float(generate_batch(transformer, BatchSpec([prompt], steps, pad_id=0), mode).step_ms[0])
              for _ in range(4)]  # after warm-up: is the time to first token steady from batch to batch?
     row = {"mode": f"{compilation}/{graphs}", "step_p50_ms": float(np.median(output.step_ms[1:])),
-           "ttft_ms": float(output.step_ms[0]), "ttft_ms_next": ttfts, "l2_prefetch": list(mode.prefetched),
+           "ttft_ms": float(output.step_ms[0]), "ttft_ms_next": ttfts,
            "prefill": profile_prefill(mode, transformer, prompt)}
     workspace = next(iter(mode.workspaces.values()), mode.last_workspace)
     kinds, top = profile_decode(mode, workspace, 8)
@@ -204,7 +210,8 @@ def main() -> None:
     parser.add_argument("--json", metavar="PATH")
     parser.add_argument("--gemv-grid", action="store_true", help="time the Triton GEMV at other block sizes too")
     parser.add_argument("--skip", default="", help="comma-separated parts to leave out: projections, eager "
-                        "(the eager and graphless steps), and the side-by-side rows kv-write, no-prefetch, qkv-prefetch")
+                        "(the eager and graphless steps), residual, kv-write (the step with the MLP's residual add, or the KV "
+                        "write, separate)")
     args = parser.parse_args()
     skip = set(args.skip.split(","))
     loaded = load_model(args.model, "cuda", args.dtype)
@@ -224,20 +231,18 @@ def main() -> None:
     gemv_row = measure_decode(transformer.with_linear_kernel("triton-gemv"), "piecewise", "full-and-piecewise", prompt,
                               args.steps)
     report["decode"].append({**gemv_row, "mode": "piecewise/full-and-piecewise +triton-gemv"})
-    # side by side: the same step with the KV cache written by its own index_copy per layer; without the L2
-    # prefetch, and with the next layer's q/k/v prefetched too (engine/l2_prefetch.py)
-    for name, label, options in (("kv-write", "KV write separate", {"kv_write_in_piece": False}),
-                                 ("no-prefetch", "no L2 prefetch", {"l2_prefetch": ()}),
-                                 ("qkv-prefetch", "L2 prefetch o + qkv", {"l2_prefetch": ("o", "qkv")})):
-        if name in skip:
-            continue
+    if "residual" not in skip:  # side by side: the MLP's residual added by its own kernel, not the GEMV's epilogue
         torch._dynamo.reset()
-        other = measure_decode(transformer.with_linear_kernel("triton-gemv"), "piecewise", "full-and-piecewise", prompt,
-                               args.steps, **options)
-        report["decode"].append({**other, "mode": f"piecewise/full-and-piecewise +triton-gemv, {label}"})
-    torch._dynamo.reset()
-    plain = measure_decode(transformer, "piecewise", "full-and-piecewise", prompt, args.steps, l2_prefetch=())
-    report["decode"].append({**plain, "mode": "piecewise/full-and-piecewise, no L2 prefetch"})
+        transformer_module.RESIDUAL_IN_PROJECTION = False
+        apart = measure_decode(transformer.with_linear_kernel("triton-gemv"), "piecewise", "full-and-piecewise", prompt,
+                               args.steps)
+        transformer_module.RESIDUAL_IN_PROJECTION = True
+        report["decode"].append({**apart, "mode": "piecewise/full-and-piecewise +triton-gemv, residual add separate"})
+    if "kv-write" not in skip:  # side by side: the same step with the KV cache written by its own index_copy
+        torch._dynamo.reset()
+        separate = measure_decode(transformer.with_linear_kernel("triton-gemv"), "piecewise", "full-and-piecewise",
+                                  prompt, args.steps, kv_write_in_piece=False)
+        report["decode"].append({**separate, "mode": "piecewise/full-and-piecewise +triton-gemv, KV write separate"})
     print(f"{report['device']}  torch {report['torch']}  {args.model} {args.dtype}")
     print(f"copy bandwidth {report['copy_tb_per_s']:.2f} TB/s -> limit {report['bandwidth_limit_tokens_per_s']:.0f} tok/s "
           f"({report['weights_read_per_step_gb']:.2f} GB read per step)")
@@ -261,6 +266,9 @@ def main() -> None:
     gemv_row = next(row for row in report["decode"] if row["mode"].endswith("+triton-gemv"))
     for entry in gemv_row["top_kernels"]:  # the -O2 step with the GEMV as the engine runs it
         print(f"    {entry['per_step']:6.1f}x/step {entry['ms']:.4f} ms  {entry['kernel']}")
+    print("  its prefill's longest kernels:")
+    for entry in gemv_row["prefill"]["kernels_top"]:
+        print(f"    {entry['count']:6d}x {entry['ms']:.4f} ms  {entry['kernel']}")
     if args.json:
         Path(args.json).write_text(json.dumps(report, indent=1))
 

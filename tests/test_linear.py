@@ -297,6 +297,64 @@ def test_one_row_of_a_down_shaped_weight_takes_the_gemv_with_long_blocks():
     assert case["error"] <= case["scale"] * 2.0 ** -20 + 1e-6, case
 
 
+# A residual added in the GEMV's epilogue against the same product added by torch afterwards (float32: the
+# interpreter may round bfloat16 otherwise than the GPU; the GPU test below takes bfloat16), 1-4 rows, with and
+# without bias; a residual of another layout or shape is added by torch.
+RESIDUAL_CASES = r"""
+import json
+import torch
+from evalrun.engine import linear
+
+g = torch.Generator().manual_seed(7)
+cases = []
+for rows, n, k, bias in ((1, 48, 256, False), (2, 40, 300, True), (4, 24, 96, True)):
+    x = torch.randn(1, rows, k, generator=g)
+    w = torch.randn(n, k, generator=g) / k ** 0.5
+    b = torch.randn(n, generator=g) if bias else None
+    r = torch.randn(1, rows, n, generator=g) * 4
+    cases.append(torch.equal(linear.linear(x, w, b, "triton-gemv", residual=r), r + linear.linear(x, w, b, "triton-gemv")))
+x, w = torch.randn(2, 64, generator=g), torch.randn(32, 64, generator=g)
+r = torch.randn(32, 2, generator=g).t()  # not contiguous
+cases.append(torch.equal(linear.linear(x, w, None, "triton-gemv", residual=r), r + linear.linear(x, w, None, "triton-gemv")))
+row = torch.randn(32, generator=g)  # broadcast over the rows
+cases.append(torch.equal(linear.linear(x, w, None, "triton-gemv", residual=row),
+                         row + linear.linear(x, w, None, "triton-gemv")))
+print(json.dumps(cases))
+"""
+
+
+def test_the_gemv_adds_a_residual_with_the_bits_of_adding_it_afterwards():
+    assert run_under_triton_interpreter(RESIDUAL_CASES) == [True] * 5
+
+
+def test_the_mlp_residual_is_passed_to_the_projection_only_where_nothing_comes_between():
+    """mlp_block hands x to the down projection as its residual (the GEMV's epilogue adds it) unless the output
+    is normed first (Gemma) or summed over tensor-parallel ranks; on the aten path the bits are x + F.linear's."""
+    import torch.nn.functional as F
+
+    from evalrun.engine import transformer
+
+    g = torch.Generator().manual_seed(1)
+    x, norm_w = torch.randn(1, 1, 16, generator=g), torch.rand(16, generator=g) + 0.5
+    gate_up, down = torch.randn(64, 16, generator=g), torch.randn(16, 32, generator=g)
+    seen = []
+    original = transformer.projections.linear
+
+    def spy(*args, **kwargs):
+        seen.append(kwargs.get("residual") is not None)
+        return original(*args, **kwargs)
+
+    import unittest.mock
+
+    with unittest.mock.patch.object(transformer.projections, "linear", spy):
+        fused = transformer.mlp_block(x, norm_w, gate_up, down, 1e-5)
+        transformer.mlp_block(x, norm_w, gate_up, down, 1e-5, out_norm=norm_w)
+        transformer.mlp_block(x, norm_w, gate_up, down, 1e-5, reduce=lambda t: t)
+    assert seen == [False, True, False, False, False, False]
+    gate, up = F.linear(transformer.rms_norm(x, norm_w, 1e-5), gate_up).chunk(2, dim=-1)
+    assert torch.equal(fused, x + F.linear(F.silu(gate) * up, down))
+
+
 # ---------------------------------------------------------------- GPU
 
 gpu = pytest.mark.gpu
@@ -324,6 +382,10 @@ def test_gpu_gemv_eager_compiled_and_graphed_agree_bitwise(rows, n, k):
     assert (y.double() - exact).abs().max().item() <= exact.abs().max().item() * 2 ** -7 + 1e-3
     compiled = torch.compile(lambda a: linear.linear(a, w, b, "triton-gemv"), fullgraph=True)
     assert torch.equal(compiled(x), y)
+    residual = torch.randn(rows, n, device="cuda", dtype=torch.bfloat16)  # added in the epilogue: torch's bits
+    assert torch.equal(linear.linear(x, w, b, "triton-gemv", residual=residual), residual + y)
+    with_residual = torch.compile(lambda a, r: linear.linear(a, w, b, "triton-gemv", residual=r), fullgraph=True)
+    assert torch.equal(with_residual(x, residual), residual + y)
     static = x.clone()
     graph = torch.cuda.CUDAGraph()
     linear.linear(static, w, b, "triton-gemv")

@@ -60,8 +60,9 @@ def prepare(kernel: str, device: torch.device | str) -> None:
 
     with registering():
         @triton_op("evalrun::gemv", mutates_args={})
-        def gemv(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor]) -> torch.Tensor:  # noqa: UP045 (schema)
-            return linear_triton_kernel.launch(x, weight, bias, *blocks(x.shape[0], weight), wrap_triton)
+        def gemv(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor],  # noqa: UP045 (schema)
+                 residual: Optional[torch.Tensor]) -> torch.Tensor:  # noqa: UP045 (schema)
+            return linear_triton_kernel.launch(x, weight, bias, *blocks(x.shape[0], weight), wrap_triton, residual)
 
     _OP["op"] = gemv
 
@@ -91,25 +92,34 @@ def gemv_applies(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | Non
 
 
 def linear(x: torch.Tensor, weight: "torch.Tensor | BlockWeight", bias: torch.Tensor | None,
-           kernel: str = "aten") -> torch.Tensor:
+           kernel: str = "aten", residual: torch.Tensor | None = None) -> torch.Tensor:
     """x [..., K] @ weight [N, K]^T + bias [N] -> [..., N], by `kernel` (aten | triton-gemv | gguf-gemv) where
-    it applies."""
+    it applies; with `residual` [..., N], residual + that (the GEMV adds it in its epilogue, with the same bits:
+    one kernel fewer)."""
     if kernel == "gguf-gemv":
-        return _block_linear(x, weight, bias)
+        return _plus(residual, _block_linear(x, weight, bias))
     if kernel != "triton-gemv":
-        return F.linear(x, weight, bias)
+        return _plus(residual, F.linear(x, weight, bias))
     if "op" not in _OP and not INTERPRETED:  # asked for and never prepared: refused, not run as cuBLAS
         raise ConfigError("linear_kernel=triton-gemv needs a CUDA device with Triton; use linear_kernel=aten")
     if not gemv_applies(x, weight, bias):
-        return F.linear(x, weight, bias)
+        return _plus(residual, F.linear(x, weight, bias))
     rows = x.reshape(-1, x.shape[-1]).contiguous()  # [M, K]
+    fused = (residual is not None and residual.is_contiguous() and residual.dtype == x.dtype
+             and residual.shape == (*x.shape[:-1], weight.shape[0]))
+    into = residual.view(rows.shape[0], weight.shape[0]) if fused else None  # [M, N]
     if INTERPRETED:
         from .linear_triton_kernel import launch
 
-        out = launch(rows, weight, bias, *blocks(rows.shape[0], weight))
+        out = launch(rows, weight, bias, *blocks(rows.shape[0], weight), residual=into)
     else:
-        out = _OP["op"](rows, weight, bias)  # [M, N]
-    return out.view(*x.shape[:-1], weight.shape[0])
+        out = _OP["op"](rows, weight, bias, into)  # [M, N]
+    out = out.view(*x.shape[:-1], weight.shape[0])
+    return out if fused else _plus(residual, out)
+
+
+def _plus(residual: torch.Tensor | None, out: torch.Tensor) -> torch.Tensor:
+    return out if residual is None else residual + out
 
 
 def _block_linear(x: torch.Tensor, weight: "torch.Tensor | BlockWeight", bias: torch.Tensor | None) -> torch.Tensor:

@@ -1,9 +1,10 @@
-"""The Triton GEMV of linear.py: y [M, N] = x [M, K] @ w [N, K]^T (+ bias [N]), for 1-4 rows.
+"""The Triton GEMV of linear.py: y [M, N] = x [M, K] @ w [N, K]^T (+ bias [N]) (+ residual [M, N]), for 1-4 rows.
 
 One program computes BLOCK_N outputs of every row: it streams its BLOCK_N rows of the weight once,
 BLOCK_K columns at a time, and keeps a float32 product per (row, output, column lane), summed over the
 lanes at the end. K is a compile-time constant (a model has a few), so the loop is static. Each output's reduction order is fixed by the block sizes (no atomics, no split over
-programs), so a run's bits depend on the shapes only. Imported only where it runs (linear.prepare on a
+programs), so a run's bits depend on the shapes only. A residual is added after the product is rounded to
+the output dtype, in float32, and rounded again: the bits of adding it with torch after the product. Imported only where it runs (linear.prepare on a
 CUDA device, or under TRITON_INTERPRET=1).
 """
 
@@ -15,8 +16,8 @@ import triton.language as tl
 
 
 @triton.jit
-def gemv_kernel(x_ptr, w_ptr, bias_ptr, y_ptr, rows, n, x_stride, w_stride, y_stride, k: tl.constexpr,
-                HAS_BIAS: tl.constexpr, EVEN: tl.constexpr, ROWS_POW2: tl.constexpr, BLOCK_N: tl.constexpr,
+def gemv_kernel(x_ptr, w_ptr, bias_ptr, residual_ptr, y_ptr, rows, n, x_stride, w_stride, y_stride,
+                k: tl.constexpr, HAS_BIAS: tl.constexpr, HAS_RESIDUAL: tl.constexpr, EVEN: tl.constexpr, ROWS_POW2: tl.constexpr, BLOCK_N: tl.constexpr,
                 BLOCK_K: tl.constexpr):
     outs = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)  # [BN]
     ms = tl.arange(0, ROWS_POW2)  # [R]
@@ -35,19 +36,24 @@ def gemv_kernel(x_ptr, w_ptr, bias_ptr, y_ptr, rows, n, x_stride, w_stride, y_st
     y = tl.sum(acc, axis=2)  # [R, BN]
     if HAS_BIAS:
         y += tl.load(bias_ptr + outs, mask=outs < n, other=0.0).to(tl.float32)[None, :]
-    tl.store(y_ptr + ms[:, None] * y_stride + outs[None, :], y.to(y_ptr.dtype.element_ty),
-             mask=(ms[:, None] < rows) & (outs[None, :] < n))
+    into = ms[:, None] * y_stride + outs[None, :]  # [R, BN]
+    inside = (ms[:, None] < rows) & (outs[None, :] < n)
+    if HAS_RESIDUAL:  # [R, BN]: rounded product + residual, as torch adds two tensors of the output dtype
+        residual = tl.load(residual_ptr + into, mask=inside, other=0.0).to(tl.float32)
+        y = y.to(y_ptr.dtype.element_ty).to(tl.float32) + residual
+    tl.store(y_ptr + into, y.to(y_ptr.dtype.element_ty), mask=inside)
 
 
 def launch(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, block_n: int, block_k: int,
-           num_warps: int, wrap=lambda kernel: kernel) -> torch.Tensor:
-    """x [M, K] (rows contiguous), weight [N, K] (rows contiguous), bias [N] or None -> y [M, N]."""
+           num_warps: int, wrap=lambda kernel: kernel, residual: torch.Tensor | None = None) -> torch.Tensor:
+    """x [M, K] (rows contiguous), weight [N, K] (rows contiguous), bias [N] or None, residual [M, N] (contiguous)
+    or None -> y [M, N]."""
     rows, k = x.shape
     n = weight.shape[0]
     y = torch.empty(rows, n, dtype=x.dtype, device=x.device)
     even = n % block_n == 0 and k % block_k == 0
     wrap(gemv_kernel)[(triton.cdiv(n, block_n),)](
-        x, weight, x if bias is None else bias, y, rows, n, x.stride(0), weight.stride(0), y.stride(0), k,
-        HAS_BIAS=bias is not None, EVEN=even, ROWS_POW2=triton.next_power_of_2(rows), BLOCK_N=block_n,
+        x, weight, x if bias is None else bias, x if residual is None else residual, y, rows, n, x.stride(0),
+        weight.stride(0), y.stride(0), k, HAS_BIAS=bias is not None, HAS_RESIDUAL=residual is not None, EVEN=even, ROWS_POW2=triton.next_power_of_2(rows), BLOCK_N=block_n,
         BLOCK_K=block_k, num_warps=num_warps)
     return y

@@ -468,6 +468,9 @@ def activate(x: torch.Tensor, name: str) -> torch.Tensor:
     raise AssertionError(f"activation {name!r} passed model_support but is not computed here")
 
 
+RESIDUAL_IN_PROJECTION = True  # mlp_block's residual added by the down projection; off only to measure it
+
+
 def mlp_block(x: torch.Tensor, post_norm: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor,
               eps: float, activation: str = "silu", b_gate_up: torch.Tensor | None = None,
               b_down: torch.Tensor | None = None, out_norm: torch.Tensor | None = None,
@@ -477,6 +480,8 @@ def mlp_block(x: torch.Tensor, post_norm: torch.Tensor, gate_up: torch.Tensor, d
     Gemma's norm of the MLP output before the add; reduce: the tensor-parallel sum (row_parallel_linear)."""
     gate, up = projections.linear(norm(x, post_norm, eps, variant), gate_up, b_gate_up,
                                   variant.linear_kernel).chunk(2, dim=-1)
+    if out_norm is None and reduce is None and RESIDUAL_IN_PROJECTION:  # the GEMV adds x in its epilogue (same bits)
+        return projections.linear(activate(gate, activation) * up, down, b_down, variant.linear_kernel, residual=x)
     out = row_parallel_linear(activate(gate, activation) * up, down, b_down, reduce, variant.linear_kernel)
     return x + (out if out_norm is None else norm(out, out_norm, eps, variant))
 
