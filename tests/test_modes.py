@@ -309,7 +309,7 @@ def test_gpu_piecewise_graphs_read_the_weights_in_place_with_the_same_bits(monke
     original_copy = torch._foreach_copy_
 
     def recording_copy(targets, sources, *args, **kwargs):
-        copies.extend(source.data_ptr() for source in sources)
+        copies.extend(source.untyped_storage().data_ptr() for source in sources)
         return original_copy(targets, sources, *args, **kwargs)
 
     outputs, copied = [], []
@@ -327,7 +327,7 @@ def test_gpu_piecewise_graphs_read_the_weights_in_place_with_the_same_bits(monke
         spec = BatchSpec([loaded.tokenizer("Weights stay put")["input_ids"]], 6, pad_id=0, keep_logits=True)
         for _ in range(mode.calls_to_warm):
             generate_batch(transformer, spec, mode)
-        weights = {w.data_ptr() for w in transformer.weights()}
+        weights = {w.untyped_storage().data_ptr() for w in transformer.weights()}
         copies.clear()
         monkeypatch.setattr(torch, "_foreach_copy_", recording_copy)
         outputs.append(generate_batch(transformer, spec, mode))

@@ -94,8 +94,9 @@ def gemv_applies(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | Non
 def linear(x: torch.Tensor, weight: "torch.Tensor | BlockWeight", bias: torch.Tensor | None,
            kernel: str = "aten", residual: torch.Tensor | None = None) -> torch.Tensor:
     """x [..., K] @ weight [N, K]^T + bias [N] -> [..., N], by `kernel` (aten | triton-gemv | gguf-gemv) where
-    it applies; with `residual` [..., N], residual + that (the GEMV adds it in its epilogue, with the same bits:
-    one kernel fewer)."""
+    it applies; with `residual` [..., N], residual + that. The GEMV adds it in its epilogue (one kernel fewer), with
+    the bits of adding it with torch afterwards; compiled, the residual is then a stored tensor of the model dtype,
+    where Inductor might otherwise have kept the sum that made it unrounded (transformer.mlp_block)."""
     if kernel == "gguf-gemv":
         return _plus(residual, _block_linear(x, weight, bias))
     if kernel != "triton-gemv":

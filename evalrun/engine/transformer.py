@@ -480,7 +480,11 @@ def mlp_block(x: torch.Tensor, post_norm: torch.Tensor, gate_up: torch.Tensor, d
     Gemma's norm of the MLP output before the add; reduce: the tensor-parallel sum (row_parallel_linear)."""
     gate, up = projections.linear(norm(x, post_norm, eps, variant), gate_up, b_gate_up,
                                   variant.linear_kernel).chunk(2, dim=-1)
-    if out_norm is None and reduce is None and RESIDUAL_IN_PROJECTION:  # the GEMV adds x in its epilogue (same bits)
+    # x + down(...): the Triton GEMV adds x in its epilogue, one kernel fewer. Eagerly the same bits as the add. In
+    # a compiled post_attention x (= the residual + the output projection) is then stored rounded to the model
+    # dtype, as eager rounds it, where Inductor had kept that sum in float32 for the norm and this add: other bits
+    # for compiled bfloat16/float16 runs with linear_kernel=triton-gemv than before stop 15 (engine_code says so).
+    if out_norm is None and reduce is None and RESIDUAL_IN_PROJECTION:
         return projections.linear(activate(gate, activation) * up, down, b_down, variant.linear_kernel, residual=x)
     out = row_parallel_linear(activate(gate, activation) * up, down, b_down, reduce, variant.linear_kernel)
     return x + (out if out_norm is None else norm(out, out_norm, eps, variant))
