@@ -83,6 +83,17 @@ def graphed_ms(step, inputs: list[tuple], warmups: int = 1) -> float:
     return timed_ms(graph.replay, 20) / len(inputs)
 
 
+def per_layer_arguments(doc: str) -> argparse.Namespace:
+    """`--layers` and `--json`: the command line of the per-layer benchmarks (fusion_candidates.py,
+    decode_attention.py); seeds torch, so their random weights repeat."""
+    parser = argparse.ArgumentParser(description=doc, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--layers", type=int, default=32)
+    parser.add_argument("--json", metavar="PATH")
+    args = parser.parse_args()
+    torch.manual_seed(0)
+    return args
+
+
 def projection_bandwidth(weights: list[torch.Tensor], product=F.linear) -> dict[str, float]:
     """weights: L matrices [N, K]; product(x [1, K], each), in one graph. Time per matrix and read TB/s."""
     x = torch.randn(1, weights[0].shape[1], dtype=weights[0].dtype, device="cuda")

@@ -19,7 +19,6 @@ Prototypes only: nothing here is reachable from a config.
 
 from __future__ import annotations
 
-import argparse
 import json
 import sys
 from pathlib import Path
@@ -31,7 +30,7 @@ import triton.language as tl
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from benchmarks.decode_breakdown import graphed_ms  # noqa: E402
+from benchmarks.decode_breakdown import graphed_ms, per_layer_arguments  # noqa: E402
 from evalrun.engine import linear  # noqa: E402
 from evalrun.engine.linear_triton_kernel import launch  # noqa: E402
 from evalrun.engine.transformer import rms_norm  # noqa: E402
@@ -99,11 +98,7 @@ def graph_us(step, inputs: list[tuple]) -> float:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--layers", type=int, default=32)
-    parser.add_argument("--json", metavar="PATH")
-    args = parser.parse_args()
-    torch.manual_seed(0)
+    args = per_layer_arguments(__doc__)
     bf16, cuda = torch.bfloat16, "cuda"
     linear.prepare("triton-gemv", cuda)
     qkv = [torch.randn(QKV, HIDDEN, dtype=bf16, device=cuda) * 0.02 for _ in range(args.layers)]

@@ -312,13 +312,15 @@ def test_gpu_piecewise_graphs_read_the_weights_in_place_with_the_same_bits(monke
         copies.extend(source.untyped_storage().data_ptr() for source in sources)
         return original_copy(targets, sources, *args, **kwargs)
 
+    # Each configuration compiled afresh: on the H200 an unmarked compile made first in the same process left the
+    # marked run copying too (a cached compile served for the marked graph, we suppose; not confirmed).
+    monkeypatch.setattr(torch._inductor.config, "fx_graph_cache", False)
+    monkeypatch.setattr(torch._functorch.config, "enable_autograd_cache", False)
+    original_mark = modes.mark_weights_static
     outputs, copied = [], []
-    for marked in (False, True):
+    for marked in (True, False):
         loaded = load_model("random:tiny", "cuda", "bfloat16")  # fresh tensors each time: a mark sticks
-        if not marked:
-            monkeypatch.setattr(modes, "mark_weights_static", lambda transformer: None)
-        else:
-            monkeypatch.undo()
+        monkeypatch.setattr(modes, "mark_weights_static", original_mark if marked else lambda transformer: None)
         torch._dynamo.reset()
         transformer = Transformer(loaded.model)
         mode = modes.ExecutionMode(transformer, CompilationMode.PIECEWISE, CUDAGraphMode.PIECEWISE,
@@ -334,6 +336,6 @@ def test_gpu_piecewise_graphs_read_the_weights_in_place_with_the_same_bits(monke
         monkeypatch.setattr(torch, "_foreach_copy_", original_copy)
         copied.append(sum(address in weights for address in copies))
         assert copies and mode.evidence()["fallbacks"] == []  # activations are still copied: the spy saw them
-    assert copied[0] > 0 and copied[1] == 0, copied
+    assert copied[0] == 0 and copied[1] > 0, copied  # marked: none; unmarked: the stacked ones
     assert outputs[0].tokens.tolist() == outputs[1].tokens.tolist()
     assert outputs[0].logits.tobytes() == outputs[1].logits.tobytes()
