@@ -1,4 +1,4 @@
-"""What attention costs in a decode step, by SDPA backend, before anyone builds a decode kernel (issue #16).
+"""What attention costs in a decode step: by SDPA backend, and by the engine's split-KV kernel (issue #16).
 
   python benchmarks/decode_attention.py [--layers 32] [--json PATH]
 
@@ -8,13 +8,13 @@ caches per layer, and the engine's additive mask [1, 1, 4, S] (transformer.build
 that takes the mask (cuDNN, memory-efficient, math) is timed per layer over `--layers` layers replayed from
 one CUDA graph, at several cache lengths S, beside the bytes of keys and values it must read.
 
-A candidate beside them, measured before anyone builds it into the engine: split-KV decode attention
-(flash-decoding) in Triton. SDPA's time grows with the cache far slower than its bytes allow (the first run:
-88.9 us a layer for 16.8 MB at 4096 slots, 0.19 TB/s), as if a few programs walked each head's whole cache;
-here each head's cache is split into about 8, 16 or 32 chunks of whole 64-slot blocks, one program each
-(partial maximum, sum and weighted values in float32), and a second kernel combines the chunks in a fixed
-order, so the bits depend on the shapes alone.
-Prototype only: nothing here is reachable from a config.
+Beside them, the engine's split-KV decode attention (`attention_kernel=triton-split-kv`,
+engine/attention_triton.py; flash-decoding), at its chunk count (about 16 per head) and at 8 and 32. SDPA's
+time grows with the cache far slower than its bytes allow (88.9 us a layer for 16.8 MB at 4096 slots, 0.19
+TB/s, in the first run), as if a few programs walked each head's whole cache; the split-KV kernel cuts each
+head's cache into chunks of whole 64-slot blocks, one program each, and a second kernel combines them in a
+fixed order, so the bits depend on the shapes alone. The prototype of this kernel, measured the same way
+before it was built in, is in `benchmarks/results/h200-decode-attention-split-kv.json`.
 """
 
 from __future__ import annotations
@@ -25,109 +25,14 @@ from pathlib import Path
 
 import torch
 import torch.nn.functional as F
-import triton
-import triton.language as tl
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from benchmarks.decode_breakdown import graphed_ms, per_layer_arguments  # noqa: E402
+from evalrun.engine.attention_triton import BLOCK_S, chunk_for  # noqa: E402
+from evalrun.engine.attention_triton_kernel import launch  # noqa: E402
 from evalrun.engine.transformer import build_mask  # noqa: E402
-
-@triton.jit
-def split_kv_partial_kernel(q_ptr, k_ptr, v_ptr, mask_ptr, acc_ptr, max_ptr, sum_ptr, scale, slots,
-                            q_stride_b, q_stride_g, q_stride_r, kv_stride_b, kv_stride_g, kv_stride_s,
-                            mask_stride_b, mask_stride_r, kv_heads,
-                            R: tl.constexpr, ROWS: tl.constexpr, D: tl.constexpr, CHUNK: tl.constexpr,
-                            CHUNKS: tl.constexpr, BLOCK_S: tl.constexpr):
-    head = tl.program_id(0)  # b * G + g
-    chunk = tl.program_id(1)
-    b = head // kv_heads
-    g = head % kv_heads
-    rows = tl.arange(0, ROWS)  # [RS]: the R query rows of this key/value head, padded for tl.dot
-    dims = tl.arange(0, D)
-    live = rows < R
-    q = tl.load(q_ptr + b * q_stride_b + g * q_stride_g + rows[:, None] * q_stride_r + dims[None, :],
-                mask=live[:, None], other=0.0)  # [RS, D]
-    kv_base = b * kv_stride_b + g * kv_stride_g
-    running_max = tl.full((ROWS,), float("-inf"), tl.float32)
-    running_sum = tl.zeros((ROWS,), tl.float32)
-    acc = tl.zeros((ROWS, D), tl.float32)
-    for offset in range(0, CHUNK, BLOCK_S):
-        at = chunk * CHUNK + offset + tl.arange(0, BLOCK_S)  # [BS]
-        inside = at < slots
-        k = tl.load(k_ptr + kv_base + at[:, None] * kv_stride_s + dims[None, :], mask=inside[:, None], other=0.0)
-        scores = tl.dot(q, tl.trans(k)) * scale  # [RS, BS] float32
-        bias = tl.load(mask_ptr + b * mask_stride_b + rows[:, None] * mask_stride_r + at[None, :],
-                       mask=live[:, None] & inside[None, :], other=float("-inf"))
-        scores = scores + bias.to(tl.float32)
-        new_max = tl.maximum(running_max, tl.max(scores, axis=1))
-        safe_max = tl.where(new_max == float("-inf"), 0.0, new_max)
-        p = tl.exp(scores - safe_max[:, None])
-        alpha = tl.exp(running_max - safe_max)
-        running_sum = running_sum * alpha + tl.sum(p, axis=1)
-        v = tl.load(v_ptr + kv_base + at[:, None] * kv_stride_s + dims[None, :], mask=inside[:, None], other=0.0)
-        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
-        running_max = new_max
-    part = head * CHUNKS + chunk
-    tl.store(acc_ptr + (part * ROWS + rows[:, None]) * D + dims[None, :], acc)
-    tl.store(max_ptr + part * ROWS + rows, running_max)
-    tl.store(sum_ptr + part * ROWS + rows, running_sum)
-
-
-@triton.jit
-def split_kv_combine_kernel(acc_ptr, max_ptr, sum_ptr, out_ptr, out_stride_b, out_stride_g, out_stride_r, kv_heads,
-                            R: tl.constexpr, ROWS: tl.constexpr, D: tl.constexpr, CHUNKS: tl.constexpr):
-    head = tl.program_id(0)
-    b = head // kv_heads
-    g = head % kv_heads
-    rows = tl.arange(0, ROWS)
-    dims = tl.arange(0, D)
-    overall = tl.full((ROWS,), float("-inf"), tl.float32)
-    for chunk in range(CHUNKS):
-        overall = tl.maximum(overall, tl.load(max_ptr + (head * CHUNKS + chunk) * ROWS + rows))
-    total = tl.zeros((ROWS,), tl.float32)
-    acc = tl.zeros((ROWS, D), tl.float32)
-    for chunk in range(CHUNKS):  # a fixed order: the bits depend on the shapes only
-        part = head * CHUNKS + chunk
-        weight = tl.exp(tl.load(max_ptr + part * ROWS + rows) - overall)  # a chunk that saw nothing: 0
-        total += tl.load(sum_ptr + part * ROWS + rows) * weight
-        acc += tl.load(acc_ptr + (part * ROWS + rows[:, None]) * D + dims[None, :]) * weight[:, None]
-    out = acc / total[:, None]
-    tl.store(out_ptr + b * out_stride_b + g * out_stride_g + rows[:, None] * out_stride_r + dims[None, :],
-             out.to(out_ptr.dtype.element_ty), mask=(rows < R)[:, None])
-
-
-def chunk_for(slots: int, block_s: int = 64, target_chunks: int = 16) -> int:
-    """Slots per program: about `target_chunks` chunks of whole blocks (fixed by the cache length alone)."""
-    per = triton.cdiv(slots, target_chunks)
-    return max(block_s, triton.cdiv(per, block_s) * block_s)
-
-
-def split_kv_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor,
-                       scale: float | None = None, block_s: int = 64, target_chunks: int = 16,
-                       num_warps: int = 4) -> torch.Tensor:
-    """q [B, G, R, D] (one decode token: R query rows per key/value head), k/v [B, G, S, D] (rows contiguous),
-    mask [B, 1, R, S] additive -> [B, G, R, D]."""
-    batch, kv_heads, rows, dim = q.shape
-    slots = k.shape[2]
-    chunk = chunk_for(slots, block_s, target_chunks)
-    chunks = triton.cdiv(slots, chunk)
-    padded = max(16, triton.next_power_of_2(rows))
-    heads = batch * kv_heads
-    acc = torch.empty(heads * chunks * padded * dim, dtype=torch.float32, device=q.device)
-    maxes = torch.empty(heads * chunks * padded, dtype=torch.float32, device=q.device)
-    sums = torch.empty_like(maxes)
-    out = torch.empty_like(q)
-    scale = dim ** -0.5 if scale is None else scale
-    split_kv_partial_kernel[(heads, chunks)](
-        q, k, v, mask, acc, maxes, sums, scale, slots, q.stride(0), q.stride(1), q.stride(2), k.stride(0),
-        k.stride(1), k.stride(2), mask.stride(0), mask.stride(2), kv_heads, R=rows, ROWS=padded, D=dim,
-        CHUNK=chunk, CHUNKS=chunks, BLOCK_S=block_s, num_warps=num_warps)
-    split_kv_combine_kernel[(heads,)](acc, maxes, sums, out, out.stride(0), out.stride(1), out.stride(2), kv_heads,
-                                      R=rows, ROWS=padded, D=dim, CHUNKS=chunks, num_warps=num_warps)
-    return out
-
 
 HEADS, KV_HEADS, HEAD_DIM = 32, 8, 128
 BACKENDS = {"cudnn": SDPBackend.CUDNN_ATTENTION, "efficient": SDPBackend.EFFICIENT_ATTENTION,
@@ -162,12 +67,12 @@ def main() -> None:
                                                            "kv_mb": 2 * caches[0][0].nbytes / 1e6}
         for target in (8, 16, 32):
             def split(k, v, target=target):
-                return split_kv_attention(q, k, v, mask, target_chunks=target)
+                return launch(q, k, v, mask, HEAD_DIM ** -0.5, chunk_for(slots, target), BLOCK_S)
             us = graphed_ms(split, caches, warmups=2) * 1000
             difference = float((split(*caches[0]).float() - reference.float()).abs().max())
             report["us_per_layer"][f"S={slots} triton split-KV ~{target} chunks"] = {
                 "us": us, "max_abs_difference_from_default": difference, "kv_mb": 2 * caches[0][0].nbytes / 1e6,
-                "chunk": chunk_for(slots, 64, target)}
+                "chunk": chunk_for(slots, target)}
     print(f"{report['device']}  torch {report['torch']}  per layer, one CUDA graph over {args.layers} layers")
     for name, row in report["us_per_layer"].items():
         us = f"{row['us']:7.2f} us" if row["us"] is not None else "refused"

@@ -12,8 +12,8 @@ and the engine's decode step under three modes with its kernel time by kind.
    whole decode step in one CUDA graph), and -O2 with the Triton GEMV: step time p50, kernels per step,
    GPU kernel time by kind (profiler), and the share of the step with no kernel running; last, that step
    again with the KV cache written by a separate index_copy per layer (before the write moved into the
-   pre-attention piece), and with the MLP's residual added by its own kernel (before the GEMV's epilogue
-   took it), side by side. Each row also gives the time to first token of four more batches
+   pre-attention piece), with the MLP's residual added by its own kernel (before the GEMV's epilogue
+   took it), and with attention by the split-KV kernel (`attention_kernel=triton-split-kv`), side by side. Each row also gives the time to first token of four more batches
    and one profiled prefill: host wall time against the GPU's kernel time (is the prefill bound by the
    host?) and its longest kernels. `--skip` leaves parts out.
 """
@@ -221,8 +221,8 @@ def main() -> None:
     parser.add_argument("--json", metavar="PATH")
     parser.add_argument("--gemv-grid", action="store_true", help="time the Triton GEMV at other block sizes too")
     parser.add_argument("--skip", default="", help="comma-separated parts to leave out: projections, eager "
-                        "(the eager and graphless steps), residual, kv-write (the step with the MLP's residual add, or the KV "
-                        "write, separate)")
+                        "(the eager and graphless steps), split-kv (the step with the split-KV attention), residual, "
+                        "kv-write (the step with the MLP's residual add, or the KV write, separate)")
     args = parser.parse_args()
     skip = set(args.skip.split(","))
     loaded = load_model(args.model, "cuda", args.dtype)
@@ -242,6 +242,11 @@ def main() -> None:
     gemv_row = measure_decode(transformer.with_linear_kernel("triton-gemv"), "piecewise", "full-and-piecewise", prompt,
                               args.steps)
     report["decode"].append({**gemv_row, "mode": "piecewise/full-and-piecewise +triton-gemv"})
+    if "split-kv" not in skip:  # side by side: a decode step's attention by the split-KV kernel, not SDPA's
+        torch._dynamo.reset()
+        split = transformer.with_linear_kernel("triton-gemv").with_attention_kernel("triton-split-kv")
+        split_row = measure_decode(split, "piecewise", "full-and-piecewise", prompt, args.steps)
+        report["decode"].append({**split_row, "mode": "piecewise/full-and-piecewise +triton-gemv +triton-split-kv"})
     if "residual" not in skip:  # side by side: the MLP's residual added by its own kernel, not the GEMV's epilogue
         torch._dynamo.reset()
         transformer_module.RESIDUAL_IN_PROJECTION = False

@@ -316,6 +316,11 @@ def _layer_notes(good: EffectiveConfig, culprit: EffectiveConfig) -> list[str]:
         notes.append(f"linear_kernel={gemv} computes projections of 1-4 rows (decode steps); this forward runs the "
                      "whole sequence at once, so it acts here only on a sequence of at most 4 tokens: the step stage "
                      "shows its effect")
+    if good.attention_kernel != culprit.attention_kernel:  # engine/attention_triton.py: one query token per row
+        kernel = culprit.attention_kernel if culprit.attention_kernel != "sdpa" else good.attention_kernel
+        notes.append(f"attention_kernel={kernel} computes the attention of decode steps (one token per row); this "
+                     "forward runs the whole sequence at once, so it acts here only on a one-token prompt: the step "
+                     "stage shows its effect")
     return notes
 
 

@@ -81,6 +81,8 @@ ATTENTION_IMPLEMENTATIONS = ("sdpa", "eager")
 # Decode-speed levers (issue #16), each a numerics knob: other kernels, other bits. Never on by default.
 BLAS_LIBRARIES = ("cublas", "cublaslt")  # torch.backends.cuda.preferred_blas_library on CUDA
 LINEAR_KERNELS = ("aten", "triton-gemv", "gguf-gemv")  # engine/linear.py: who computes a projection of 1-4 rows
+ATTENTION_KERNELS = ("sdpa", "triton-split-kv")  # engine/attention_triton.py: who computes a decode step's attention
+DECODE_LEVER_DEFAULTS = {"blas_library": "cublas", "linear_kernel": "aten", "attention_kernel": "sdpa"}
 GEMV_MAX_ROWS = 4  # the GEMV's rows: decode at batch <= 4 (engine/linear.py)
 GEMV_DTYPE_NAMES = ("bfloat16", "float16", "float32")  # the dtypes the GEMV computes
 KEEP_LOGITS_PATTERN = re.compile(r"none|all|([^,@\s]+(@\d+(-\d+)?)?)(,[^,@\s]+(@\d+(-\d+)?)?)*")
@@ -112,16 +114,16 @@ OPT_LEVEL_KNOBS = ("compilation_mode", "cudagraph_mode", *INDUCTOR_KNOBS)  # wha
 # The hashed factors, in the order bisect walks them: compilation before CUDA graphs before Inductor
 # knobs before precision flags before shapes (torch's bisector: backends before subsystems).
 NUMERICS_FACTORS = ("engine", "device", "tensor_parallel", "dtype", "compilation_mode", "cudagraph_mode", *INDUCTOR_KNOBS, "attn_implementation",
-                    "blas_library", "linear_kernel", "tf32", "deterministic", "batch_invariant", "batch_size", "prefill_buckets", "batch_buckets")
+                    "blas_library", "linear_kernel", "attention_kernel", "tf32", "deterministic", "batch_invariant", "batch_size", "prefill_buckets", "batch_buckets")
 WORKLOAD_FACTORS = ("model", "prompts", "max_new_tokens", "top_k", "temperature", "seed", "served_model",
                     "server_config")
 # Knobs added after runs and goldens were first stored: a stored config without one ran at this value.
 OPTIONAL_STORED = {"batch_invariant": False, "engine": "evalrun", "tensor_parallel": 1, "served_model": "",
-                   "server_config": "", "server_timeout": 60.0, "blas_library": "cublas", "linear_kernel": "aten"}
+                   "server_config": "", "server_timeout": 60.0, **DECODE_LEVER_DEFAULTS}
 # Factors added after config hashes were first stored: left out of the hash at these values, so every
 # hash stored before them (runs, goldens, bisect records) still names the same config.
 HASHED_ONLY_WHEN_SET = {"engine": "evalrun", "tensor_parallel": 1, "served_model": "", "server_config": "",
-                        "blas_library": "cublas", "linear_kernel": "aten"}
+                        **DECODE_LEVER_DEFAULTS}
 # What computes the logits: evalrun's own engine (every execution mode), transformers' forward, or a
 # running OpenAI-compatible server (`openai:URL`).
 ENGINES = ("evalrun", "transformers")
@@ -148,6 +150,7 @@ class RunConfig:
     attn_implementation: str = "sdpa"
     blas_library: str = "cublas"  # cublas | cublaslt: the library CUDA matrix products prefer (GPU only)
     linear_kernel: str = "aten"  # aten | triton-gemv (GPU) | gguf-gemv (CPU, GGUF models): projections of 1-4 rows
+    attention_kernel: str = "sdpa"  # sdpa | triton-split-kv (GPU): the attention of a decode step (one query token)
     batch_size: int = 1
     max_new_tokens: int = 32
     top_k: int = 8
@@ -190,6 +193,7 @@ class EffectiveConfig:
     attn_implementation: str
     blas_library: str
     linear_kernel: str
+    attention_kernel: str
     batch_size: int
     max_new_tokens: int
     top_k: int
@@ -443,6 +447,7 @@ def normalize(config: RunConfig) -> RunConfig:
     config.attn_implementation = _choice("attn_implementation", config.attn_implementation, ATTENTION_IMPLEMENTATIONS)
     config.blas_library = _choice("blas_library", config.blas_library, BLAS_LIBRARIES)
     config.linear_kernel = _choice("linear_kernel", config.linear_kernel, LINEAR_KERNELS)
+    config.attention_kernel = _choice("attention_kernel", config.attention_kernel, ATTENTION_KERNELS)
     config.engine = parse_engine(config.engine)
     if not KEEP_LOGITS_PATTERN.fullmatch(str(config.keep_logits)):
         raise ConfigError(f"keep_logits={config.keep_logits!r} is not valid; use none, all, or prompt ids with "
@@ -591,11 +596,13 @@ def _check_engine_modes(config: EffectiveConfig) -> None:
 
 
 def _check_decode_levers(config: EffectiveConfig) -> None:
-    """The decode-speed knobs exist on CUDA only, and the Triton GEMV in evalrun's own engine only (on the CPU
-    under Triton's interpreter, TRITON_INTERPRET=1, for tests)."""
+    """The decode-speed knobs exist on CUDA only, and the Triton GEMV and split-KV attention in evalrun's own
+    engine only (on the CPU under Triton's interpreter, TRITON_INTERPRET=1, for tests)."""
     if config.blas_library != "cublas" and not config.on_gpu:
         raise ConfigError(f"blas_library={config.blas_library} chooses a CUDA library; on CPU use blas_library=cublas "
                           "(or --device cuda)")
+    if config.attention_kernel != "sdpa":
+        _check_triton_knob(config, "attention_kernel", "sdpa", "attention")
     if config.linear_kernel == "aten":
         return
     if config.engine != "evalrun":
@@ -614,20 +621,28 @@ def _check_decode_levers(config: EffectiveConfig) -> None:
     if config.linear_kernel == "gguf-gemv":
         _check_gguf_gemv(config)
         return
+    _check_triton_knob(config, "linear_kernel", "aten", "projections")
+
+
+def _check_triton_knob(config: EffectiveConfig, knob: str, default: str, what: str) -> None:
+    """A knob that runs a Triton kernel of evalrun's engine: a dtype it computes, on CUDA (on the CPU only under
+    Triton's interpreter, TRITON_INTERPRET=1, and eagerly: tests)."""
+    value, fix = getattr(config, knob), f"{knob}={default}"
+    if config.engine != "evalrun":
+        raise ConfigError(f"{knob}={value} replaces evalrun's own {what}; use --engine evalrun, or {fix}")
     if config.dtype not in GEMV_DTYPE_NAMES:
-        raise ConfigError(f"linear_kernel={config.linear_kernel} computes bfloat16, float16 and float32 projections; "
-                          f"with dtype {config.dtype} use linear_kernel=aten")
+        raise ConfigError(f"{knob}={value} computes bfloat16, float16 and float32 {what}; with dtype {config.dtype} "
+                          f"use {fix}")
     if config.on_gpu:
         if os.environ.get("TRITON_INTERPRET") == "1":
-            raise ConfigError(f"linear_kernel={config.linear_kernel} on a GPU runs compiled, not under Triton's "
-                              "interpreter; unset TRITON_INTERPRET")
+            raise ConfigError(f"{knob}={value} on a GPU runs compiled, not under Triton's interpreter; unset "
+                              "TRITON_INTERPRET")
         return
     if os.environ.get("TRITON_INTERPRET") != "1":
-        raise ConfigError(f"linear_kernel={config.linear_kernel} is a CUDA kernel; on CPU use linear_kernel=aten "
-                          "(or --device cuda)")
+        raise ConfigError(f"{knob}={value} is a CUDA kernel; on CPU use {fix} (or --device cuda)")
     if config.is_static:
-        raise ConfigError(f"linear_kernel={config.linear_kernel} under Triton's interpreter (TRITON_INTERPRET=1, "
-                          "tests) runs eagerly only; use -O0 or --device cuda")
+        raise ConfigError(f"{knob}={value} under Triton's interpreter (TRITON_INTERPRET=1, tests) runs eagerly only; "
+                          "use -O0 or --device cuda")
 
 
 def _check_gguf_gemv(config: EffectiveConfig) -> None:

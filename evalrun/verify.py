@@ -30,7 +30,7 @@ from typing import Any, Callable
 import numpy as np
 
 from .compare import dict_diff, digest_mismatch_steps, environment_causes, first_divergence, worst_verdict
-from .config import EffectiveConfig, RunConfig, build_config
+from .config import DECODE_LEVER_DEFAULTS, EffectiveConfig, RunConfig, build_config
 from .errors import ConfigError, GoldenError
 from .golden import ENVELOPE_ROLES, Golden, Hook, reference_config
 from .hashing import hash_value
@@ -433,8 +433,7 @@ def _function_config(context: Context) -> EffectiveConfig:
     defaults (golden.reference_config; goldens made before it kept them)."""
     golden_function = context.golden.config("function")
     workload = {key: getattr(context.candidate.config, key) for key in ("model", "prompts", "max_new_tokens")}
-    return golden_function.replace(device=context.candidate.config.device, blas_library="cublas",
-                                   linear_kernel="aten", **workload)
+    return golden_function.replace(device=context.candidate.config.device, **DECODE_LEVER_DEFAULTS, **workload)
 
 
 def _function_check(context: Context, forced: dict[int, PromptResult], function: dict[int, PromptResult] | None,
@@ -508,8 +507,8 @@ def _envelope(context: Context, here: dict[int, PromptResult] | None
 
 
 def _describe(config: EffectiveConfig) -> str:
-    levers = "".join(f" {key}={getattr(config, key)}" for key, default in (("blas_library", "cublas"),
-                     ("linear_kernel", "aten")) if getattr(config, key) != default)
+    levers = "".join(f" {key}={getattr(config, key)}" for key, default in DECODE_LEVER_DEFAULTS.items()
+                     if getattr(config, key) != default)
     return (f"{config.dtype} -O{config.opt_level} {config.compilation_mode}/{config.cudagraph_mode}{levers} "
             f"batch {config.batch_size} on {config.device}")
 

@@ -102,8 +102,10 @@ def build_engine(model: Any, config: EffectiveConfig, shard: tuple[int, int, Any
 
             assert shard is not None, "a tensor-parallel engine needs its rank, rank count and process group"
             transformer = sharded_transformer(model, config.attn_implementation, *shard)
-            return build_execution_mode(transformer.with_linear_kernel(config.linear_kernel), config)
+            chosen = transformer.with_linear_kernel(config.linear_kernel).with_attention_kernel(config.attention_kernel)
+            return build_execution_mode(chosen, config)
         transformer = Transformer(model, config.attn_implementation, config.linear_kernel)
+        transformer = transformer.with_attention_kernel(config.attention_kernel)
         if config.linear_kernel == "gguf-gemv":
             from .gguf_blocks import attach
 

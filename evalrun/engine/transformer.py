@@ -38,8 +38,9 @@ from typing import Callable
 import torch
 import torch.nn.functional as F
 
+from ..errors import ConfigError
+from . import attention_triton, moe
 from . import linear as projections
-from . import moe
 from .model_support import ACTIVATION_FIELD, FAMILIES, OFFSET_NORM_FAMILIES, WINDOWED_FAMILIES, check_config
 
 SUPPORTED_ARCHITECTURES = tuple(FAMILIES)
@@ -168,6 +169,7 @@ class Transformer:
         projections.prepare(linear_kernel, self.device)  # registers the GEMV before anything is compiled
         self.vocab_size = self.lm_head.shape[0]
         self.reduce: Callable | None = None  # tensor parallelism (tensor_parallel.py): sums row-parallel outputs
+        self.attention_kernel = "sdpa"  # or triton-split-kv for decode steps (attention_triton.py; with_attention_kernel)
 
     def with_linear_kernel(self, kernel: str) -> "Transformer":
         """This forward over the same weights with projections computed by `kernel` (linear.py): a shallow
@@ -177,6 +179,19 @@ class Transformer:
         projections.prepare(kernel, self.device)
         chosen = copy.copy(self)
         chosen.variant = replace(self.variant, linear_kernel=kernel)
+        return chosen
+
+    def with_attention_kernel(self, kernel: str) -> "Transformer":
+        """This forward over the same weights with a decode step's attention computed by `kernel`
+        (attention_triton.py): a shallow copy, like with_linear_kernel."""
+        if kernel == self.attention_kernel:
+            return self
+        if self.variant.attn_softcap is not None:
+            raise ConfigError(f"attention_kernel={kernel} computes no soft-capped scores (this model caps them); use "
+                              "attention_kernel=sdpa")
+        attention_triton.prepare(kernel, self.device)
+        chosen = copy.copy(self)
+        chosen.attention_kernel = kernel
         return chosen
 
     @classmethod
@@ -243,7 +258,7 @@ class Transformer:
         if kv is not None:
             layer.index_copy_(3, slots, kv)
         return attention(q, layer[0], layer[1], mask, self.attn_implementation, self.variant.attn_scale,
-                         self.variant.attn_softcap)
+                         self.variant.attn_softcap, self.attention_kernel)
 
     def _query_and_write(self, index: int, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, w: LayerWeights,
                          slots: torch.Tensor, cache: KVCache) -> tuple[torch.Tensor, torch.Tensor | None]:
@@ -516,15 +531,18 @@ def head(last: torch.Tensor, final_norm: torch.Tensor, lm_head: torch.Tensor, ep
 
 
 def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor, implementation: str,
-              scale: float | None = None, cap: float | None = None) -> torch.Tensor:
+              scale: float | None = None, cap: float | None = None, kernel: str = "sdpa") -> torch.Tensor:
     """q [B, H, T, D], k/v [B, G, S, D], mask [B, 1, R*T, S] additive -> [B, H, T, D].
 
     Query head h attends with key/value head h // R (transformers' `repeat_kv` order). scale: the
     scores' factor (None: D**-0.5); cap: Gemma's soft-capping of the scores before the mask, which
-    SDPA cannot compute, so a capped model takes the explicit path whatever `implementation` says."""
+    SDPA cannot compute, so a capped model takes the explicit path whatever `implementation` says.
+    kernel=triton-split-kv: a decode step (T = 1) by the split-KV kernel (attention_triton.py)."""
     batch, heads, tokens, dim = q.shape
     grouped = q.reshape(batch, k.shape[1], -1, dim)  # [B, G, R*T, D]
-    if implementation == "sdpa" and cap is None:
+    if kernel == "triton-split-kv" and tokens == 1 and cap is None and attention_triton.applies(grouped, k, v, mask):
+        out = attention_triton.decode_attention(grouped, k, v, mask, dim**-0.5 if scale is None else scale)
+    elif implementation == "sdpa" and cap is None:
         out = F.scaled_dot_product_attention(grouped, k, v, attn_mask=mask, scale=scale)
     else:  # explicit math, as transformers' eager attention: softmax in fp32 (fp64 for an fp64 model)
         scores = (grouped @ k.transpose(-1, -2)) * (dim**-0.5 if scale is None else scale)  # [B, G, R*T, S]

@@ -1,0 +1,72 @@
+"""Decode attention by a split-KV Triton kernel (attention_triton_kernel.py), chosen by the run's
+`attention_kernel` knob (issue #16): `triton-split-kv` computes the attention of a decode step (one query token
+per row) with it; prefill stays with SDPA or the explicit path (`attn_implementation`).
+
+Why: at batch 1 SDPA's kernels read a decode step's keys and values far below the bandwidth, the more so the
+longer the cache. On the H200 at Llama-3-8B's shapes, per layer (benchmarks/decode_attention.py): cuDNN 10.1 us
+at 144 cache slots, 26.2 at 1024, 87.5 at 4096 (0.19 TB/s); the split-KV kernel 4.6, 9.3 and 13.2 us. It is
+another reduction order, so other bits: a knob in the config hash, never on by default, refused where it
+cannot run (config.validate), and the golden's reference and oracle run without it (golden.py). The chunking
+is fixed by the cache length alone, so the bits depend on the shapes only. Soft-capped scores (Gemma 2) are
+not computed here: a model with them is refused (Transformer.with_attention_kernel).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from ..errors import ConfigError
+from .triton_ops import INTERPRETED, can_register, registering
+
+BLOCK_S = 64  # cache slots a program reads per step of its loop
+TARGET_CHUNKS = 16  # chunks per key/value head: enough programs to keep the SMs reading at batch 1
+DTYPES = (torch.bfloat16, torch.float16, torch.float32)
+_OP: dict = {}  # "op": the registered torch op, once prepare() ran on a CUDA device with Triton
+
+
+def chunk_for(slots: int, target_chunks: int = TARGET_CHUNKS) -> int:
+    """Cache slots per program: about `target_chunks` chunks of whole BLOCK_S blocks, fixed by S alone."""
+    per = -(-slots // target_chunks)
+    return max(BLOCK_S, -(-per // BLOCK_S) * BLOCK_S)
+
+
+def prepare(kernel: str, device: torch.device | str) -> None:
+    """Register the kernel as a torch op for a CUDA device, once, before anything is compiled (triton_ops)."""
+    if kernel != "triton-split-kv" or "op" in _OP or INTERPRETED:
+        return
+    if torch.device(device).type != "cuda":  # config.validate refuses this; here for forwards built without it
+        raise ConfigError("attention_kernel=triton-split-kv is a CUDA kernel; on CPU use attention_kernel=sdpa")
+    if not can_register(device):
+        raise ConfigError("attention_kernel=triton-split-kv needs Triton, which this torch lacks; install triton, or "
+                          "use attention_kernel=sdpa")
+    from torch.library import triton_op, wrap_triton
+
+    from . import attention_triton_kernel
+
+    with registering():
+        @triton_op("evalrun::split_kv_attention", mutates_args={})
+        def split_kv_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor,
+                               scale: float) -> torch.Tensor:
+            return attention_triton_kernel.launch(q, k, v, mask, scale, chunk_for(k.shape[2]), BLOCK_S, wrap_triton)
+
+    _OP["op"] = split_kv_attention
+
+
+def applies(grouped: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor) -> bool:
+    """Whether the kernel computes this attention: one decode token (grouped [B, G, R, D], mask [B, 1, R, S]),
+    the last dimensions contiguous, keys and values laid out alike, one float dtype, on CUDA (or interpreted)."""
+    return (grouped.shape[2] == mask.shape[2] and grouped.dtype == k.dtype == v.dtype and grouped.dtype in DTYPES
+            and k.stride() == v.stride() and grouped.stride(-1) == k.stride(-1) == mask.stride(-1) == 1
+            and (grouped.is_cuda or INTERPRETED))
+
+
+def decode_attention(grouped: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor,
+                     scale: float) -> torch.Tensor:
+    """grouped [B, G, R, D], k/v [B, G, S, D], mask [B, 1, R, S] additive -> [B, G, R, D]."""
+    if INTERPRETED:
+        from .attention_triton_kernel import launch
+
+        return launch(grouped, k, v, mask, scale, chunk_for(k.shape[2]), BLOCK_S)
+    if "op" not in _OP:  # asked for and never prepared: refused, not run as SDPA
+        raise ConfigError("attention_kernel=triton-split-kv needs a CUDA device with Triton; use attention_kernel=sdpa")
+    return _OP["op"](grouped, k, v, mask, scale)

@@ -1,0 +1,106 @@
+"""The Triton kernels of attention_triton.py: split-KV attention for one decode token (flash-decoding).
+
+q [B, G, R, D]: the R query heads that share key/value head g, as R rows (the engine's grouped layout); keys
+and values [B, G, S, D]; an additive mask [B, 1, R, S]. Each program of the first kernel takes one key/value
+head and one chunk of CHUNK cache slots (whole blocks of BLOCK_S), and keeps, in float32 for each of the R
+rows, the running maximum of the scaled scores, the sum of their exponentials and the exponential-weighted sum
+of the values (the rows padded to 16 for tl.dot, the head dimension to a power of two). The second kernel
+combines a head's chunks in a fixed order. The chunking is fixed by S alone (attention_triton.chunk_for), and
+nothing is atomic, so a run's bits depend on the shapes only. The probabilities are rounded to the values'
+dtype before their product with the values, as flash attention does. Imported only where it runs (a CUDA
+device, or under TRITON_INTERPRET=1).
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+
+@triton.jit
+def partial_kernel(q_ptr, k_ptr, v_ptr, mask_ptr, acc_ptr, max_ptr, sum_ptr, scale, slots, q_stride_b, q_stride_g,
+                   q_stride_r, kv_stride_b, kv_stride_g, kv_stride_s, mask_stride_b, mask_stride_r, kv_heads,
+                   R: tl.constexpr, ROWS: tl.constexpr, D: tl.constexpr, DIMS: tl.constexpr, CHUNK: tl.constexpr,
+                   CHUNKS: tl.constexpr, BLOCK_S: tl.constexpr):
+    head = tl.program_id(0)  # b * G + g
+    chunk = tl.program_id(1)
+    b = head // kv_heads
+    g = head % kv_heads
+    rows = tl.arange(0, ROWS)  # [RS]
+    dims = tl.arange(0, DIMS)  # [DP]
+    live, real = rows < R, dims < D
+    q = tl.load(q_ptr + b * q_stride_b + g * q_stride_g + rows[:, None] * q_stride_r + dims[None, :],
+                mask=live[:, None] & real[None, :], other=0.0)  # [RS, DP]
+    kv_base = b * kv_stride_b + g * kv_stride_g
+    running_max = tl.full((ROWS,), float("-inf"), tl.float32)
+    running_sum = tl.zeros((ROWS,), tl.float32)
+    acc = tl.zeros((ROWS, DIMS), tl.float32)
+    for offset in range(0, CHUNK, BLOCK_S):
+        at = chunk * CHUNK + offset + tl.arange(0, BLOCK_S)  # [BS]
+        inside = at < slots
+        k = tl.load(k_ptr + kv_base + at[:, None] * kv_stride_s + dims[None, :], mask=inside[:, None] & real[None, :],
+                    other=0.0)  # [BS, DP]
+        scores = tl.dot(q, tl.trans(k)) * scale  # [RS, BS] float32
+        bias = tl.load(mask_ptr + b * mask_stride_b + rows[:, None] * mask_stride_r + at[None, :],
+                       mask=live[:, None] & inside[None, :], other=float("-inf"))
+        scores = scores + bias.to(tl.float32)
+        new_max = tl.maximum(running_max, tl.max(scores, axis=1))
+        safe_max = tl.where(new_max == float("-inf"), 0.0, new_max)  # a row that has seen no key yet
+        p = tl.exp(scores - safe_max[:, None])
+        alpha = tl.exp(running_max - safe_max)
+        running_sum = running_sum * alpha + tl.sum(p, axis=1)
+        v = tl.load(v_ptr + kv_base + at[:, None] * kv_stride_s + dims[None, :], mask=inside[:, None] & real[None, :],
+                    other=0.0)
+        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
+        running_max = new_max
+    part = head * CHUNKS + chunk
+    tl.store(acc_ptr + (part * ROWS + rows[:, None]) * DIMS + dims[None, :], acc)
+    tl.store(max_ptr + part * ROWS + rows, running_max)
+    tl.store(sum_ptr + part * ROWS + rows, running_sum)
+
+
+@triton.jit
+def combine_kernel(acc_ptr, max_ptr, sum_ptr, out_ptr, out_stride_b, out_stride_g, out_stride_r, kv_heads,
+                   R: tl.constexpr, ROWS: tl.constexpr, D: tl.constexpr, DIMS: tl.constexpr, CHUNKS: tl.constexpr):
+    head = tl.program_id(0)
+    b = head // kv_heads
+    g = head % kv_heads
+    rows = tl.arange(0, ROWS)
+    dims = tl.arange(0, DIMS)
+    overall = tl.full((ROWS,), float("-inf"), tl.float32)
+    for chunk in range(CHUNKS):
+        overall = tl.maximum(overall, tl.load(max_ptr + (head * CHUNKS + chunk) * ROWS + rows))
+    safe = tl.where(overall == float("-inf"), 0.0, overall)  # padding rows only: every query sees itself
+    total = tl.zeros((ROWS,), tl.float32)
+    acc = tl.zeros((ROWS, DIMS), tl.float32)
+    for chunk in range(CHUNKS):  # a fixed order
+        part = head * CHUNKS + chunk
+        weight = tl.exp(tl.load(max_ptr + part * ROWS + rows) - safe)  # a chunk that saw no key: 0
+        total += tl.load(sum_ptr + part * ROWS + rows) * weight
+        acc += tl.load(acc_ptr + (part * ROWS + rows[:, None]) * DIMS + dims[None, :]) * weight[:, None]
+    out = acc / tl.where(total == 0.0, 1.0, total)[:, None]
+    tl.store(out_ptr + b * out_stride_b + g * out_stride_g + rows[:, None] * out_stride_r + dims[None, :],
+             out.to(out_ptr.dtype.element_ty), mask=(rows < R)[:, None] & (dims < D)[None, :])
+
+
+def launch(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor, scale: float, chunk: int,
+           block_s: int, wrap=lambda kernel: kernel, num_warps: int = 4) -> torch.Tensor:
+    """q [B, G, R, D], k/v [B, G, S, D], mask [B, 1, R, S] (each with its last dimension contiguous) -> [B, G, R, D]."""
+    batch, kv_heads, rows, dim = q.shape
+    slots = k.shape[2]
+    chunks = triton.cdiv(slots, chunk)
+    padded_rows, padded_dim = max(16, triton.next_power_of_2(rows)), max(16, triton.next_power_of_2(dim))
+    parts = batch * kv_heads * chunks * padded_rows
+    acc = torch.empty(parts * padded_dim, dtype=torch.float32, device=q.device)
+    maxes = torch.empty(parts, dtype=torch.float32, device=q.device)
+    sums = torch.empty(parts, dtype=torch.float32, device=q.device)
+    out = torch.empty_like(q)
+    shape = dict(R=rows, ROWS=padded_rows, D=dim, DIMS=padded_dim, CHUNKS=chunks)
+    wrap(partial_kernel)[(batch * kv_heads, chunks)](
+        q, k, v, mask, acc, maxes, sums, scale, slots, q.stride(0), q.stride(1), q.stride(2), k.stride(0),
+        k.stride(1), k.stride(2), mask.stride(0), mask.stride(2), kv_heads, CHUNK=chunk, BLOCK_S=block_s,
+        num_warps=num_warps, **shape)
+    wrap(combine_kernel)[(batch * kv_heads,)](acc, maxes, sums, out, out.stride(0), out.stride(1), out.stride(2),
+                                              kv_heads, num_warps=num_warps, **shape)
+    return out

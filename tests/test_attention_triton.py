@@ -1,0 +1,217 @@
+"""Split-KV decode attention (`attention_kernel=triton-split-kv`, engine/attention_triton.py, issue #16): a
+numerics knob in the config hash, refused where it cannot run, computing a decode step's attention.
+
+On CPU the kernels run under Triton's interpreter (TRITON_INTERPRET=1, set before Triton is imported, so in a
+child process; the interpreter multiplies bfloat16 wrongly, so float32 and float16 there); on a GPU they run
+compiled, also inside torch.compile and a CUDA graph.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+from conftest import one_line_exit_2, run_under_triton_interpreter
+
+from evalrun.config import RunConfig, resolve
+from evalrun.errors import ConfigError
+
+# Decode steps (one query token per row) against float64 SDPA: head dims 64, 96 (padded to 128) and 128; caches
+# of one chunk and of many, with a partial last chunk; left padding, a one-key row and a sliding window; each
+# computed twice. A prefill (several tokens) stays with SDPA, bit for bit.
+INTERPRETED_CASES = r"""
+import json
+import torch
+from evalrun.engine import attention_triton
+from evalrun.engine.transformer import attention, build_mask
+
+g = torch.Generator().manual_seed(11)
+cases = []
+for dtype in (torch.float32, torch.float16):
+    for slots, used, dim, window in ((40, 3, 96, None), (144, 70, 128, None), (1000, 999, 64, None),
+                                     (300, 260, 64, 50)):
+        q = torch.randn(2, 8, 1, dim, generator=g).to(dtype)
+        k, v = (torch.randn(2, 2, slots, dim, generator=g).to(dtype) for _ in range(2))
+        valid = torch.zeros(2, slots, dtype=torch.bool)
+        valid[0, :used] = True
+        valid[1, used - 1:used] = True  # a row that sees one key: itself
+        mask = build_mask(torch.tensor([used - 1]), valid, 4, dtype, window)
+        exact = attention(q.double(), k.double(), v.double(), mask.double(), "sdpa")
+        out = attention(q, k, v, mask, "sdpa", kernel="triton-split-kv")
+        again = attention(q, k, v, mask, "sdpa", kernel="triton-split-kv")
+        sdpa = attention(q, k, v, mask, "sdpa")
+        cases.append({"dtype": str(dtype), "slots": slots, "dim": dim, "chunk": attention_triton.chunk_for(slots),
+                      "error": (out.double() - exact).abs().max().item(),
+                      "sdpa_error": (sdpa.double() - exact).abs().max().item(), "repeatable": torch.equal(out, again),
+                      "shape": list(out.shape), "out_dtype": str(out.dtype)})
+q = torch.randn(1, 8, 3, 64, generator=g)  # three query tokens: a prefill
+k, v = torch.randn(1, 2, 16, 64, generator=g), torch.randn(1, 2, 16, 64, generator=g)
+valid = torch.ones(1, 16, dtype=torch.bool)
+mask = build_mask(torch.arange(3), valid, 4, torch.float32)
+prefill_bits = torch.equal(attention(q, k, v, mask, "sdpa", kernel="triton-split-kv"), attention(q, k, v, mask, "sdpa"))
+print(json.dumps({"cases": cases, "prefill_bits": prefill_bits}))
+"""
+
+
+@pytest.fixture(scope="module")
+def interpreted() -> dict:
+    return run_under_triton_interpreter(INTERPRETED_CASES)
+
+
+def test_split_kv_attention_matches_float64_as_closely_as_sdpa(interpreted):
+    for case in interpreted["cases"]:
+        assert case["shape"][1:] == [8, 1, case["dim"]] and case["out_dtype"] == case["dtype"], case
+        assert case["repeatable"], case
+        # another order of the same float32 sums: within a few units of SDPA's own error, or a float16 rounding
+        bound = 4 * case["sdpa_error"] + (1e-6 if case["dtype"] == "torch.float32" else 2e-3)
+        assert case["error"] <= bound, case
+    assert {case["chunk"] for case in interpreted["cases"]} == {64}  # 1000 slots: 16 chunks of 64
+    assert interpreted["prefill_bits"]
+
+
+def test_the_chunking_is_fixed_by_the_cache_length_alone():
+    from evalrun.engine.attention_triton import BLOCK_S, chunk_for
+
+    assert [chunk_for(s) for s in (1, 64, 144, 1024, 1025, 4096)] == [64, 64, 64, 64, 128, 256]
+    for slots in (1, 100, 4096, 100_000):
+        chunk = chunk_for(slots)
+        assert chunk % BLOCK_S == 0 and -(-slots // chunk) <= 16
+
+
+def test_a_run_with_the_split_kv_kernel_computes_other_bits_under_another_hash(tmp_path):
+    """End to end under the interpreter: the knob reaches the engine's decode steps (other logits bits, the same
+    greedy tokens on the tiny model), the config hash names it, and a golden made without it verifies with it
+    as drift, not changed."""
+    pytest.importorskip("triton")
+    env = {**os.environ, "TRITON_INTERPRET": "1", "EVALRUN_CACHE": str(tmp_path / "cache")}
+
+    def evalrun(*args):
+        done = subprocess.run([sys.executable, "-m", "evalrun", *args, "--quiet"], capture_output=True, text=True,
+                              env=env, timeout=900)
+        assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-2000:]
+        return json.loads(done.stdout) if "--json" in args else None
+
+    common = ["--model", "random:tiny", "--prompts", "smoke", "--max-new-tokens", "4", "--dtype", "float32"]
+    runs = {kernel: evalrun("run", *common, "--set", f"attention_kernel={kernel}", "--store", str(tmp_path / "s.db"),
+                            "--json") for kernel in ("sdpa", "triton-split-kv")}
+    sdpa, split = runs["sdpa"], runs["triton-split-kv"]
+    assert split["config"]["attention_kernel"] == "triton-split-kv" and sdpa["config"]["attention_kernel"] == "sdpa"
+    assert split["config_hash"] != sdpa["config_hash"]
+    assert split["logits_digest"] != sdpa["logits_digest"]
+    assert [r["tokens"] for r in split["results"]] == [r["tokens"] for r in sdpa["results"]]
+    evalrun("golden", "create", "g", *common, "--dir", str(tmp_path / "golden"))
+    verdict = evalrun("golden", "verify", "g", "--set", "attention_kernel=triton-split-kv", "--dir",
+                      str(tmp_path / "golden"), "--json")
+    assert verdict["verdict"] == "drift"
+    assert any(c["key"] == "attention_kernel" for c in verdict["config_diff"])
+
+
+def test_the_knob_at_its_default_leaves_the_hash_and_the_reference_alone():
+    from evalrun.golden import reference_config
+
+    plain = resolve(RunConfig(model="random:tiny", device="cuda"), cuda_available=True)
+    split = resolve(RunConfig(model="random:tiny", device="cuda", attention_kernel="triton-split-kv"), True)
+    assert plain.attention_kernel == "sdpa" and split.compute_hash() != plain.compute_hash()
+    assert reference_config(split).attention_kernel == "sdpa"
+
+
+@pytest.mark.parametrize("sets, engine, message", [
+    ("attention_kernel=triton-split-kv", "evalrun",
+     "attention_kernel=triton-split-kv is a CUDA kernel; on CPU use attention_kernel=sdpa"),
+    ("attention_kernel=triton-split-kv", "transformers", "replaces evalrun's own attention; use --engine evalrun"),
+    ("attention_kernel=flash", "evalrun", "attention_kernel='flash' is not valid; use one of: sdpa, triton-split-kv"),
+])
+def test_the_knob_where_it_cannot_run_is_one_line_and_exit_2(cli, tiny_args, monkeypatch, sets, engine, message):
+    monkeypatch.delenv("TRITON_INTERPRET", raising=False)
+    one_line_exit_2(cli("run", *tiny_args, "--device", "cpu", "--engine", engine, "--set", sets), message)
+
+
+@pytest.mark.parametrize("sets, message", [
+    (["--dtype", "float64"], "computes bfloat16, float16 and float32 attention; with dtype float64 use "
+                             "attention_kernel=sdpa"),
+    (["--compilation-mode", "stock"], "runs eagerly only; use -O0"),
+])
+def test_the_knob_where_the_interpreter_cannot_run_it_is_refused(cli, tiny_args, monkeypatch, sets, message):
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
+    one_line_exit_2(cli("run", *tiny_args, "--device", "cpu", *sets, "--set", "attention_kernel=triton-split-kv"),
+                    message)
+
+
+def test_a_soft_capped_model_is_refused_not_run_without_its_cap():
+    from dataclasses import replace
+
+    from evalrun.engine.transformer import Transformer
+    from evalrun.models import load_model
+
+    transformer = Transformer(load_model("random:tiny", "cpu", "float32").model)
+    transformer.variant = replace(transformer.variant, attn_softcap=50.0)  # as Gemma 2's config sets it
+    with pytest.raises(ConfigError, match="computes no soft-capped scores"):
+        transformer.with_attention_kernel("triton-split-kv")
+    assert transformer.with_attention_kernel("sdpa") is transformer
+
+
+def test_bisect_says_the_layer_stage_cannot_show_the_attention_kernel():
+    from evalrun.bisect_stages import _layer_notes
+
+    good = resolve(RunConfig(model="random:tiny", device="cuda"), cuda_available=True)
+    split = good.replace(attention_kernel="triton-split-kv")
+    for notes in (_layer_notes(good, split), _layer_notes(split, good)):
+        assert len(notes) == 1 and "attention_kernel=triton-split-kv computes the attention of decode steps" in notes[0]
+
+
+# ---------------------------------------------------------------- GPU
+
+gpu = pytest.mark.gpu
+needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+
+
+@gpu
+@needs_cuda
+@pytest.mark.parametrize("slots", [144, 4096])
+def test_gpu_split_kv_eager_compiled_and_graphed_agree_bitwise(slots):
+    """Llama-3-8B's decode shapes in bfloat16: the registered op, inside torch.compile and inside a CUDA graph,
+    gives the same bits; within bfloat16 rounding of float64."""
+    from evalrun.engine import attention_triton
+    from evalrun.engine.transformer import attention, build_mask
+
+    attention_triton.prepare("triton-split-kv", "cuda")
+    q = torch.randn(1, 32, 1, 128, device="cuda", dtype=torch.bfloat16)
+    k, v = (torch.randn(1, 8, slots, 128, device="cuda", dtype=torch.bfloat16) for _ in range(2))
+    valid = torch.zeros(1, slots, dtype=torch.bool, device="cuda")
+    valid[:, :slots - 7] = True
+    mask = build_mask(torch.tensor([slots - 8], device="cuda"), valid, 4, torch.bfloat16)
+    out = attention(q, k, v, mask, "sdpa", kernel="triton-split-kv")
+    exact = attention(q.double(), k.double(), v.double(), mask.double(), "sdpa")
+    assert (out.double() - exact).abs().max().item() <= 2 ** -7
+    compiled = torch.compile(lambda a: attention(a, k, v, mask, "sdpa", kernel="triton-split-kv"), fullgraph=True)
+    assert torch.equal(compiled(q), out)
+    static = q.clone()
+    graph = torch.cuda.CUDAGraph()
+    attention(static, k, v, mask, "sdpa", kernel="triton-split-kv")
+    torch.cuda.synchronize()
+    with torch.cuda.graph(graph):
+        graphed = attention(static, k, v, mask, "sdpa", kernel="triton-split-kv")
+    static.copy_(q.flip(-1))
+    graph.replay()
+    assert torch.equal(graphed, attention(q.flip(-1), k, v, mask, "sdpa", kernel="triton-split-kv"))
+
+
+@gpu
+@needs_cuda
+@pytest.mark.parametrize("level", [0, 2])
+def test_gpu_runs_with_the_split_kv_kernel_are_repeatable_and_recorded(level):
+    from evalrun.runner import execute_run
+
+    def run(**knobs):
+        done = execute_run(RunConfig(model="random:tiny", device="cuda", dtype="bfloat16", prompts="smoke",
+                                     max_new_tokens=8, opt_level=level, **knobs), None)
+        torch._dynamo.reset()
+        return [r.logits_digest for r in done.results], done
+
+    split, done = run(attention_kernel="triton-split-kv")
+    assert run(attention_kernel="triton-split-kv")[0] == split
+    assert done.config.attention_kernel == "triton-split-kv" and done.evidence["fallbacks"] == []
