@@ -16,7 +16,7 @@ from __future__ import annotations
 import torch
 
 from ..errors import ConfigError
-from .triton_ops import INTERPRETED, can_register, registering
+from .triton_ops import INTERPRETED, refuse_unregistrable, registering
 
 BLOCK_S = 64  # cache slots a program reads per step of its loop
 TARGET_CHUNKS = 16  # chunks per key/value head: enough programs to keep the SMs reading at batch 1
@@ -34,11 +34,7 @@ def prepare(kernel: str, device: torch.device | str) -> None:
     """Register the kernel as a torch op for a CUDA device, once, before anything is compiled (triton_ops)."""
     if kernel != "triton-split-kv" or "op" in _OP or INTERPRETED:
         return
-    if torch.device(device).type != "cuda":  # config.validate refuses this; here for forwards built without it
-        raise ConfigError("attention_kernel=triton-split-kv is a CUDA kernel; on CPU use attention_kernel=sdpa")
-    if not can_register(device):
-        raise ConfigError("attention_kernel=triton-split-kv needs Triton, which this torch lacks; install triton, or "
-                          "use attention_kernel=sdpa")
+    refuse_unregistrable("attention_kernel", kernel, "sdpa", device)
     from torch.library import triton_op, wrap_triton
 
     from . import attention_triton_kernel

@@ -28,7 +28,7 @@ import torch.nn.functional as F
 from ..config import GEMV_DTYPE_NAMES, GEMV_MAX_ROWS  # decode at batch <= 4; more rows: F.linear
 from ..errors import ConfigError
 from .gguf_blocks import BlockWeight, gemv
-from .triton_ops import INTERPRETED, can_register, registering
+from .triton_ops import INTERPRETED, refuse_unregistrable, registering
 
 GEMV_MAX_WEIGHT = 1 << 25  # elements (64 MB in bf16): larger ones stay with cuBLAS, except long-row ones
 GEMV_DTYPES = tuple(getattr(torch, name) for name in GEMV_DTYPE_NAMES)
@@ -49,11 +49,7 @@ def prepare(kernel: str, device: torch.device | str) -> None:
     """Register the GEMV as a torch op for a CUDA device, once, before anything is compiled (triton_ops)."""
     if kernel != "triton-gemv" or "op" in _OP or INTERPRETED:
         return
-    if torch.device(device).type != "cuda":  # config.validate refuses this; here for configs built without it
-        raise ConfigError("linear_kernel=triton-gemv is a CUDA kernel; on CPU use linear_kernel=aten")
-    if not can_register(device):
-        raise ConfigError("linear_kernel=triton-gemv needs Triton, which this torch lacks; install triton, or use "
-                          "linear_kernel=aten")
+    refuse_unregistrable("linear_kernel", kernel, "aten", device)
     from torch.library import triton_op, wrap_triton
 
     from . import linear_triton_kernel

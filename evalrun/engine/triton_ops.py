@@ -15,6 +15,8 @@ from typing import Iterator
 
 import torch
 
+from ..errors import ConfigError
+
 INTERPRETED = os.environ.get("TRITON_INTERPRET") == "1"  # Triton runs kernels on the CPU (tests)
 
 
@@ -25,6 +27,15 @@ def triton_installed() -> bool:
 def can_register(device: torch.device | str) -> bool:
     """Whether a kernel is registered for `device`: a CUDA device, Triton installed, not interpreted."""
     return torch.device(device).type == "cuda" and not INTERPRETED and triton_installed()
+
+
+def refuse_unregistrable(knob: str, value: str, default: str, device: torch.device | str) -> None:
+    """One line naming the fix where a knob's Triton kernel cannot be registered: not a CUDA device (config.validate
+    refuses this first; here for forwards built without it), or no Triton."""
+    if torch.device(device).type != "cuda":
+        raise ConfigError(f"{knob}={value} is a CUDA kernel; on CPU use {knob}={default}")
+    if not can_register(device):
+        raise ConfigError(f"{knob}={value} needs Triton, which this torch lacks; install triton, or use {knob}={default}")
 
 
 @contextmanager
