@@ -640,6 +640,9 @@ def _check_triton_knob(config: EffectiveConfig, knob: str, default: str, what: s
         return
     if os.environ.get("TRITON_INTERPRET") != "1":
         raise ConfigError(f"{knob}={value} is a CUDA kernel; on CPU use {fix} (or --device cuda)")
+    if knob == "attention_kernel" and config.dtype == "bfloat16":  # its tl.dot: the interpreter computes it wrongly
+        raise ConfigError(f"{knob}={value} under Triton's interpreter (TRITON_INTERPRET=1, tests) multiplies bfloat16 "
+                          "wrongly; use --dtype float32 or float16, or --device cuda")
     if config.is_static:
         raise ConfigError(f"{knob}={value} under Triton's interpreter (TRITON_INTERPRET=1, tests) runs eagerly only; "
                           "use -O0 or --device cuda")

@@ -8,6 +8,7 @@ import math
 import re
 from typing import Any, Iterable, Sequence
 
+from .config import DECODE_LEVER_DEFAULTS
 from .store import PromptResult, RunRecord
 
 
@@ -88,9 +89,11 @@ def human_bytes(count: float) -> str:
 
 
 def config_line(config: dict[str, Any]) -> str:
+    """The stored config's main knobs, and the engine and decode levers where they are not the defaults."""
     keys = ("model", "device", "dtype", "opt_level", "compilation_mode", "cudagraph_mode", "batch_size", "deterministic")
-    engine = config.get("engine", "evalrun")
-    return " ".join(f"{key}={config.get(key)}" for key in keys) + (f" engine={engine}" if engine != "evalrun" else "")
+    levers = {"engine": "evalrun", **DECODE_LEVER_DEFAULTS}
+    return " ".join([f"{key}={config.get(key)}" for key in keys]
+                    + [f"{key}={config[key]}" for key, default in levers.items() if config.get(key, default) != default])
 
 
 def timings_text(timings: dict[str, Any]) -> str:

@@ -133,12 +133,39 @@ def test_the_knob_where_it_cannot_run_is_one_line_and_exit_2(cli, tiny_args, mon
 @pytest.mark.parametrize("sets, message", [
     (["--dtype", "float64"], "computes bfloat16, float16 and float32 attention; with dtype float64 use "
                              "attention_kernel=sdpa"),
+    (["--dtype", "bfloat16"], "multiplies bfloat16 wrongly; use --dtype float32 or float16"),
     (["--compilation-mode", "stock"], "runs eagerly only; use -O0"),
 ])
 def test_the_knob_where_the_interpreter_cannot_run_it_is_refused(cli, tiny_args, monkeypatch, sets, message):
     monkeypatch.setenv("TRITON_INTERPRET", "1")
     one_line_exit_2(cli("run", *tiny_args, "--device", "cpu", *sets, "--set", "attention_kernel=triton-split-kv"),
                     message)
+
+
+def test_only_a_decode_steps_own_layout_takes_the_kernel():
+    """Anything but its own float mask [B, 1, R, S] goes to SDPA: a broadcast mask, a boolean mask, a mask narrower
+    than the cache, another dtype, keys of another batch (several query tokens: attention() checks, and the
+    interpreted cases show a prefill's SDPA bits)."""
+    from evalrun.engine.attention_triton import applies
+
+    q, k = torch.zeros(2, 2, 4, 16), torch.zeros(2, 2, 40, 16)
+    mask = torch.zeros(2, 1, 4, 40)
+    assert applies(q, k, k, mask)
+    assert not applies(q, k, k, mask[:1])  # broadcast over the batch
+    assert not applies(q, k, k, mask.bool())
+    assert not applies(q, k, k, mask[..., :30])
+    assert not applies(q.double(), k.double(), k.double(), mask.double())
+    assert not applies(q, k[:1], k[:1], mask)
+
+
+def test_store_show_names_a_decode_lever_that_is_not_the_default():
+    from evalrun.report import config_line
+
+    base = {"model": "m", "device": "cuda", "dtype": "bfloat16", "opt_level": 2}
+    assert "attention_kernel" not in config_line(base) and "linear_kernel" not in config_line(base)
+    line = config_line({**base, "attention_kernel": "triton-split-kv", "linear_kernel": "aten"})
+    assert line.endswith("attention_kernel=triton-split-kv") and "linear_kernel" not in line
+    assert config_line({**base, "engine": "transformers"}).endswith("engine=transformers")
 
 
 def test_a_soft_capped_model_is_refused_not_run_without_its_cap():
@@ -171,22 +198,22 @@ needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUD
 
 @gpu
 @needs_cuda
-@pytest.mark.parametrize("slots", [144, 4096])
-def test_gpu_split_kv_eager_compiled_and_graphed_agree_bitwise(slots):
-    """Llama-3-8B's decode shapes in bfloat16: the registered op, inside torch.compile and inside a CUDA graph,
-    gives the same bits; within bfloat16 rounding of float64."""
+@pytest.mark.parametrize("slots,dtype", [(144, torch.bfloat16), (4096, torch.bfloat16), (1000, torch.float32)])
+def test_gpu_split_kv_eager_compiled_and_graphed_agree_bitwise(slots, dtype):
+    """Llama-3-8B's decode shapes: the registered op, inside torch.compile and inside a CUDA graph, gives the same
+    bits; within bfloat16 rounding of float64, and in float32 within float32 rounding (no TF32 products)."""
     from evalrun.engine import attention_triton
     from evalrun.engine.transformer import attention, build_mask
 
     attention_triton.prepare("triton-split-kv", "cuda")
-    q = torch.randn(1, 32, 1, 128, device="cuda", dtype=torch.bfloat16)
-    k, v = (torch.randn(1, 8, slots, 128, device="cuda", dtype=torch.bfloat16) for _ in range(2))
+    q = torch.randn(1, 32, 1, 128, device="cuda", dtype=dtype)
+    k, v = (torch.randn(1, 8, slots, 128, device="cuda", dtype=dtype) for _ in range(2))
     valid = torch.zeros(1, slots, dtype=torch.bool, device="cuda")
     valid[:, :slots - 7] = True
-    mask = build_mask(torch.tensor([slots - 8], device="cuda"), valid, 4, torch.bfloat16)
+    mask = build_mask(torch.tensor([slots - 8], device="cuda"), valid, 4, dtype)
     out = attention(q, k, v, mask, "sdpa", kernel="triton-split-kv")
     exact = attention(q.double(), k.double(), v.double(), mask.double(), "sdpa")
-    assert (out.double() - exact).abs().max().item() <= 2 ** -7
+    assert (out.double() - exact).abs().max().item() <= (2 ** -7 if dtype == torch.bfloat16 else 1e-5)
     compiled = torch.compile(lambda a: attention(a, k, v, mask, "sdpa", kernel="triton-split-kv"), fullgraph=True)
     assert torch.equal(compiled(q), out)
     static = q.clone()

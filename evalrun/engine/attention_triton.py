@@ -49,9 +49,13 @@ def prepare(kernel: str, device: torch.device | str) -> None:
 
 
 def applies(grouped: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor) -> bool:
-    """Whether the kernel computes this attention: one decode token (grouped [B, G, R, D], mask [B, 1, R, S]),
-    the last dimensions contiguous, keys and values laid out alike, one float dtype, on CUDA (or interpreted)."""
-    return (grouped.shape[2] == mask.shape[2] and grouped.dtype == k.dtype == v.dtype and grouped.dtype in DTYPES
+    """Whether the kernel computes this attention: one decode token (grouped [B, G, R, D], mask [B, 1, R, S] of
+    additive floats, not broadcast), the last dimensions contiguous, keys and values laid out alike, one float
+    dtype, on CUDA (or interpreted). The engine's decode steps always qualify (config.validate checked the dtype);
+    anything else goes to SDPA."""
+    batch, heads, rows, _ = grouped.shape
+    return (tuple(mask.shape) == (batch, 1, rows, k.shape[2]) and tuple(k.shape[:2]) == (batch, heads)
+            and mask.is_floating_point() and grouped.dtype == k.dtype == v.dtype and grouped.dtype in DTYPES
             and k.stride() == v.stride() and grouped.stride(-1) == k.stride(-1) == mask.stride(-1) == 1
             and (grouped.is_cuda or INTERPRETED))
 

@@ -7,7 +7,9 @@ rows, the running maximum of the scaled scores, the sum of their exponentials an
 of the values (the rows padded to 16 for tl.dot, the head dimension to a power of two). The second kernel
 combines a head's chunks in a fixed order. The chunking is fixed by S alone (attention_triton.chunk_for), and
 nothing is atomic, so a run's bits depend on the shapes only. The probabilities are rounded to the values'
-dtype before their product with the values, as flash attention does. Imported only where it runs (a CUDA
+dtype before their product with the values, as flash attention does; float32 products are computed in full
+float32 (input_precision="ieee"), never TF32 (the 16-bit dtypes keep Triton's default, which is exact for
+them). CHUNK and CHUNKS are compile-time constants: one compile per chunk count a run meets. Imported only where it runs (a CUDA
 device, or under TRITON_INTERPRET=1).
 """
 
@@ -22,7 +24,7 @@ import triton.language as tl
 def partial_kernel(q_ptr, k_ptr, v_ptr, mask_ptr, acc_ptr, max_ptr, sum_ptr, scale, slots, q_stride_b, q_stride_g,
                    q_stride_r, kv_stride_b, kv_stride_g, kv_stride_s, mask_stride_b, mask_stride_r, kv_heads,
                    R: tl.constexpr, ROWS: tl.constexpr, D: tl.constexpr, DIMS: tl.constexpr, CHUNK: tl.constexpr,
-                   CHUNKS: tl.constexpr, BLOCK_S: tl.constexpr):
+                   CHUNKS: tl.constexpr, BLOCK_S: tl.constexpr, PRECISION: tl.constexpr):
     head = tl.program_id(0)  # b * G + g
     chunk = tl.program_id(1)
     b = head // kv_heads
@@ -41,7 +43,7 @@ def partial_kernel(q_ptr, k_ptr, v_ptr, mask_ptr, acc_ptr, max_ptr, sum_ptr, sca
         inside = at < slots
         k = tl.load(k_ptr + kv_base + at[:, None] * kv_stride_s + dims[None, :], mask=inside[:, None] & real[None, :],
                     other=0.0)  # [BS, DP]
-        scores = tl.dot(q, tl.trans(k)) * scale  # [RS, BS] float32
+        scores = tl.dot(q, tl.trans(k), input_precision=PRECISION) * scale  # [RS, BS] float32
         bias = tl.load(mask_ptr + b * mask_stride_b + rows[:, None] * mask_stride_r + at[None, :],
                        mask=live[:, None] & inside[None, :], other=float("-inf"))
         scores = scores + bias.to(tl.float32)
@@ -52,7 +54,7 @@ def partial_kernel(q_ptr, k_ptr, v_ptr, mask_ptr, acc_ptr, max_ptr, sum_ptr, sca
         running_sum = running_sum * alpha + tl.sum(p, axis=1)
         v = tl.load(v_ptr + kv_base + at[:, None] * kv_stride_s + dims[None, :], mask=inside[:, None] & real[None, :],
                     other=0.0)
-        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
+        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=PRECISION)
         running_max = new_max
     part = head * CHUNKS + chunk
     tl.store(acc_ptr + (part * ROWS + rows[:, None]) * DIMS + dims[None, :], acc)
@@ -100,7 +102,7 @@ def launch(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor
     wrap(partial_kernel)[(batch * kv_heads, chunks)](
         q, k, v, mask, acc, maxes, sums, scale, slots, q.stride(0), q.stride(1), q.stride(2), k.stride(0),
         k.stride(1), k.stride(2), mask.stride(0), mask.stride(2), kv_heads, CHUNK=chunk, BLOCK_S=block_s,
-        num_warps=num_warps, **shape)
+        PRECISION="ieee" if q.dtype == torch.float32 else "tf32", num_warps=num_warps, **shape)
     wrap(combine_kernel)[(batch * kv_heads,)](acc, maxes, sums, out, out.stride(0), out.stride(1), out.stride(2),
                                               kv_heads, num_warps=num_warps, **shape)
     return out
