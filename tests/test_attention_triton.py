@@ -142,12 +142,14 @@ def test_the_knob_where_the_interpreter_cannot_run_it_is_refused(cli, tiny_args,
                     message)
 
 
-def test_only_a_decode_steps_own_layout_takes_the_kernel():
+def test_only_a_decode_steps_own_layout_takes_the_kernel(monkeypatch):
     """Anything but its own float mask [B, 1, R, S] goes to SDPA: a broadcast mask, a boolean mask, a mask narrower
     than the cache, another dtype, keys of another batch (several query tokens: attention() checks, and the
     interpreted cases show a prefill's SDPA bits)."""
+    from evalrun.engine import attention_triton
     from evalrun.engine.attention_triton import applies
 
+    monkeypatch.setattr(attention_triton, "INTERPRETED", True)  # CPU tensors count as a device it runs on
     q, k = torch.zeros(2, 2, 4, 16), torch.zeros(2, 2, 40, 16)
     mask = torch.zeros(2, 1, 4, 40)
     assert applies(q, k, k, mask)
