@@ -642,7 +642,7 @@ def _check_triton_knob(config: EffectiveConfig, knob: str, default: str, what: s
         raise ConfigError(f"{knob}={value} is a CUDA kernel; on CPU use {fix} (or --device cuda)")
     if knob == "attention_kernel" and config.dtype == "bfloat16":  # its tl.dot: the interpreter computes it wrongly
         raise ConfigError(f"{knob}={value} under Triton's interpreter (TRITON_INTERPRET=1, tests) multiplies bfloat16 "
-                          "wrongly; use --dtype float32 or float16, or --device cuda")
+                          "wrongly; use --dtype float32, or --device cuda")
     if config.is_static:
         raise ConfigError(f"{knob}={value} under Triton's interpreter (TRITON_INTERPRET=1, tests) runs eagerly only; "
                           "use -O0 or --device cuda")

@@ -126,7 +126,7 @@ def test_the_knob_where_it_cannot_run_is_one_line_and_exit_2(cli, tiny_args, mon
 @pytest.mark.parametrize("sets, message", [
     (["--dtype", "float64"], "computes bfloat16, float16 and float32 attention; with dtype float64 use "
                              "attention_kernel=sdpa"),
-    (["--dtype", "bfloat16"], "multiplies bfloat16 wrongly; use --dtype float32 or float16"),
+    (["--dtype", "bfloat16"], "multiplies bfloat16 wrongly; use --dtype float32, or --device cuda"),
     (["--compilation-mode", "stock"], "runs eagerly only; use -O0"),
 ])
 def test_the_knob_where_the_interpreter_cannot_run_it_is_refused(cli, tiny_args, monkeypatch, sets, message):
