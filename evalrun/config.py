@@ -84,7 +84,7 @@ LINEAR_KERNELS = ("aten", "triton-gemv", "gguf-gemv")  # engine/linear.py: who c
 ATTENTION_KERNELS = ("sdpa", "triton-split-kv")  # engine/attention_triton.py: who computes a decode step's attention
 DECODE_LEVER_DEFAULTS = {"blas_library": "cublas", "linear_kernel": "aten", "attention_kernel": "sdpa"}
 GEMV_MAX_ROWS = 4  # the GEMV's rows: decode at batch <= 4 (engine/linear.py)
-GEMV_DTYPE_NAMES = ("bfloat16", "float16", "float32")  # the dtypes the GEMV computes
+TRITON_DTYPE_NAMES = ("bfloat16", "float16", "float32")  # the dtypes evalrun's Triton kernels compute (GEMV, split-KV)
 KEEP_LOGITS_PATTERN = re.compile(r"none|all|([^,@\s]+(@\d+(-\d+)?)?)(,[^,@\s]+(@\d+(-\d+)?)?)*")
 MAX_NEW_TOKENS_LIMIT = 8192  # past any context the shipped models have; larger asks are typos
 MAX_BATCH_SIZE = 4096
@@ -602,12 +602,12 @@ def _check_decode_levers(config: EffectiveConfig) -> None:
         raise ConfigError(f"blas_library={config.blas_library} chooses a CUDA library; on CPU use blas_library=cublas "
                           "(or --device cuda)")
     if config.attention_kernel != "sdpa":
-        _check_triton_knob(config, "attention_kernel", "sdpa", "attention")
+        _refuse_other_engine(config, "attention_kernel", "sdpa", "attention")
+        # its tl.dot in bfloat16: the interpreter computes it wrongly
+        _check_triton_knob(config, "attention_kernel", "sdpa", "attention", interpreted_wrongly=("bfloat16",))
     if config.linear_kernel == "aten":
         return
-    if config.engine != "evalrun":
-        raise ConfigError(f"linear_kernel={config.linear_kernel} replaces evalrun's own projections; use --engine "
-                          "evalrun, or linear_kernel=aten")
+    _refuse_other_engine(config, "linear_kernel", "aten", "projections")
     if config.batch_size > GEMV_MAX_ROWS and not config.batch_invariant:
         raise ConfigError(f"linear_kernel={config.linear_kernel} computes projections of 1-{GEMV_MAX_ROWS} rows; at "
                           f"batch_size {config.batch_size} it would compute none: use --batch-size {GEMV_MAX_ROWS} or "
@@ -624,13 +624,19 @@ def _check_decode_levers(config: EffectiveConfig) -> None:
     _check_triton_knob(config, "linear_kernel", "aten", "projections")
 
 
-def _check_triton_knob(config: EffectiveConfig, knob: str, default: str, what: str) -> None:
-    """A knob that runs a Triton kernel of evalrun's engine: a dtype it computes, on CUDA (on the CPU only under
-    Triton's interpreter, TRITON_INTERPRET=1, and eagerly: tests)."""
-    value, fix = getattr(config, knob), f"{knob}={default}"
+def _refuse_other_engine(config: EffectiveConfig, knob: str, default: str, what: str) -> None:
+    """A knob that replaces part of evalrun's own engine, asked of another engine."""
     if config.engine != "evalrun":
-        raise ConfigError(f"{knob}={value} replaces evalrun's own {what}; use --engine evalrun, or {fix}")
-    if config.dtype not in GEMV_DTYPE_NAMES:
+        raise ConfigError(f"{knob}={getattr(config, knob)} replaces evalrun's own {what}; use --engine evalrun, or "
+                          f"{knob}={default}")
+
+
+def _check_triton_knob(config: EffectiveConfig, knob: str, default: str, what: str,
+                       interpreted_wrongly: tuple[str, ...] = ()) -> None:
+    """A knob that runs a Triton kernel of evalrun's engine: a dtype it computes, on CUDA (on the CPU only under
+    Triton's interpreter, TRITON_INTERPRET=1, eagerly and in a dtype the interpreter computes right: tests)."""
+    value, fix = getattr(config, knob), f"{knob}={default}"
+    if config.dtype not in TRITON_DTYPE_NAMES:
         raise ConfigError(f"{knob}={value} computes bfloat16, float16 and float32 {what}; with dtype {config.dtype} "
                           f"use {fix}")
     if config.on_gpu:
@@ -640,9 +646,9 @@ def _check_triton_knob(config: EffectiveConfig, knob: str, default: str, what: s
         return
     if os.environ.get("TRITON_INTERPRET") != "1":
         raise ConfigError(f"{knob}={value} is a CUDA kernel; on CPU use {fix} (or --device cuda)")
-    if knob == "attention_kernel" and config.dtype == "bfloat16":  # its tl.dot: the interpreter computes it wrongly
-        raise ConfigError(f"{knob}={value} under Triton's interpreter (TRITON_INTERPRET=1, tests) multiplies bfloat16 "
-                          "wrongly; use --dtype float32, or --device cuda")
+    if config.dtype in interpreted_wrongly:
+        raise ConfigError(f"{knob}={value} under Triton's interpreter (TRITON_INTERPRET=1, tests) multiplies "
+                          f"{config.dtype} wrongly; use --dtype float32, or --device cuda")
     if config.is_static:
         raise ConfigError(f"{knob}={value} under Triton's interpreter (TRITON_INTERPRET=1, tests) runs eagerly only; "
                           "use -O0 or --device cuda")

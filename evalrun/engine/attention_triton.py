@@ -15,12 +15,13 @@ from __future__ import annotations
 
 import torch
 
+from ..config import TRITON_DTYPE_NAMES
 from ..errors import ConfigError
 from .triton_ops import INTERPRETED, refuse_unregistrable, registering
 
 BLOCK_S = 64  # cache slots a program reads per step of its loop
 TARGET_CHUNKS = 16  # chunks per key/value head: enough programs to keep the SMs reading at batch 1
-DTYPES = (torch.bfloat16, torch.float16, torch.float32)
+DTYPES = tuple(getattr(torch, name) for name in TRITON_DTYPE_NAMES)  # those config.validate lets through
 _OP: dict = {}  # "op": the registered torch op, once prepare() ran on a CUDA device with Triton
 
 

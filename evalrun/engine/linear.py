@@ -25,13 +25,13 @@ from typing import Optional
 import torch
 import torch.nn.functional as F
 
-from ..config import GEMV_DTYPE_NAMES, GEMV_MAX_ROWS  # decode at batch <= 4; more rows: F.linear
+from ..config import GEMV_MAX_ROWS, TRITON_DTYPE_NAMES  # decode at batch <= 4; more rows: F.linear
 from ..errors import ConfigError
 from .gguf_blocks import BlockWeight, gemv
 from .triton_ops import INTERPRETED, refuse_unregistrable, registering
 
 GEMV_MAX_WEIGHT = 1 << 25  # elements (64 MB in bf16): larger ones stay with cuBLAS, except long-row ones
-GEMV_DTYPES = tuple(getattr(torch, name) for name in GEMV_DTYPE_NAMES)
+GEMV_DTYPES = tuple(getattr(torch, name) for name in TRITON_DTYPE_NAMES)
 # (BLOCK_N, BLOCK_K, num_warps) by rows padded to a power of two: fixed, so the bits depend on shapes only
 # (never autotuned at run time by timing). One row: the best of a grid on the H200 for q/k/v and o
 # (benchmarks/decode_breakdown.py --gemv-grid); 2 and 4 rows: the same with the accumulator kept in registers.
