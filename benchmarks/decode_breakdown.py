@@ -238,27 +238,24 @@ def main() -> None:
     modes = (("none", "none"), ("piecewise", "none")) if "eager" not in skip else ()
     report["decode"] = [measure_decode(transformer, c, g, prompt, args.steps)
                         for c, g in (*modes, ("piecewise", "full-and-piecewise"))]
-    torch._dynamo.reset()
-    gemv_row = measure_decode(transformer.with_linear_kernel("triton-gemv"), "piecewise", "full-and-piecewise", prompt,
-                              args.steps)
-    report["decode"].append({**gemv_row, "mode": "piecewise/full-and-piecewise +triton-gemv"})
-    if "split-kv" not in skip:  # side by side: a decode step's attention by the split-KV kernel, not SDPA's
+    gemv = transformer.with_linear_kernel("triton-gemv")
+    # -O2 with the GEMV, then that step again side by side with one thing changed (each row skippable by name):
+    # attention by the split-KV kernel; the MLP's residual added by its own kernel, not the GEMV's epilogue; the KV
+    # cache written by its own index_copy
+    rows = [(None, "", gemv, {}, True),
+            ("split-kv", " +triton-split-kv", gemv.with_attention_kernel("triton-split-kv"), {}, True),
+            ("residual", ", residual add separate", gemv, {}, False),
+            ("kv-write", ", KV write separate", gemv, {"kv_write_in_piece": False}, True)]
+    for name, label, forward, options, residual_in_projection in rows:
+        if name in skip:
+            continue
         torch._dynamo.reset()
-        split = transformer.with_linear_kernel("triton-gemv").with_attention_kernel("triton-split-kv")
-        split_row = measure_decode(split, "piecewise", "full-and-piecewise", prompt, args.steps)
-        report["decode"].append({**split_row, "mode": "piecewise/full-and-piecewise +triton-gemv +triton-split-kv"})
-    if "residual" not in skip:  # side by side: the MLP's residual added by its own kernel, not the GEMV's epilogue
-        torch._dynamo.reset()
-        transformer_module.RESIDUAL_IN_PROJECTION = False
-        apart = measure_decode(transformer.with_linear_kernel("triton-gemv"), "piecewise", "full-and-piecewise", prompt,
-                               args.steps)
-        transformer_module.RESIDUAL_IN_PROJECTION = True
-        report["decode"].append({**apart, "mode": "piecewise/full-and-piecewise +triton-gemv, residual add separate"})
-    if "kv-write" not in skip:  # side by side: the same step with the KV cache written by its own index_copy
-        torch._dynamo.reset()
-        separate = measure_decode(transformer.with_linear_kernel("triton-gemv"), "piecewise", "full-and-piecewise",
-                                  prompt, args.steps, kv_write_in_piece=False)
-        report["decode"].append({**separate, "mode": "piecewise/full-and-piecewise +triton-gemv, KV write separate"})
+        transformer_module.RESIDUAL_IN_PROJECTION = residual_in_projection
+        try:
+            row = measure_decode(forward, "piecewise", "full-and-piecewise", prompt, args.steps, **options)
+        finally:
+            transformer_module.RESIDUAL_IN_PROJECTION = True
+        report["decode"].append({**row, "mode": f"piecewise/full-and-piecewise +triton-gemv{label}"})
     print(f"{report['device']}  torch {report['torch']}  {args.model} {args.dtype}")
     print(f"copy bandwidth {report['copy_tb_per_s']:.2f} TB/s -> limit {report['bandwidth_limit_tokens_per_s']:.0f} tok/s "
           f"({report['weights_read_per_step_gb']:.2f} GB read per step)")
