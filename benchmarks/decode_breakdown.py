@@ -13,9 +13,10 @@ and the engine's decode step under three modes with its kernel time by kind.
    GPU kernel time by kind (profiler), and the share of the step with no kernel running; last, that step
    again with the KV cache written by a separate index_copy per layer (before the write moved into the
    pre-attention piece), with the MLP's residual added by its own kernel (before the GEMV's epilogue
-   took it), and with attention by the split-KV kernel (`attention_kernel=triton-split-kv`), side by side. Each row also gives the time to first token of four more batches
-   and one profiled prefill: host wall time against the GPU's kernel time (is the prefill bound by the
-   host?) and its longest kernels. `--skip` leaves parts out.
+   took it), and with attention by the split-KV kernel (`attention_kernel=triton-split-kv`), side by side.
+   Each row also gives the time to first token of four more batches and one profiled prefill: host wall
+   time against the GPU's kernel time (is the prefill bound by the host?) and its longest kernels.
+   `--skip` leaves parts out.
 """
 
 from __future__ import annotations

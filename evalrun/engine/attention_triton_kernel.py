@@ -9,8 +9,8 @@ combines a head's chunks in a fixed order. The chunking is fixed by S alone (att
 nothing is atomic, so a run's bits depend on the shapes only. The probabilities are rounded to the values'
 dtype before their product with the values, as flash attention does; float32 products are computed in full
 float32 (input_precision="ieee"), never TF32 (the 16-bit dtypes keep Triton's default, which is exact for
-them). CHUNK and CHUNKS are compile-time constants: one compile per chunk count a run meets. Imported only where it runs (a CUDA
-device, or under TRITON_INTERPRET=1).
+them). CHUNK and CHUNKS are compile-time constants: one compile per chunk count a run meets. Imported only
+where it runs (a CUDA device, or under TRITON_INTERPRET=1).
 """
 
 from __future__ import annotations

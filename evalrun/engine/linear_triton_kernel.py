@@ -2,10 +2,11 @@
 
 One program computes BLOCK_N outputs of every row: it streams its BLOCK_N rows of the weight once,
 BLOCK_K columns at a time, and keeps a float32 product per (row, output, column lane), summed over the
-lanes at the end. K is a compile-time constant (a model has a few), so the loop is static. Each output's reduction order is fixed by the block sizes (no atomics, no split over
-programs), so a run's bits depend on the shapes only. A residual is added after the product is rounded to
-the output dtype, in float32, and rounded again: the bits of adding it with torch after the product. Imported only where it runs (linear.prepare on a
-CUDA device, or under TRITON_INTERPRET=1).
+lanes at the end. K is a compile-time constant (a model has a few), so the loop is static. Each output's
+reduction order is fixed by the block sizes (no atomics, no split over programs), so a run's bits depend
+on the shapes only. A residual is added after the product is rounded to the output dtype, in float32,
+and rounded again: the bits of adding it with torch after the product. Imported only where it runs
+(linear.prepare on a CUDA device, or under TRITON_INTERPRET=1).
 """
 
 from __future__ import annotations
@@ -17,8 +18,8 @@ import triton.language as tl
 
 @triton.jit
 def gemv_kernel(x_ptr, w_ptr, bias_ptr, residual_ptr, y_ptr, rows, n, x_stride, w_stride, y_stride,
-                k: tl.constexpr, HAS_BIAS: tl.constexpr, HAS_RESIDUAL: tl.constexpr, EVEN: tl.constexpr, ROWS_POW2: tl.constexpr, BLOCK_N: tl.constexpr,
-                BLOCK_K: tl.constexpr):
+                k: tl.constexpr, HAS_BIAS: tl.constexpr, HAS_RESIDUAL: tl.constexpr, EVEN: tl.constexpr,
+                ROWS_POW2: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
     outs = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)  # [BN]
     ms = tl.arange(0, ROWS_POW2)  # [R]
     lanes = tl.arange(0, BLOCK_K)  # [BK]
@@ -54,6 +55,6 @@ def launch(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, blo
     even = n % block_n == 0 and k % block_k == 0
     wrap(gemv_kernel)[(triton.cdiv(n, block_n),)](
         x, weight, x if bias is None else bias, x if residual is None else residual, y, rows, n, x.stride(0),
-        weight.stride(0), y.stride(0), k, HAS_BIAS=bias is not None, HAS_RESIDUAL=residual is not None, EVEN=even, ROWS_POW2=triton.next_power_of_2(rows), BLOCK_N=block_n,
-        BLOCK_K=block_k, num_warps=num_warps)
+        weight.stride(0), y.stride(0), k, HAS_BIAS=bias is not None, HAS_RESIDUAL=residual is not None, EVEN=even,
+        ROWS_POW2=triton.next_power_of_2(rows), BLOCK_N=block_n, BLOCK_K=block_k, num_warps=num_warps)
     return y

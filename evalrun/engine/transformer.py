@@ -169,7 +169,7 @@ class Transformer:
         projections.prepare(linear_kernel, self.device)  # registers the GEMV before anything is compiled
         self.vocab_size = self.lm_head.shape[0]
         self.reduce: Callable | None = None  # tensor parallelism (tensor_parallel.py): sums row-parallel outputs
-        self.attention_kernel = "sdpa"  # or triton-split-kv for decode steps (attention_triton.py; with_attention_kernel)
+        self.attention_kernel = "sdpa"  # triton-split-kv: decode steps' attention (attention_triton.py)
 
     def with_linear_kernel(self, kernel: str) -> "Transformer":
         """This forward over the same weights with projections computed by `kernel` (linear.py): a shallow
