@@ -1,6 +1,7 @@
 """Decode attention by a split-KV Triton kernel (attention_triton_kernel.py), chosen by the run's
-`attention_kernel` knob (issue #16): `triton-split-kv` computes the attention of a decode step (one query token
-per row) with it; prefill stays with SDPA or the explicit path (`attn_implementation`).
+`attention_kernel` knob (issue #16): `triton-split-kv` computes with it every attention of one query token per
+row (the decode steps, and the prefill of a one-token prompt); longer prefills stay with SDPA or the explicit
+path (`attn_implementation`).
 
 Why: at batch 1 SDPA's kernels read a decode step's keys and values far below the bandwidth, the more so the
 longer the cache. On the H200 at Llama-3-8B's shapes, per layer (benchmarks/decode_attention.py): cuDNN 10.1 us
