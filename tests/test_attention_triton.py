@@ -236,4 +236,4 @@ def test_gpu_runs_with_the_split_kv_kernel_are_repeatable_and_recorded(level):
 
     split, done = run(attention_kernel="triton-split-kv")
     assert run(attention_kernel="triton-split-kv")[0] == split
-    assert done.config.attention_kernel == "triton-split-kv" and done.evidence["fallbacks"] == []
+    assert done.header["config"]["attention_kernel"] == "triton-split-kv" and done.evidence["fallbacks"] == []
