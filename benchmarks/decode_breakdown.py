@@ -34,6 +34,7 @@ import torch.nn.functional as F
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from evalrun.engine import linear  # noqa: E402
+from evalrun.hashing import hash_bytes  # noqa: E402
 from evalrun.engine.driver import generate_batch  # noqa: E402
 from evalrun.engine.generate import BatchSpec  # noqa: E402
 from evalrun.config import CompilationMode, CUDAGraphMode  # noqa: E402
@@ -176,6 +177,7 @@ def measure_decode(transformer: Transformer, compilation: str, graphs: str, prom
              for _ in range(4)]  # after warm-up: is the time to first token steady from batch to batch?
     row = {"mode": f"{compilation}/{graphs}", "step_p50_ms": float(np.median(output.step_ms[1:])),
            "ttft_ms": float(output.step_ms[0]), "ttft_ms_next": ttfts,
+           "digests_hash": hash_bytes(output.digests.astype("<i8").tobytes()),  # rows of equal bits: equal hashes
            "prefill": profile_prefill(mode, transformer, prompt)}
     workspace = next(iter(mode.workspaces.values()), mode.last_workspace)
     kinds, top = profile_decode(mode, workspace, 8)
@@ -243,19 +245,27 @@ def main() -> None:
     # -O2 with the GEMV, then that step again side by side with one thing changed (each row skippable by name):
     # attention by the split-KV kernel; the MLP's residual added by its own kernel, not the GEMV's epilogue; the KV
     # cache written by its own index_copy
-    rows = [(None, "", gemv, {}, True),
-            ("split-kv", " +triton-split-kv", gemv.with_attention_kernel("triton-split-kv"), {}, True),
-            ("residual", ", residual add separate", gemv, {}, False),
-            ("kv-write", ", KV write separate", gemv, {"kv_write_in_piece": False}, True)]
-    for name, label, forward, options, residual_in_projection in rows:
+    pdl = {"inductor_options": {"triton.enable_pdl": True}}  # Inductor's kernels with programmatic dependent launch
+    rows = [(None, "", gemv, {}, True, False),
+            ("split-kv", " +triton-split-kv", gemv.with_attention_kernel("triton-split-kv"), {}, True, False),
+            ("residual", ", residual add separate", gemv, {}, False, False),
+            ("kv-write", ", KV write separate", gemv, {"kv_write_in_piece": False}, True, False),
+            ("pdl-inductor", " +Inductor PDL", gemv, pdl, True, False),
+            ("pdl-gemv", " +GEMV PDL", gemv, {}, True, True),
+            ("pdl-both", " +Inductor PDL +GEMV PDL", gemv, pdl, True, True)]
+    for name, label, forward, options, residual_in_projection, gemv_pdl in rows:
         if name in skip:
             continue
         torch._dynamo.reset()
-        transformer_module.RESIDUAL_IN_PROJECTION = residual_in_projection
+        transformer_module.RESIDUAL_IN_PROJECTION, linear.PDL = residual_in_projection, gemv_pdl
         try:
             row = measure_decode(forward, "piecewise", "full-and-piecewise", prompt, args.steps, **options)
+        except Exception as error:  # one row failing (a knob this torch lacks) leaves the others measured
+            report.setdefault("failed_rows", {})[name] = f"{type(error).__name__}: {str(error)[:300]}"
+            print(f"row {name} failed: {report['failed_rows'][name]}", file=sys.stderr)
+            continue
         finally:
-            transformer_module.RESIDUAL_IN_PROJECTION = True
+            transformer_module.RESIDUAL_IN_PROJECTION, linear.PDL = True, False
         report["decode"].append({**row, "mode": f"piecewise/full-and-piecewise +triton-gemv{label}"})
     print(f"{report['device']}  torch {report['torch']}  {args.model} {args.dtype}")
     print(f"copy bandwidth {report['copy_tb_per_s']:.2f} TB/s -> limit {report['bandwidth_limit_tokens_per_s']:.0f} tok/s "
@@ -272,7 +282,7 @@ def main() -> None:
     for row in report["decode"]:
         kinds = "  ".join(f"{k} {v['kernels']:.0f}x {v['ms']:.3f} ms" for k, v in sorted(row["by_kind"].items()))
         print(f"  {row['mode']:62s} step {row['step_p50_ms']:.3f} ms ({1000 / row['step_p50_ms']:.1f} tok/s)  "
-              f"{row['kernels_per_step']:.0f} kernels  idle {row['idle_share']:.0%}  {kinds}")
+              f"{row['kernels_per_step']:.0f} kernels  idle {row['idle_share']:.0%}  {kinds}  digests {row['digests_hash'][:12]}")
         prefill = row["prefill"]
         print(f"      TTFT {row['ttft_ms']:.1f} ms, then " + ", ".join(f"{t:.1f}" for t in row["ttft_ms_next"])
               + f"; one prefill: {prefill['wall_ms_profiled']:.1f} ms on the host (profiled), "
