@@ -43,7 +43,6 @@ GEMV_BLOCKS = {1: (8, 512, 4), 2: (8, 512, 4), 4: (8, 256, 4)}
 GEMV_LONG_ROW = 8192
 GEMV_LONG_BLOCKS = (8, 1024, 4)
 _OP: dict = {}  # "op": the registered torch op, once prepare() ran on a CUDA device with Triton
-PDL = False  # experiment: launch the GEMV with programmatic dependent launch (its first weights read before waiting)
 
 
 def prepare(kernel: str, device: torch.device | str) -> None:
@@ -61,19 +60,7 @@ def prepare(kernel: str, device: torch.device | str) -> None:
                  residual: Optional[torch.Tensor]) -> torch.Tensor:  # noqa: UP045 (schema)
             return linear_triton_kernel.launch(x, weight, bias, *blocks(x.shape[0], weight), wrap_triton, residual)
 
-        # Experiment (decode_breakdown.py): the same kernel launched with programmatic dependent launch, as an op
-        # Inductor calls as it is (a triton_op's launch is Inductor's own, which cannot ask for PDL)
-        @torch.library.custom_op("evalrun::gemv_pdl", mutates_args=())
-        def gemv_pdl(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor],  # noqa: UP045 (schema)
-                     residual: Optional[torch.Tensor]) -> torch.Tensor:  # noqa: UP045 (schema)
-            return linear_triton_kernel.launch(x, weight, bias, *blocks(x.shape[0], weight), residual=residual, pdl=True)
-
-        @gemv_pdl.register_fake
-        def _(x, weight, bias, residual):
-            return x.new_empty(x.shape[0], weight.shape[0])
-
     _OP["op"] = gemv
-    _OP["pdl"] = gemv_pdl
 
 
 def blocks(rows: int, weight: torch.Tensor | None = None) -> tuple[int, int, int]:
@@ -123,7 +110,7 @@ def linear(x: torch.Tensor, weight: "torch.Tensor | BlockWeight", bias: torch.Te
 
         out = launch(rows, weight, bias, *blocks(rows.shape[0], weight), residual=into)
     else:
-        out = _OP["pdl"](rows, weight, bias, into) if PDL else _OP["op"](rows, weight, bias, into)  # [M, N]
+        out = _OP["op"](rows, weight, bias, into)  # [M, N]
     out = out.view(*x.shape[:-1], weight.shape[0])
     return out if fused else _plus(residual, out)
 

@@ -45,59 +45,16 @@ def gemv_kernel(x_ptr, w_ptr, bias_ptr, residual_ptr, y_ptr, rows, n, x_stride, 
     tl.store(y_ptr + into, y.to(y_ptr.dtype.element_ty), mask=inside)
 
 
-
-@triton.jit
-def gemv_pdl_kernel(x_ptr, w_ptr, bias_ptr, residual_ptr, y_ptr, rows, n, x_stride, w_stride, y_stride,
-                    k: tl.constexpr, HAS_BIAS: tl.constexpr, HAS_RESIDUAL: tl.constexpr, EVEN: tl.constexpr,
-                    ROWS_POW2: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
-    """Experiment: gemv_kernel launched with programmatic dependent launch. It lets the next kernel start as its
-    blocks end, reads its first weight chunk (weights come from no earlier kernel) and only then waits for the
-    earlier kernels' writes before reading x; the same arithmetic in the same order."""
-    tl.extra.cuda.gdc_launch_dependents()
-    outs = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)  # [BN]
-    ms = tl.arange(0, ROWS_POW2)  # [R]
-    lanes = tl.arange(0, BLOCK_K)  # [BK]
-    w_rows = w_ptr + outs.to(tl.int64)[:, None] * w_stride  # [BN, 1]
-    x_rows = x_ptr + ms[:, None] * x_stride  # [R, 1]
-    if EVEN:
-        w = tl.load(w_rows + lanes[None, :])  # [BN, BK]
-    else:
-        w = tl.load(w_rows + lanes[None, :], mask=(outs[:, None] < n) & (lanes[None, :] < k), other=0.0)
-    tl.extra.cuda.gdc_wait()  # every earlier kernel done and its writes visible
-    x = tl.load(x_rows + lanes[None, :], mask=(ms[:, None] < rows) & (lanes[None, :] < k), other=0.0)  # [R, BK]
-    acc = tl.zeros((ROWS_POW2, BLOCK_N, BLOCK_K), dtype=tl.float32)
-    acc += x.to(tl.float32)[:, None, :] * w.to(tl.float32)[None, :, :]
-    for start in range(BLOCK_K, k, BLOCK_K):
-        ks = start + lanes
-        if EVEN:
-            w = tl.load(w_rows + ks[None, :])  # [BN, BK]
-        else:
-            w = tl.load(w_rows + ks[None, :], mask=(outs[:, None] < n) & (ks[None, :] < k), other=0.0)
-        x = tl.load(x_rows + ks[None, :], mask=(ms[:, None] < rows) & (ks[None, :] < k), other=0.0)  # [R, BK]
-        acc += x.to(tl.float32)[:, None, :] * w.to(tl.float32)[None, :, :]
-    y = tl.sum(acc, axis=2)  # [R, BN]
-    if HAS_BIAS:
-        y += tl.load(bias_ptr + outs, mask=outs < n, other=0.0).to(tl.float32)[None, :]
-    into = ms[:, None] * y_stride + outs[None, :]  # [R, BN]
-    inside = (ms[:, None] < rows) & (outs[None, :] < n)
-    if HAS_RESIDUAL:
-        residual = tl.load(residual_ptr + into, mask=inside, other=0.0).to(tl.float32)
-        y = y.to(y_ptr.dtype.element_ty).to(tl.float32) + residual
-    tl.store(y_ptr + into, y.to(y_ptr.dtype.element_ty), mask=inside)
-
-
 def launch(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, block_n: int, block_k: int,
-           num_warps: int, wrap=lambda kernel: kernel, residual: torch.Tensor | None = None, pdl: bool = False) -> torch.Tensor:
+           num_warps: int, wrap=lambda kernel: kernel, residual: torch.Tensor | None = None) -> torch.Tensor:
     """x [M, K] (rows contiguous), weight [N, K] (rows contiguous), bias [N] or None, residual [M, N] (contiguous)
     or None -> y [M, N]."""
     rows, k = x.shape
     n = weight.shape[0]
     y = torch.empty(rows, n, dtype=x.dtype, device=x.device)
     even = n % block_n == 0 and k % block_k == 0
-    kernel, launch_options = (gemv_pdl_kernel, {"launch_pdl": True}) if pdl else (gemv_kernel, {})
-    wrap(kernel)[(triton.cdiv(n, block_n),)](
+    wrap(gemv_kernel)[(triton.cdiv(n, block_n),)](
         x, weight, x if bias is None else bias, x if residual is None else residual, y, rows, n, x.stride(0),
         weight.stride(0), y.stride(0), k, HAS_BIAS=bias is not None, HAS_RESIDUAL=residual is not None, EVEN=even,
-        ROWS_POW2=triton.next_power_of_2(rows), BLOCK_N=block_n, BLOCK_K=block_k, num_warps=num_warps,
-        **launch_options)
+        ROWS_POW2=triton.next_power_of_2(rows), BLOCK_N=block_n, BLOCK_K=block_k, num_warps=num_warps)
     return y
