@@ -225,7 +225,7 @@ def main() -> None:
     parser.add_argument("--gemv-grid", action="store_true", help="time the Triton GEMV at other block sizes too")
     parser.add_argument("--skip", default="", help="comma-separated parts to leave out: projections, eager "
                         "(the eager and graphless steps), split-kv (the step with the split-KV attention), residual, "
-                        "kv-write (the step with the MLP's residual add, or the KV write, separate), pdl-inductor")
+                        "kv-write (the step with the MLP's residual add, or the KV write, separate), pdl-inductor, combo")
     args = parser.parse_args()
     skip = set(args.skip.split(","))
     loaded = load_model(args.model, "cuda", args.dtype)
@@ -245,13 +245,15 @@ def main() -> None:
     # -O2 with the GEMV, then that step again side by side with one thing changed (each row skippable by name):
     # attention by the split-KV kernel; the MLP's residual added by its own kernel, not the GEMV's epilogue; the KV
     # cache written by its own index_copy; Inductor's kernels launched with programmatic dependent launch (torch 2.11 on
-    # the H200: 0.2% faster, other digests, so no knob offers it). Each row's digests say whether its bits changed.
+    # the H200: 0.2% faster, other digests, so no knob offers it); Inductor's combo kernels (independent kernels of a
+    # piece launched as one). Each row's digests say whether its bits changed.
     pdl = {"inductor_options": {"triton.enable_pdl": True}}  # Inductor's kernels with programmatic dependent launch
     rows = [(None, "", gemv, {}, True),
             ("split-kv", " +triton-split-kv", gemv.with_attention_kernel("triton-split-kv"), {}, True),
             ("residual", ", residual add separate", gemv, {}, False),
             ("kv-write", ", KV write separate", gemv, {"kv_write_in_piece": False}, True),
-            ("pdl-inductor", " +Inductor PDL", gemv, pdl, True)]
+            ("pdl-inductor", " +Inductor PDL", gemv, pdl, True),
+            ("combo", " +Inductor combo kernels", gemv, {"inductor_options": {"combo_kernels": True}}, True)]
     for name, label, forward, options, residual_in_projection in rows:
         if name in skip:
             continue
