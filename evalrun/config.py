@@ -107,7 +107,7 @@ OPT_LEVEL_DEFAULTS: dict[int, dict[str, Any]] = {
 }
 # Inductor's own defaults, used when neither the user nor the opt level set a knob.
 INDUCTOR_DEFAULTS = {"max_autotune": False, "coordinate_descent_tuning": False, "epilogue_fusion": True,
-                     "emulate_precision_casts": False}
+                     "emulate_precision_casts": False, "combo_kernels": False}
 INDUCTOR_KNOBS = tuple(INDUCTOR_DEFAULTS)
 OPT_LEVEL_KNOBS = ("compilation_mode", "cudagraph_mode", *INDUCTOR_KNOBS)  # what an -O level decides
 
@@ -119,11 +119,11 @@ WORKLOAD_FACTORS = ("model", "prompts", "max_new_tokens", "top_k", "temperature"
                     "server_config")
 # Knobs added after runs and goldens were first stored: a stored config without one ran at this value.
 OPTIONAL_STORED = {"batch_invariant": False, "engine": "evalrun", "tensor_parallel": 1, "served_model": "",
-                   "server_config": "", "server_timeout": 60.0, **DECODE_LEVER_DEFAULTS}
+                   "server_config": "", "server_timeout": 60.0, "combo_kernels": False, **DECODE_LEVER_DEFAULTS}
 # Factors added after config hashes were first stored: left out of the hash at these values, so every
 # hash stored before them (runs, goldens, bisect records) still names the same config.
 HASHED_ONLY_WHEN_SET = {"engine": "evalrun", "tensor_parallel": 1, "served_model": "", "server_config": "",
-                        **DECODE_LEVER_DEFAULTS}
+                        "combo_kernels": False, **DECODE_LEVER_DEFAULTS}
 # What computes the logits: evalrun's own engine (every execution mode), transformers' forward, or a
 # running OpenAI-compatible server (`openai:URL`).
 ENGINES = ("evalrun", "transformers")
@@ -164,6 +164,7 @@ class RunConfig:
     coordinate_descent_tuning: bool | None = None
     epilogue_fusion: bool | None = None
     emulate_precision_casts: bool | None = None
+    combo_kernels: bool | None = None  # Inductor launches a piece's independent kernels as one (issue #16)
     prefill_buckets: list[int] = field(default_factory=lambda: [16, 32, 64, 128, 256, 512, 1024, 2048])
     batch_buckets: list[int] = field(default_factory=lambda: [1, 2, 4, 8, 16, 32])
     strict_config: bool = False
@@ -207,6 +208,7 @@ class EffectiveConfig:
     coordinate_descent_tuning: bool
     epilogue_fusion: bool
     emulate_precision_casts: bool
+    combo_kernels: bool
     prefill_buckets: tuple[int, ...]
     batch_buckets: tuple[int, ...]
     strict_config: bool

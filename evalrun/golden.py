@@ -32,7 +32,8 @@ import numpy as np
 import xxhash
 
 from . import __version__, distributed
-from .config import DECODE_LEVER_DEFAULTS, CompilationMode, CUDAGraphMode, EffectiveConfig, RunConfig, resolve
+from .config import (DECODE_LEVER_DEFAULTS, INDUCTOR_DEFAULTS, CompilationMode, CUDAGraphMode, EffectiveConfig, RunConfig,
+                     resolve)
 from .errors import ConfigError, GoldenError, OutputError, StoreError
 from .runner import Prepared, Probes, Run, execute, prepare, record
 from .store import RUN_JSON_COLUMNS, PromptResult, Store, result_problem
@@ -68,9 +69,8 @@ def reference_config(config: EffectiveConfig) -> EffectiveConfig:
     """O0: eager, no CUDA graphs, deterministic, no TF32, Inductor knobs and decode levers (BLAS library,
     projection and attention kernels) at their defaults; all else kept."""
     return config.replace(opt_level=0, compilation_mode=CompilationMode.NONE, cudagraph_mode=CUDAGraphMode.NONE,
-                          deterministic=True, tf32=False, max_autotune=False, coordinate_descent_tuning=False,
-                          epilogue_fusion=True, emulate_precision_casts=False, adjustments=(), keep_logits="none",
-                          strict_config=False, **DECODE_LEVER_DEFAULTS)
+                          deterministic=True, tf32=False, adjustments=(), keep_logits="none", strict_config=False,
+                          **INDUCTOR_DEFAULTS, **DECODE_LEVER_DEFAULTS)
 
 
 def function_config(config: EffectiveConfig) -> EffectiveConfig:

@@ -89,9 +89,10 @@ def human_bytes(count: float) -> str:
 
 
 def config_line(config: dict[str, Any]) -> str:
-    """The stored config's main knobs, and the engine and decode levers where they are not the defaults."""
+    """The stored config's main knobs, and the engine, combo kernels and decode levers where they are not the
+    defaults."""
     keys = ("model", "device", "dtype", "opt_level", "compilation_mode", "cudagraph_mode", "batch_size", "deterministic")
-    levers = {"engine": "evalrun", **DECODE_LEVER_DEFAULTS}
+    levers = {"engine": "evalrun", "combo_kernels": False, **DECODE_LEVER_DEFAULTS}
     return " ".join([f"{key}={config.get(key)}" for key in keys]
                     + [f"{key}={config[key]}" for key, default in levers.items() if config.get(key, default) != default])
 

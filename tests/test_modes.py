@@ -339,3 +339,69 @@ def test_gpu_piecewise_graphs_read_the_weights_in_place_with_the_same_bits(monke
     assert copied[0] == 0 and copied[1] > 0, copied  # marked: none; unmarked: the stacked ones
     assert outputs[0].tokens.tolist() == outputs[1].tokens.tolist()
     assert outputs[0].logits.tobytes() == outputs[1].logits.tobytes()
+
+
+def test_combo_kernels_is_an_inductor_knob_hashed_only_when_set(cli, tiny_args):
+    """`combo_kernels` (Inductor launches a piece's independent kernels as one) reaches torch.compile's options, is
+    in the config hash only when on (every stored hash stays), and a golden's reference turns it off."""
+    from evalrun.config import EffectiveConfig, RunConfig, resolve
+    from evalrun.engine.modes import build_execution_mode
+    from evalrun.engine.transformer import Transformer
+    from evalrun.golden import reference_config
+    from evalrun.hashing import hash_value
+    from evalrun.models import load_model
+
+    plain = resolve(RunConfig(model="random:tiny", opt_level=2), cuda_available=False)
+    combo = resolve(RunConfig(model="random:tiny", opt_level=2, combo_kernels=True), cuda_available=False)
+    unset = {k: v for k, v in plain.factors().items()
+             if k not in ("combo_kernels", "blas_library", "linear_kernel", "attention_kernel", "engine",
+                          "tensor_parallel", "served_model", "server_config")}
+    assert plain.combo_kernels is False and plain.compute_hash() == hash_value(unset)
+    assert combo.compute_hash() != plain.compute_hash() and reference_config(combo).combo_kernels is False
+    stored = {k: v for k, v in combo.as_dict().items() if k != "combo_kernels"}  # a config stored before the knob
+    assert EffectiveConfig.from_dict(stored).combo_kernels is False
+    mode = build_execution_mode(Transformer(load_model("random:tiny", "cpu", "float32").model), combo)
+    assert mode.inductor_options["combo_kernels"] is True
+    code, out, err = cli("run", *tiny_args, "-O2", "--set", "combo_kernels=true", "--json", "--quiet")
+    assert code == 0, err
+    run = json.loads(out)
+    assert run["config"]["combo_kernels"] is True and run["evidence"]["fallbacks"] == []
+
+
+@pytest.mark.gpu
+def test_gpu_combo_kernels_launch_fewer_kernels_with_the_same_bits():
+    """On the GPU Inductor's combo kernels merge a piece's independent kernels (the rotary of q and of k) into one
+    launch: fewer kernels in a decode step, the same digests (on the H200 the 8B step too, decode_breakdown.py)."""
+    import torch
+    from torch.profiler import ProfilerActivity, profile
+
+    from evalrun.config import CompilationMode, CUDAGraphMode
+    from evalrun.engine.driver import generate_batch
+    from evalrun.engine.generate import BatchSpec
+    from evalrun.engine.modes import ExecutionMode, allow_recompiles_for
+    from evalrun.engine.transformer import Transformer
+    from evalrun.models import load_model
+
+    loaded = load_model("random:tiny", "cuda", "bfloat16")
+    transformer = Transformer(loaded.model)
+    spec = BatchSpec([loaded.tokenizer("Kernels side by side")["input_ids"]], 6, pad_id=0, keep_logits=True)
+    outputs, kernels = [], []
+    for combo in (False, True):
+        torch._dynamo.reset()
+        mode = ExecutionMode(transformer, CompilationMode.PIECEWISE, CUDAGraphMode.FULL_AND_PIECEWISE,
+                             prefill_buckets=(16,), batch_buckets=(1,), inductor_options={"combo_kernels": combo})
+        allow_recompiles_for(mode.prefill_buckets, mode.batch_buckets)
+        for _ in range(mode.calls_to_warm):
+            generate_batch(transformer, spec, mode)
+        outputs.append(generate_batch(transformer, spec, mode))
+        workspace = next(iter(mode.workspaces.values()))
+        workspace.step.fill_(1)
+        torch.cuda.synchronize()
+        with profile(activities=[ProfilerActivity.CUDA]) as profiler:
+            mode.decode(workspace)
+            torch.cuda.synchronize()
+        kernels.append(sum(1 for e in profiler.events() if e.device_type == torch.autograd.DeviceType.CUDA))
+        assert mode.evidence()["fallbacks"] == []
+    assert kernels[1] < kernels[0], kernels
+    assert outputs[0].digests.tolist() == outputs[1].digests.tolist()
+    assert outputs[0].logits.tobytes() == outputs[1].logits.tobytes()
