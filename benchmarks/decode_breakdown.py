@@ -225,7 +225,7 @@ def main() -> None:
     parser.add_argument("--gemv-grid", action="store_true", help="time the Triton GEMV at other block sizes too")
     parser.add_argument("--skip", default="", help="comma-separated parts to leave out: projections, eager "
                         "(the eager and graphless steps), split-kv (the step with the split-KV attention), residual, "
-                        "kv-write (the step with the MLP's residual add, or the KV write, separate), pdl-inductor, combo")
+                        "kv-write (the step with the MLP's residual add, or the KV write, separate), pdl-inductor, combo, prologues")
     args = parser.parse_args()
     skip = set(args.skip.split(","))
     loaded = load_model(args.model, "cuda", args.dtype)
@@ -246,19 +246,22 @@ def main() -> None:
     # attention by the split-KV kernel; the MLP's residual added by its own kernel, not the GEMV's epilogue; the KV
     # cache written by its own index_copy; Inductor's kernels launched with programmatic dependent launch (torch 2.11 on
     # the H200: 0.2% faster, other digests, so no knob offers it); Inductor's combo kernels (independent kernels of a
-    # piece launched as one). Each row's digests say whether its bits changed.
+    # piece launched as one); the GEMV computing the RMSNorm before q/k/v and silu(gate) * up before down itself
+    # (linear.FUSE_PROLOGUES). Each row's digests say whether its bits changed.
     pdl = {"inductor_options": {"triton.enable_pdl": True}}  # Inductor's kernels with programmatic dependent launch
     rows = [(None, "", gemv, {}, True),
             ("split-kv", " +triton-split-kv", gemv.with_attention_kernel("triton-split-kv"), {}, True),
             ("residual", ", residual add separate", gemv, {}, False),
             ("kv-write", ", KV write separate", gemv, {"kv_write_in_piece": False}, True),
             ("pdl-inductor", " +Inductor PDL", gemv, pdl, True),
-            ("combo", " +Inductor combo kernels", gemv, {"inductor_options": {"combo_kernels": True}}, True)]
+            ("combo", " +Inductor combo kernels", gemv, {"inductor_options": {"combo_kernels": True}}, True),
+            ("prologues", " +GEMV prologues", gemv, {}, True)]
     for name, label, forward, options, residual_in_projection in rows:
         if name in skip:
             continue
         torch._dynamo.reset()
         transformer_module.RESIDUAL_IN_PROJECTION = residual_in_projection
+        linear.FUSE_PROLOGUES = name == "prologues"
         try:
             row = measure_decode(forward, "piecewise", "full-and-piecewise", prompt, args.steps, **options)
         except Exception as error:  # one row failing (a knob this torch lacks) leaves the others measured
@@ -266,7 +269,7 @@ def main() -> None:
             print(f"row {name} failed: {report['failed_rows'][name]}", file=sys.stderr)
             continue
         finally:
-            transformer_module.RESIDUAL_IN_PROJECTION = True
+            transformer_module.RESIDUAL_IN_PROJECTION, linear.FUSE_PROLOGUES = True, False
         report["decode"].append({**row, "mode": f"piecewise/full-and-piecewise +triton-gemv{label}"})
     print(f"{report['device']}  torch {report['torch']}  {args.model} {args.dtype}")
     print(f"copy bandwidth {report['copy_tb_per_s']:.2f} TB/s -> limit {report['bandwidth_limit_tokens_per_s']:.0f} tok/s "

@@ -27,7 +27,7 @@ def partial_kernel(q_ptr, k_ptr, v_ptr, mask_ptr, acc_ptr, max_ptr, sum_ptr, sca
                    CHUNKS: tl.constexpr, BLOCK_S: tl.constexpr, PRECISION: tl.constexpr):
     head = tl.program_id(0)  # b * G + g
     chunk = tl.program_id(1)
-    scale = scale.to(tl.float32)  # Inductor passes a Python float as float64; Triton's own launch as float32
+    scale = tl.cast(scale, tl.float32)  # Inductor passes a Python float as float64; Triton's own launch as float32
     b = head // kv_heads
     g = head % kv_heads
     rows = tl.arange(0, ROWS)  # [RS]

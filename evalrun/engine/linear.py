@@ -16,11 +16,16 @@ tensor-parallel rank's shards. The golden's reference and oracle run without it 
 
 `gguf-gemv` (CPU) computes those rows from a GGUF model's stored blocks instead (gguf_blocks.py): its weights
 are BlockWeights, and a prefill multiplies their dense tensors.
+
+Prologues (`norm_linear`, `gated_linear`; off until measured on the GPU, FUSE_PROLOGUES): the GEMV can also
+compute its own input from the step's previous kernel's output, one kernel fewer each: the RMSNorm before q/k/v,
+and silu(gate) * up before down (linear_triton_kernel.py). Their bits are the GEMV's own again (another order of
+the norm's sum of squares, Triton's exp), so turning them on changes the bits of `linear_kernel=triton-gemv`.
 """
 
 from __future__ import annotations
 
-from typing import Optional
+from typing import Callable, Optional
 
 import torch
 import torch.nn.functional as F
@@ -57,8 +62,10 @@ def prepare(kernel: str, device: torch.device | str) -> None:
     with registering():
         @triton_op("evalrun::gemv", mutates_args={})
         def gemv(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor],  # noqa: UP045 (schema)
-                 residual: Optional[torch.Tensor]) -> torch.Tensor:  # noqa: UP045 (schema)
-            return linear_triton_kernel.launch(x, weight, bias, *blocks(x.shape[0], weight), wrap_triton, residual)
+                 residual: Optional[torch.Tensor], norm: Optional[torch.Tensor],  # noqa: UP045 (schema)
+                 eps: float, gated: bool) -> torch.Tensor:
+            return linear_triton_kernel.launch(x, weight, bias, *blocks(x.shape[0], weight), wrap_triton, residual,
+                                               norm, eps, gated)
 
     _OP["op"] = gemv
 
@@ -97,23 +104,63 @@ def linear(x: torch.Tensor, weight: "torch.Tensor | BlockWeight", bias: torch.Te
         return _plus(residual, _block_linear(x, weight, bias))
     if kernel != "triton-gemv":
         return _plus(residual, F.linear(x, weight, bias))
-    if "op" not in _OP and not INTERPRETED:  # asked for and never prepared: refused, not run as cuBLAS
-        raise ConfigError("linear_kernel=triton-gemv needs a CUDA device with Triton; use linear_kernel=aten")
+    _require_prepared()
     if not gemv_applies(x, weight, bias):
         return _plus(residual, F.linear(x, weight, bias))
-    rows = x.reshape(-1, x.shape[-1]).contiguous()  # [M, K]
+    return _gemv(x, weight, bias, residual)
+
+
+FUSE_PROLOGUES = False  # the GEMV's prologues (norm_linear, gated_linear): off until measured on the GPU
+
+
+def norm_linear(x: torch.Tensor, norm: Callable[[torch.Tensor], torch.Tensor], weight: torch.Tensor,
+                bias: torch.Tensor | None, kernel: str = "aten",
+                rms: tuple[torch.Tensor, float] | None = None) -> torch.Tensor:
+    """norm(x) [..., K] @ weight [N, K]^T + bias -> [..., N]. Where `norm` is Llama's RMSNorm, `rms` gives its
+    weight [K] and eps, and the GEMV (with its prologues on) takes the product, the GEMV normalises x itself."""
+    if (FUSE_PROLOGUES and rms is not None and kernel == "triton-gemv" and gemv_applies(x, weight, bias)
+            and rms[0].dtype == x.dtype and rms[0].shape == (x.shape[-1],) and rms[0].is_contiguous()):
+        _require_prepared()
+        return _gemv(x, weight, bias, None, norm=rms[0], eps=rms[1])
+    return linear(norm(x), weight, bias, kernel)
+
+
+def gated_linear(gate_up: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, kernel: str,
+                 activation: str, activate: Callable[[torch.Tensor], torch.Tensor],
+                 residual: torch.Tensor | None = None) -> torch.Tensor:
+    """activate(gate) * up @ weight [N, I]^T + bias (+ residual) -> [..., N], gate_up [..., 2I] being [gate | up].
+    With the GEMV's prologues on, a silu MLP's down projection by the GEMV computes silu(gate) * up itself."""
+    width = weight.shape[-1]
+    gate, up = gate_up.chunk(2, dim=-1)
+    if (FUSE_PROLOGUES and activation in ("silu", "swish") and kernel == "triton-gemv"
+            and gate_up.shape[-1] == 2 * width and gemv_applies(gate, weight, bias)):
+        _require_prepared()
+        return _gemv(gate_up, weight, bias, residual, gated=True)
+    return linear(activate(gate) * up, weight, bias, kernel, residual=residual)
+
+
+def _require_prepared() -> None:
+    if "op" not in _OP and not INTERPRETED:  # asked for and never prepared: refused, not run as cuBLAS
+        raise ConfigError("linear_kernel=triton-gemv needs a CUDA device with Triton; use linear_kernel=aten")
+
+
+def _gemv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, residual: torch.Tensor | None,
+          norm: torch.Tensor | None = None, eps: float = 0.0, gated: bool = False) -> torch.Tensor:
+    """The GEMV of x [..., K] ([..., 2K] gated) with weight [N, K] -> [..., N]; with `residual` [..., N], residual +
+    that, added in the epilogue where the residual is a contiguous tensor of x's dtype and shape."""
+    rows = x.reshape(-1, x.shape[-1]).contiguous()  # [M, K] or [M, 2K]
     fused = (residual is not None and residual.is_contiguous() and residual.dtype == x.dtype
              and residual.shape == (*x.shape[:-1], weight.shape[0]))
     into = residual.view(rows.shape[0], weight.shape[0]) if fused else None  # [M, N]
     if INTERPRETED:
         from .linear_triton_kernel import launch
 
-        out = launch(rows, weight, bias, *blocks(rows.shape[0], weight), residual=into)
+        out = launch(rows, weight, bias, *blocks(rows.shape[0], weight), residual=into, norm=norm, eps=eps,
+                     gated=gated)
     else:
-        out = _OP["op"](rows, weight, bias, into)  # [M, N]
+        out = _OP["op"](rows, weight, bias, into, norm, float(eps), gated)  # [M, N]
     out = out.view(*x.shape[:-1], weight.shape[0])
     return out if fused else _plus(residual, out)
-
 
 def _plus(residual: torch.Tensor | None, out: torch.Tensor) -> torch.Tensor:
     return out if residual is None else residual + out
