@@ -34,7 +34,6 @@ import torch.nn.functional as F
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from evalrun.engine import linear  # noqa: E402
-from evalrun.hashing import hash_bytes  # noqa: E402
 from evalrun.engine.driver import generate_batch  # noqa: E402
 from evalrun.engine.generate import BatchSpec  # noqa: E402
 from evalrun.config import CompilationMode, CUDAGraphMode  # noqa: E402
@@ -42,6 +41,7 @@ from evalrun.engine.modes import ExecutionMode  # noqa: E402
 from evalrun.engine.timing import StepClock  # noqa: E402
 from evalrun.engine import transformer as transformer_module  # noqa: E402
 from evalrun.engine.transformer import Transformer  # noqa: E402
+from evalrun.hashing import hash_bytes  # noqa: E402
 from evalrun.models import load_model  # noqa: E402
 
 
@@ -238,6 +238,7 @@ def main() -> None:
     if "projections" not in skip:
         projections_report(report, transformer, args.gemv_grid)
     prompt = loaded.tokenizer("The capital of France is")["input_ids"]
+    report.update(prompt_tokens=len(prompt), steps=args.steps)  # what the rows' digests were computed over
     modes = (("none", "none"), ("piecewise", "none")) if "eager" not in skip else ()
     report["decode"] = [measure_decode(transformer, c, g, prompt, args.steps)
                         for c, g in (*modes, ("piecewise", "full-and-piecewise"))]

@@ -119,11 +119,12 @@ WORKLOAD_FACTORS = ("model", "prompts", "max_new_tokens", "top_k", "temperature"
                     "server_config")
 # Knobs added after runs and goldens were first stored: a stored config without one ran at this value.
 OPTIONAL_STORED = {"batch_invariant": False, "engine": "evalrun", "tensor_parallel": 1, "served_model": "",
-                   "server_config": "", "server_timeout": 60.0, "combo_kernels": False, **DECODE_LEVER_DEFAULTS}
+                   "server_config": "", "server_timeout": 60.0, "combo_kernels": INDUCTOR_DEFAULTS["combo_kernels"],
+                   **DECODE_LEVER_DEFAULTS}
 # Factors added after config hashes were first stored: left out of the hash at these values, so every
 # hash stored before them (runs, goldens, bisect records) still names the same config.
 HASHED_ONLY_WHEN_SET = {"engine": "evalrun", "tensor_parallel": 1, "served_model": "", "server_config": "",
-                        "combo_kernels": False, **DECODE_LEVER_DEFAULTS}
+                        "combo_kernels": INDUCTOR_DEFAULTS["combo_kernels"], **DECODE_LEVER_DEFAULTS}
 # What computes the logits: evalrun's own engine (every execution mode), transformers' forward, or a
 # running OpenAI-compatible server (`openai:URL`).
 ENGINES = ("evalrun", "transformers")

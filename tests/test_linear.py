@@ -462,7 +462,9 @@ cases = []
 for fuse in (True, False):
     linear.FUSE_PROLOGUES = fuse
     for dtype in (torch.float32, torch.float16):
-        for rows, n, k, bias in ((1, 48, 256, False), (2, 40, 300, True), (4, 24, 96, True)):
+        # K below one block, two whole blocks (1024: unmasked weight loads) and three with a remainder (1100)
+        for rows, n, k, bias in ((1, 48, 256, False), (2, 40, 300, True), (4, 24, 96, True), (1, 16, 1024, False),
+                                 (2, 20, 1100, True)):
             x = (torch.randn(1, rows, k, generator=g) * 3).to(dtype)
             scale = (torch.randn(k, generator=g) * 0.2 + 1).to(dtype)
             w = (torch.randn(n, k, generator=g) / k ** 0.5).to(dtype)
@@ -490,7 +492,7 @@ for fuse in (True, False):
     launched.clear()
     x, w = torch.randn(1, 1, 64, generator=g), torch.randn(32, 64, generator=g)
     linear.gated_linear(torch.randn(1, 1, 128, generator=g), w, None, "triton-gemv", "gelu", F.gelu)
-    linear.norm_linear(x, lambda h: h * 2, w, None, "triton-gemv", None)  # not Llama's RMSNorm (Gemma's)
+    linear.norm_linear(x, lambda h: h * 2, w, None, "triton-gemv", None)  # no RMSNorm weight given: norm it first
     cases.append({"kind": "not-fusable", "fuse": fuse, "ran": list(launched)})
 loaded = load_model("random:tiny", "cpu", "float32")
 model = Transformer(loaded.model).with_linear_kernel("triton-gemv")
@@ -518,7 +520,7 @@ def test_the_gemv_prologues_compute_the_norm_and_the_gate_within_rounding():
         assert case["error"] <= case["scale"] * 4 * unit + 1e-5, case
         assert case["ran"][0] == (case["kind"] if case["fuse"] else "plain"), case  # one GEMV, with its prologue
         assert case["fuse"] or case["gap"] == 0.0
-    for case in (c for c in cases if c["kind"] == "not-fusable"):  # gelu, Gemma's norm: computed by torch first
+    for case in (c for c in cases if c["kind"] == "not-fusable"):  # gelu, another norm: computed by torch first
         assert case["ran"] == ["plain", "plain"], case
     model = cases[-1]
     assert model["tokens_equal"] and model["logits_gap"] <= 1e-3, model

@@ -110,7 +110,9 @@ def linear(x: torch.Tensor, weight: "torch.Tensor | BlockWeight", bias: torch.Te
     return _gemv(x, weight, bias, residual)
 
 
-FUSE_PROLOGUES = False  # the GEMV's prologues (norm_linear, gated_linear): off until measured on the GPU
+# The GEMV's prologues (norm_linear, gated_linear): off until measured on the GPU. Turning them on changes the bits
+# of linear_kernel=triton-gemv; a flipped default is in this file's source, so runs record it as engine_code.
+FUSE_PROLOGUES = False
 
 
 def norm_linear(x: torch.Tensor, norm: Callable[[torch.Tensor], torch.Tensor], weight: torch.Tensor,
@@ -161,6 +163,7 @@ def _gemv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, resi
         out = _OP["op"](rows, weight, bias, into, norm, float(eps), gated)  # [M, N]
     out = out.view(*x.shape[:-1], weight.shape[0])
     return out if fused else _plus(residual, out)
+
 
 def _plus(residual: torch.Tensor | None, out: torch.Tensor) -> torch.Tensor:
     return out if residual is None else residual + out
