@@ -7,7 +7,8 @@
 # then poll /root/lev/stages.txt (`done` ends it). It first copies the repo to /root/repo, so a later
 # call's working-tree sync cannot change the scripts under it.
 #   GPU 0  every `pytest -m gpu` test but the NCCL ones; then `evalrun bench` of random:llama3-8b with the
-#          decode levers side by side (-O2 alone, with the Triton GEMV, with cuBLASLt, with both; -O3),
+#          decode levers side by side (-O2 alone, with the Triton GEMV, with GEMV + split-KV + combo kernels,
+#          those with whole prefill graphs; -O3 with them),
 #          beside transformers' eager and static-cache + compile generate
 #   GPU 1  benchmarks/decode_breakdown.py (projection bandwidth by kernel, the -O2 step with and without
 #          the GEMV); then benchmarks/h200_warm_compile.sh (cold and warm compile caches)
@@ -22,7 +23,9 @@ source benchmarks/h200_steps.sh
 export TORCHINDUCTOR_COMPILE_THREADS=8
 nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv > "$RES/gpu.txt" 2>&1
 python3 -c "import torch, transformers, triton; print(torch.__version__, transformers.__version__, triton.__version__)" >> "$RES/gpu.txt" 2>&1
-LEVERS=${LEVERS:-O2,O2+linear_kernel=triton-gemv,O2+blas_library=cublaslt,O2+blas_library=cublaslt+linear_kernel=triton-gemv,O3}
+ALL=linear_kernel=triton-gemv+attention_kernel=triton-split-kv+combo_kernels=true  # the levers that won (stop 16)
+LEVERS=${LEVERS:-O2,O2+linear_kernel=triton-gemv,O2+$ALL,O2+cudagraph_mode=full+$ALL,O3+$ALL}
+BREAKDOWN_SKIP=${BREAKDOWN_SKIP:-projections,eager,residual,kv-write,pdl-inductor}  # the probe's rows left out
 
 bench_levers() {
   step bench-levers python3 -m evalrun bench --model random:llama3-8b --dtype bfloat16 --device cuda --prompts smoke \
@@ -35,7 +38,7 @@ bench_levers() {
     > "$RES/gpu-tests.txt" 2>&1
   [ "${BENCH_ONLY:-0}" = 1 ] || bench_levers
   if [ "${BENCH_ONLY:-0}" = 1 ] && [ "${PROBES:-0}" = 1 ]; then  # (otherwise GPU 1 runs the breakdown)
-    step probe-breakdown timeout 420 python3 benchmarks/decode_breakdown.py --model random:llama3-8b \
+    step probe-breakdown timeout 420 python3 benchmarks/decode_breakdown.py --model random:llama3-8b --skip "$BREAKDOWN_SKIP" \
       --json "$RES/probe-breakdown-report.json"
     step fusion timeout 300 python3 benchmarks/fusion_candidates.py --json "$RES/fusion-report.json"
   fi
