@@ -201,8 +201,11 @@ def test_gpu_split_kv_eager_compiled_and_graphed_agree_bitwise(slots, dtype):
     from evalrun.engine.transformer import attention, build_mask
 
     attention_triton.prepare("triton-split-kv", "cuda")
-    q = torch.randn(1, 32, 1, 128, device="cuda", dtype=dtype)
-    k, v = (torch.randn(1, 8, slots, 128, device="cuda", dtype=dtype) for _ in range(2))
+    # Seeded, three inputs: once (stop 16, unseeded) the float32 case at 1000 slots found the compiled op's bits
+    # other than the eager op's; a seed makes such a case reproducible
+    generator = torch.Generator(device="cuda").manual_seed(slots)
+    q = torch.randn(1, 32, 1, 128, device="cuda", dtype=dtype, generator=generator)
+    k, v = (torch.randn(1, 8, slots, 128, device="cuda", dtype=dtype, generator=generator) for _ in range(2))
     valid = torch.zeros(1, slots, dtype=torch.bool, device="cuda")
     valid[:, :slots - 7] = True
     mask = build_mask(torch.tensor([slots - 8], device="cuda"), valid, 4, dtype)
@@ -210,7 +213,10 @@ def test_gpu_split_kv_eager_compiled_and_graphed_agree_bitwise(slots, dtype):
     exact = attention(q.double(), k.double(), v.double(), mask.double(), "sdpa")
     assert (out.double() - exact).abs().max().item() <= (2 ** -7 if dtype == torch.bfloat16 else 1e-5)
     compiled = torch.compile(lambda a: attention(a, k, v, mask, "sdpa", kernel="triton-split-kv"), fullgraph=True)
-    assert torch.equal(compiled(q), out)
+    for query in (q, *(torch.randn(q.shape, device="cuda", dtype=dtype, generator=generator) for _ in range(2))):
+        eager = attention(query, k, v, mask, "sdpa", kernel="triton-split-kv")
+        differ = (compiled(query) != eager).sum().item()
+        assert differ == 0, f"{differ} of {eager.numel()} values differ compiled vs eager"
     static = q.clone()
     graph = torch.cuda.CUDAGraph()
     attention(static, k, v, mask, "sdpa", kernel="triton-split-kv")
