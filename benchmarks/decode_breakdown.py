@@ -225,7 +225,8 @@ def main() -> None:
     parser.add_argument("--gemv-grid", action="store_true", help="time the Triton GEMV at other block sizes too")
     parser.add_argument("--skip", default="", help="comma-separated parts to leave out: projections, eager "
                         "(the eager and graphless steps), split-kv (the step with the split-KV attention), residual, "
-                        "kv-write (the step with the MLP's residual add, or the KV write, separate), pdl-inductor, combo, prologues")
+                        "kv-write (the step with the MLP's residual add, or the KV write, separate), pdl-inductor, combo, "
+                        "prologues")
     args = parser.parse_args()
     skip = set(args.skip.split(","))
     loaded = load_model(args.model, "cuda", args.dtype)
@@ -287,7 +288,8 @@ def main() -> None:
     for row in report["decode"]:
         kinds = "  ".join(f"{k} {v['kernels']:.0f}x {v['ms']:.3f} ms" for k, v in sorted(row["by_kind"].items()))
         print(f"  {row['mode']:62s} step {row['step_p50_ms']:.3f} ms ({1000 / row['step_p50_ms']:.1f} tok/s)  "
-              f"{row['kernels_per_step']:.0f} kernels  idle {row['idle_share']:.0%}  {kinds}  digests {row['digests_hash'][:12]}")
+              f"{row['kernels_per_step']:.0f} kernels  idle {row['idle_share']:.0%}  {kinds}  "
+              f"digests {row['digests_hash'][:12]}")
         prefill = row["prefill"]
         print(f"      TTFT {row['ttft_ms']:.1f} ms, then " + ", ".join(f"{t:.1f}" for t in row["ttft_ms_next"])
               + f"; one prefill: {prefill['wall_ms_profiled']:.1f} ms on the host (profiled), "

@@ -32,8 +32,8 @@ import numpy as np
 import xxhash
 
 from . import __version__, distributed
-from .config import (DECODE_LEVER_DEFAULTS, INDUCTOR_DEFAULTS, CompilationMode, CUDAGraphMode, EffectiveConfig, RunConfig,
-                     resolve)
+from .config import (DECODE_LEVER_DEFAULTS, INDUCTOR_DEFAULTS, CompilationMode, CUDAGraphMode, EffectiveConfig,
+                     RunConfig, resolve)
 from .errors import ConfigError, GoldenError, OutputError, StoreError
 from .runner import Prepared, Probes, Run, execute, prepare, record
 from .store import RUN_JSON_COLUMNS, PromptResult, Store, result_problem

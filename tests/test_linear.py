@@ -545,7 +545,8 @@ def test_gpu_gemv_prologues_agree_eager_compiled_and_graphed(rows, n, k, monkeyp
     gate_up = torch.randn(1, rows, 2 * k, device="cuda", dtype=torch.bfloat16)
     w = torch.randn(n, k, device="cuda", dtype=torch.bfloat16) * 0.02
     residual = torch.randn(1, rows, n, device="cuda", dtype=torch.bfloat16)
-    norm = lambda a: linear.norm_linear(a, lambda h: rms_norm(h, scale, 1e-5), w, None, "triton-gemv", (scale, 1e-5))  # noqa: E731
+    norm = lambda a: linear.norm_linear(  # noqa: E731
+        a, lambda h: rms_norm(h, scale, 1e-5), w, None, "triton-gemv", (scale, 1e-5))
     gated = lambda a, r: linear.gated_linear(a, w, None, "triton-gemv", "silu", F.silu, residual=r)  # noqa: E731
     y_norm, y_gated = norm(x), gated(gate_up, residual)
     plain_norm = linear.linear(rms_norm(x, scale, 1e-5), w, None, "triton-gemv")

@@ -43,7 +43,8 @@ def gemv_kernel(x_ptr, w_ptr, bias_ptr, residual_ptr, norm_ptr, y_ptr, rows, n, 
             ks = start + lanes
             xs = tl.load(x_rows + ks[None, :], mask=(ms[:, None] < rows) & (ks[None, :] < k), other=0.0)
             squares += xs.to(tl.float32) * xs.to(tl.float32)
-        rstd = 1.0 / tl.sqrt(tl.sum(squares, axis=1) / k + tl.cast(eps, tl.float32))  # [R]: Inductor passes eps as float64
+        # [R]; eps cast, since Inductor passes a Python float as float64
+        rstd = 1.0 / tl.sqrt(tl.sum(squares, axis=1) / k + tl.cast(eps, tl.float32))
     acc = tl.zeros((ROWS_POW2, BLOCK_N, BLOCK_K), dtype=tl.float32)
     for start in range(0, k, BLOCK_K):
         ks = start + lanes
