@@ -8,7 +8,7 @@ import math
 import re
 from typing import Any, Iterable, Sequence
 
-from .config import DECODE_LEVER_DEFAULTS
+from .config import DECODE_LEVER_DEFAULTS, INDUCTOR_DEFAULTS
 from .store import PromptResult, RunRecord
 
 
@@ -92,7 +92,7 @@ def config_line(config: dict[str, Any]) -> str:
     """The stored config's main knobs, and the engine, combo kernels and decode levers where they are not the
     defaults."""
     keys = ("model", "device", "dtype", "opt_level", "compilation_mode", "cudagraph_mode", "batch_size", "deterministic")
-    levers = {"engine": "evalrun", "combo_kernels": False, **DECODE_LEVER_DEFAULTS}
+    levers = {"engine": "evalrun", "combo_kernels": INDUCTOR_DEFAULTS["combo_kernels"], **DECODE_LEVER_DEFAULTS}
     return " ".join([f"{key}={config.get(key)}" for key in keys]
                     + [f"{key}={config[key]}" for key, default in levers.items() if config.get(key, default) != default])
 
