@@ -17,10 +17,10 @@ tensor-parallel rank's shards. The golden's reference and oracle run without it 
 `gguf-gemv` (CPU) computes those rows from a GGUF model's stored blocks instead (gguf_blocks.py): its weights
 are BlockWeights, and a prefill multiplies their dense tensors.
 
-Prologues (`norm_linear`, `gated_linear`; off until measured on the GPU, FUSE_PROLOGUES): the GEMV can also
-compute its own input from the step's previous kernel's output, one kernel fewer each: the RMSNorm before q/k/v,
-and silu(gate) * up before down (linear_triton_kernel.py). Their bits are the GEMV's own again (another order of
-the norm's sum of squares, Triton's exp), so turning them on changes the bits of `linear_kernel=triton-gemv`.
+`triton-gemv-fused` is the same GEMV with prologues (`norm_linear`, `gated_linear`): it computes its own input
+from the previous kernel's output, one kernel fewer each: the RMSNorm before q/k/v (Llama's norm, no offset), and
+silu(gate) * up before down (linear_triton_kernel.py). Its bits are the GEMV's own again (another order of the
+norm's sum of squares, Triton's exp), so it is a knob value of its own: `triton-gemv` keeps its bits.
 """
 
 from __future__ import annotations
@@ -47,12 +47,16 @@ GEMV_BLOCKS = {1: (8, 512, 4), 2: (8, 512, 4), 4: (8, 256, 4)}
 # models (K <= N) stay with cuBLAS: not measured.
 GEMV_LONG_ROW = 8192
 GEMV_LONG_BLOCKS = (8, 1024, 4)
+# One row of any larger weight (gate/up, the head) takes the GEMV too, with GEMV_LONG_BLOCKS: being measured
+GEMV_ONE_ROW_ANY_WEIGHT = False
+TRITON_GEMVS = ("triton-gemv", "triton-gemv-fused")  # the linear_kernel values that run the Triton GEMV
+FUSED_PROLOGUES = ("norm", "gated")  # which prologues triton-gemv-fused computes (being measured one by one)
 _OP: dict = {}  # "op": the registered torch op, once prepare() ran on a CUDA device with Triton
 
 
 def prepare(kernel: str, device: torch.device | str) -> None:
     """Register the GEMV as a torch op for a CUDA device, once, before anything is compiled (triton_ops)."""
-    if kernel != "triton-gemv" or "op" in _OP or INTERPRETED:
+    if kernel not in TRITON_GEMVS or "op" in _OP or INTERPRETED:
         return
     refuse_unregistrable("linear_kernel", kernel, "aten", device)
     from torch.library import triton_op, wrap_triton
@@ -88,7 +92,7 @@ def gemv_applies(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | Non
     interpreted)."""
     rows = x.numel() // max(1, x.shape[-1])
     return (1 <= rows <= GEMV_MAX_ROWS and weight.dim() == 2 and weight.shape[1] == x.shape[-1]
-            and (weight.numel() <= GEMV_MAX_WEIGHT or (rows == 1 and is_long_row(weight)))
+            and (weight.numel() <= GEMV_MAX_WEIGHT or (rows == 1 and (GEMV_ONE_ROW_ANY_WEIGHT or is_long_row(weight))))
             and weight.stride(-1) == 1 and x.dtype == weight.dtype and x.dtype in GEMV_DTYPES
             and (bias is None or (bias.dtype == x.dtype and bias.dim() == 1 and bias.is_contiguous()))
             and (x.is_cuda or INTERPRETED))
@@ -97,32 +101,27 @@ def gemv_applies(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | Non
 def linear(x: torch.Tensor, weight: "torch.Tensor | BlockWeight", bias: torch.Tensor | None,
            kernel: str = "aten", residual: torch.Tensor | None = None) -> torch.Tensor:
     """x [..., K] @ weight [N, K]^T + bias [N] -> [..., N], by `kernel` (aten | triton-gemv | gguf-gemv) where
-    it applies; with `residual` [..., N], residual + that. The GEMV adds it in its epilogue (one kernel fewer), with
+    it applies (triton-gemv-fused: as triton-gemv); with `residual` [..., N], residual + that. The GEMV adds it in its epilogue (one kernel fewer), with
     the bits of adding it with torch afterwards; compiled, the residual is then a stored tensor of the model dtype,
     where Inductor might otherwise have kept the sum that made it unrounded (transformer.mlp_block)."""
     if kernel == "gguf-gemv":
         return _plus(residual, _block_linear(x, weight, bias))
-    if kernel != "triton-gemv":
+    if kernel not in TRITON_GEMVS:
         return _plus(residual, F.linear(x, weight, bias))
-    _require_prepared()
+    _require_prepared(kernel)
     if not gemv_applies(x, weight, bias):
         return _plus(residual, F.linear(x, weight, bias))
     return _gemv(x, weight, bias, residual)
-
-
-# The GEMV's prologues (norm_linear, gated_linear): off until measured on the GPU. Turning them on changes the bits
-# of linear_kernel=triton-gemv; a flipped default is in this file's source, so runs record it as engine_code.
-FUSE_PROLOGUES = False
 
 
 def norm_linear(x: torch.Tensor, norm: Callable[[torch.Tensor], torch.Tensor], weight: torch.Tensor,
                 bias: torch.Tensor | None, kernel: str = "aten",
                 rms: tuple[torch.Tensor, float] | None = None) -> torch.Tensor:
     """norm(x) [..., K] @ weight [N, K]^T + bias -> [..., N]. Where `norm` is Llama's RMSNorm, `rms` gives its
-    weight [K] and eps, and the GEMV (with its prologues on) takes the product, the GEMV normalises x itself."""
-    if (FUSE_PROLOGUES and rms is not None and kernel == "triton-gemv" and gemv_applies(x, weight, bias)
+    weight [K] and eps, and linear_kernel=triton-gemv-fused takes the product, the GEMV normalises x itself."""
+    if (kernel == "triton-gemv-fused" and "norm" in FUSED_PROLOGUES and rms is not None and gemv_applies(x, weight, bias)
             and rms[0].dtype == x.dtype and rms[0].shape == (x.shape[-1],) and rms[0].is_contiguous()):
-        _require_prepared()
+        _require_prepared(kernel)
         return _gemv(x, weight, bias, None, norm=rms[0], eps=rms[1])
     return linear(norm(x), weight, bias, kernel)
 
@@ -131,19 +130,19 @@ def gated_linear(gate_up: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor
                  activation: str, activate: Callable[[torch.Tensor], torch.Tensor],
                  residual: torch.Tensor | None = None) -> torch.Tensor:
     """activate(gate) * up @ weight [N, I]^T + bias (+ residual) -> [..., N], gate_up [..., 2I] being [gate | up].
-    With the GEMV's prologues on, a silu MLP's down projection by the GEMV computes silu(gate) * up itself."""
+    Under linear_kernel=triton-gemv-fused a silu MLP's down projection by the GEMV computes silu(gate) * up itself."""
     width = weight.shape[-1]
     gate, up = gate_up.chunk(2, dim=-1)
-    if (FUSE_PROLOGUES and activation in ("silu", "swish") and kernel == "triton-gemv"
-            and gate_up.shape[-1] == 2 * width and gemv_applies(gate, weight, bias)):
-        _require_prepared()
+    if (kernel == "triton-gemv-fused" and "gated" in FUSED_PROLOGUES and activation in ("silu", "swish") and gate_up.shape[-1] == 2 * width
+            and gemv_applies(gate, weight, bias)):
+        _require_prepared(kernel)
         return _gemv(gate_up, weight, bias, residual, gated=True)
     return linear(activate(gate) * up, weight, bias, kernel, residual=residual)
 
 
-def _require_prepared() -> None:
+def _require_prepared(kernel: str) -> None:
     if "op" not in _OP and not INTERPRETED:  # asked for and never prepared: refused, not run as cuBLAS
-        raise ConfigError("linear_kernel=triton-gemv needs a CUDA device with Triton; use linear_kernel=aten")
+        raise ConfigError(f"linear_kernel={kernel} needs a CUDA device with Triton; use linear_kernel=aten")
 
 
 def _gemv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, residual: torch.Tensor | None,

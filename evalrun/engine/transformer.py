@@ -58,7 +58,7 @@ class Variant:
     attn_softcap: float | None = None  # Gemma 2: scores -> c * tanh(scores / c) before the mask
     final_softcap: float | None = None  # Gemma 2: logits -> c * tanh(logits / c)
     sliding_window: int | None = None  # a query sees the keys of its last `sliding_window` slots
-    linear_kernel: str = "aten"  # aten | triton-gemv | gguf-gemv: who computes projections of 1-4 rows (linear.py)
+    linear_kernel: str = "aten"  # aten | triton-gemv[-fused] | gguf-gemv: who computes 1-4 rows' projections (linear.py)
 
 
 LLAMA_VARIANT = Variant()
@@ -415,7 +415,7 @@ def pre_attention(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, input_n
     bqkv [(H+2G)*D]: the q/k/v biases (Qwen2, Llama's attention_bias); q_norm, k_norm [D]: Qwen3's and
     Gemma 3's RMSNorm of each query and key head, applied before rotary."""
     batch, tokens, _ = x.shape
-    rms = None if variant.norm_offset else (input_norm, eps)  # Llama's RMSNorm: the GEMV's prologue may compute it
+    rms = None if variant.norm_offset else (input_norm, eps)  # Llama's RMSNorm: triton-gemv-fused computes it
     qkv = projections.norm_linear(x, lambda h: norm(h, input_norm, eps, variant), wqkv, bqkv, variant.linear_kernel,
                                   rms).view(batch, tokens, heads + 2 * kv_heads, head_dim)
     q, k, v = qkv.transpose(1, 2).split([heads, kv_heads, kv_heads], dim=1)
@@ -500,7 +500,7 @@ def mlp_block(x: torch.Tensor, post_norm: torch.Tensor, gate_up: torch.Tensor, d
     # a compiled post_attention x (= the residual + the output projection) is then stored rounded to the model
     # dtype, as eager rounds it, where Inductor had kept that sum in float32 for the norm and this add: other bits
     # for compiled bfloat16/float16 runs with linear_kernel=triton-gemv than before stop 15 (engine_code says so).
-    # With the GEMV's prologues on it also computes activate(gate) * up itself (linear.gated_linear).
+    # linear_kernel=triton-gemv-fused also computes activate(gate) * up in the GEMV (linear.gated_linear).
     if out_norm is None and reduce is None and RESIDUAL_IN_PROJECTION:
         return projections.gated_linear(gate_up_out, down, b_down, variant.linear_kernel, activation,
                                         lambda gate: activate(gate, activation), residual=x)
