@@ -14,8 +14,8 @@ and the engine's decode step under three modes with its kernel time by kind.
    again with the KV cache written by a separate index_copy per layer (before the write moved into the
    pre-attention piece), with the MLP's residual added by its own kernel (before the GEMV's epilogue
    took it), with attention by the split-KV kernel (`attention_kernel=triton-split-kv`), with Inductor's
-   combo kernels, with the GEMV's prologues (`linear_kernel=triton-gemv-fused`), and those levers together
-   with and without -O3's Inductor options (max-autotune, coordinate descent), side by side.
+   combo kernels, and those levers together with and without -O3's Inductor options (max-autotune,
+   coordinate descent), side by side.
    Each row also gives the time to first token of four more batches and one profiled prefill: host wall
    time against the GPU's kernel time (is the prefill bound by the host?) and its longest kernels.
    `--skip` leaves parts out.
@@ -228,7 +228,7 @@ def main() -> None:
     parser.add_argument("--skip", default="", help="comma-separated parts to leave out: projections, eager "
                         "(the eager and graphless steps), split-kv (the step with the split-KV attention), residual, "
                         "kv-write (the step with the MLP's residual add, or the KV write, separate), pdl-inductor, combo, "
-                        "prologues, levers, levers-fused, levers-o3, levers-fused-o3")
+                        "levers, levers-o3")
     args = parser.parse_args()
     skip = set(args.skip.split(","))
     loaded = load_model(args.model, "cuda", args.dtype)
@@ -246,41 +246,31 @@ def main() -> None:
     report["decode"] = [measure_decode(transformer, c, g, prompt, args.steps)
                         for c, g in (*modes, ("piecewise", "full-and-piecewise"))]
     gemv = transformer.with_linear_kernel("triton-gemv")
-    fused = transformer.with_linear_kernel("triton-gemv-fused")
     # -O2 with the GEMV, then that step again side by side with one thing changed (each row skippable by name):
     # attention by the split-KV kernel; the MLP's residual added by its own kernel, not the GEMV's epilogue; the KV
     # cache written by its own index_copy; Inductor's kernels launched with programmatic dependent launch (torch 2.11 on
     # the H200: 0.2% faster, other digests, so no knob offers it); Inductor's combo kernels (independent kernels of a
-    # piece launched as one); the GEMV computing the RMSNorm before q/k/v and silu(gate) * up before down itself
-    # (linear_kernel=triton-gemv-fused). Then the levers together (split-KV, combo kernels, with and without the
-    # prologues), and those with -O3's Inductor options. Each row's digests say whether its bits changed.
+    # piece launched as one). Then the levers together (split-KV, combo kernels), and those with -O3's Inductor options.
+    # Each row's digests say whether its bits changed. (Measured here and dropped, stop 17: the GEMV computing the
+    # RMSNorm before q/k/v and silu(gate) * up before down itself, h200-decode-breakdown-prologues*.json; gate/up and
+    # the head by the GEMV, h200-decode-breakdown-gemv-large.json.)
     pdl = {"inductor_options": {"triton.enable_pdl": True}}  # Inductor's kernels with programmatic dependent launch
     combo = {"inductor_options": {"combo_kernels": True}}
     o3 = {"inductor_options": {"combo_kernels": True, "max_autotune": True, "coordinate_descent_tuning": True}}
+    levers = gemv.with_attention_kernel("triton-split-kv")
     rows = [(None, "", gemv, {}, True),
-            ("split-kv", " +triton-split-kv", gemv.with_attention_kernel("triton-split-kv"), {}, True),
+            ("split-kv", " +triton-split-kv", levers, {}, True),
             ("residual", ", residual add separate", gemv, {}, False),
             ("kv-write", ", KV write separate", gemv, {"kv_write_in_piece": False}, True),
             ("pdl-inductor", " +Inductor PDL", gemv, pdl, True),
             ("combo", " +Inductor combo kernels", gemv, combo, True),
-            ("prologues", "-fused (prologues)", fused, {}, True),
-            ("levers", " +split-kv +combo", gemv.with_attention_kernel("triton-split-kv"), combo, True),
-            ("levers-fused", "-fused +split-kv +combo", fused.with_attention_kernel("triton-split-kv"), combo, True),
-            ("levers-o3", " +split-kv +combo, -O3's Inductor options", gemv.with_attention_kernel("triton-split-kv"),
-             o3, True),
-            ("levers-fused-o3", "-fused +split-kv +combo, -O3's Inductor options",
-             fused.with_attention_kernel("triton-split-kv"), o3, True),
-            ("levers-fused-norm", "-fused, the norm's prologue only, +split-kv +combo",
-             fused.with_attention_kernel("triton-split-kv"), combo, True),
-            ("levers-fused-gated", "-fused, the gate's prologue only, +split-kv +combo",
-             fused.with_attention_kernel("triton-split-kv"), combo, True),
-            ]
+            ("levers", " +split-kv +combo", levers, combo, True),
+            ("levers-o3", " +split-kv +combo, -O3's Inductor options", levers, o3, True)]
     for name, label, forward, options, residual_in_projection in rows:
         if name in skip:
             continue
         torch._dynamo.reset()
         transformer_module.RESIDUAL_IN_PROJECTION = residual_in_projection
-        linear.FUSED_PROLOGUES = {"levers-fused-norm": ("norm",), "levers-fused-gated": ("gated",)}.get(name, ("norm", "gated"))
         try:
             row = measure_decode(forward, "piecewise", "full-and-piecewise", prompt, args.steps, **options)
         except Exception as error:  # one row failing (a knob this torch lacks) leaves the others measured
@@ -289,7 +279,6 @@ def main() -> None:
             continue
         finally:
             transformer_module.RESIDUAL_IN_PROJECTION = True
-            linear.FUSED_PROLOGUES = ("norm", "gated")
         report["decode"].append({**row, "mode": f"piecewise/full-and-piecewise +triton-gemv{label}"})
         if args.json:  # after each row: a run cut short by a deadline keeps the rows it measured
             Path(args.json).write_text(json.dumps(report, indent=1))

@@ -92,27 +92,22 @@ def test_gemv_takes_one_to_four_rows_and_is_repeatable(interpreted):
 
 def test_a_run_with_the_gemv_computes_other_bits_under_another_hash(tmp_path):
     """End to end under the interpreter: the knob reaches the engine (other logits bits, same greedy
-    tokens on the tiny model), and the config hash names it; so for the GEMV with its prologues."""
+    tokens on the tiny model), and the config hash names it."""
     pytest.importorskip("triton")
     env = {**os.environ, "TRITON_INTERPRET": "1", "EVALRUN_CACHE": str(tmp_path / "cache")}
     outputs = {}
-    for kernel in ("aten", "triton-gemv", "triton-gemv-fused"):
+    for kernel in ("aten", "triton-gemv"):
         done = subprocess.run([sys.executable, "-m", "evalrun", "run", "--model", "random:tiny", "--prompts", "smoke",
                                "--max-new-tokens", "4", "--set", f"linear_kernel={kernel}", "--store",
                                str(tmp_path / "s.db"), "--json", "--quiet"], capture_output=True, text=True, env=env,
                               timeout=600)
         assert done.returncode == 0, done.stderr[-2000:]
         outputs[kernel] = json.loads(done.stdout)
-    aten = outputs["aten"]
-    assert aten["config"]["linear_kernel"] == "aten"
-    for kernel in ("triton-gemv", "triton-gemv-fused"):
-        gemv = outputs[kernel]
-        assert gemv["config"]["linear_kernel"] == kernel
-        assert gemv["config_hash"] != aten["config_hash"]
-        assert gemv["logits_digest"] != aten["logits_digest"]
-        assert [r["tokens"] for r in gemv["results"]] == [r["tokens"] for r in aten["results"]]
-    fused, gemv = outputs["triton-gemv-fused"], outputs["triton-gemv"]
-    assert fused["config_hash"] != gemv["config_hash"] and fused["logits_digest"] != gemv["logits_digest"]
+    aten, gemv = outputs["aten"], outputs["triton-gemv"]
+    assert gemv["config"]["linear_kernel"] == "triton-gemv" and aten["config"]["linear_kernel"] == "aten"
+    assert gemv["config_hash"] != aten["config_hash"]
+    assert gemv["logits_digest"] != aten["logits_digest"]
+    assert [r["tokens"] for r in gemv["results"]] == [r["tokens"] for r in aten["results"]]
 
 
 def test_a_golden_made_with_the_gemv_verifies_without_it_as_drift_not_changed(tmp_path):
@@ -207,10 +202,7 @@ def test_the_levers_at_their_defaults_leave_every_stored_hash_as_it_was():
     ("blas_library=cublaslt", "evalrun", "blas_library=cublaslt chooses a CUDA library; on CPU use blas_library=cublas"),
     ("linear_kernel=triton-gemv", "evalrun", "linear_kernel=triton-gemv is a CUDA kernel; on CPU use linear_kernel=aten"),
     ("linear_kernel=triton-gemv", "transformers", "replaces evalrun's own projections; use --engine evalrun"),
-    ("linear_kernel=triton-gemv-fused", "evalrun",
-     "linear_kernel=triton-gemv-fused is a CUDA kernel; on CPU use linear_kernel=aten"),
-    ("linear_kernel=cutlass", "evalrun",
-     "linear_kernel='cutlass' is not valid; use one of: aten, triton-gemv, triton-gemv-fused, gguf-gemv"),
+    ("linear_kernel=cutlass", "evalrun", "linear_kernel='cutlass' is not valid; use one of: aten, triton-gemv, gguf-gemv"),
     ("blas_library=hipblaslt", "evalrun", "blas_library='hipblaslt' is not valid; use one of: cublas, cublaslt"),
 ])
 def test_a_lever_where_it_cannot_run_is_one_line_and_exit_2(cli, tiny_args, store_path, monkeypatch, sets, engine,
@@ -441,133 +433,3 @@ def test_gpu_runs_with_each_lever_are_repeatable_and_recorded(level, monkeypatch
     _, default = run()
     assert lt.header["applied_flags"]["preferred_blas_library"] == "cublaslt"
     assert default.header["applied_flags"]["preferred_blas_library"] == "cublas"
-
-
-# The GEMV's prologues (linear.FUSE_PROLOGUES): the RMSNorm before q/k/v and silu(gate) * up before down computed
-# by the GEMV itself, against the same products with the norm or the activation computed by torch first, and
-# against float64; then the tiny model's greedy tokens with them on and off (float32 and float16: the interpreter
-# may round bfloat16 otherwise than the GPU).
-PROLOGUE_CASES = r"""
-import json
-import torch
-import torch.nn.functional as F
-from evalrun.engine import linear, linear_triton_kernel
-from evalrun.engine.driver import generate_batch
-from evalrun.engine.generate import BatchSpec
-from evalrun.engine.transformer import Transformer, rms_norm
-from evalrun.models import load_model
-
-launched = []
-original = linear_triton_kernel.launch
-
-def spy(*args, **kwargs):
-    launched.append("norm" if kwargs.get("norm") is not None else "gated" if kwargs.get("gated") else "plain")
-    return original(*args, **kwargs)
-
-linear_triton_kernel.launch = spy
-g = torch.Generator().manual_seed(11)
-cases = []
-for fuse in (True, False):
-    kernel = "triton-gemv-fused" if fuse else "triton-gemv"
-    for dtype in (torch.float32, torch.float16):
-        # K below one block, two whole blocks (1024: unmasked weight loads) and three with a remainder (1100)
-        for rows, n, k, bias in ((1, 48, 256, False), (2, 40, 300, True), (4, 24, 96, True), (1, 16, 1024, False),
-                                 (2, 20, 1100, True)):
-            x = (torch.randn(1, rows, k, generator=g) * 3).to(dtype)
-            scale = (torch.randn(k, generator=g) * 0.2 + 1).to(dtype)
-            w = (torch.randn(n, k, generator=g) / k ** 0.5).to(dtype)
-            b = torch.randn(n, generator=g).to(dtype) if bias else None
-            launched.clear()
-            fused = linear.norm_linear(x, lambda h: rms_norm(h, scale, 1e-5), w, b, kernel, (scale, 1e-5))
-            ran = list(launched)
-            plain = linear.linear(rms_norm(x, scale, 1e-5), w, b, "triton-gemv")
-            exact = F.linear(rms_norm(x.double(), scale.double(), 1e-5), w.double(), None if b is None else b.double())
-            cases.append({"kind": "norm", "fuse": fuse, "dtype": str(dtype), "ran": ran,
-                          "gap": (fused.double() - plain.double()).abs().max().item(),
-                          "error": (fused.double() - exact).abs().max().item(), "scale": exact.abs().max().item()})
-            gate_up = torch.randn(1, rows, 2 * k, generator=g).to(dtype)
-            residual = torch.randn(1, rows, n, generator=g).to(dtype)
-            launched.clear()
-            fused = linear.gated_linear(gate_up, w, b, kernel, "silu", F.silu, residual=residual)
-            ran = list(launched)
-            gate, up = gate_up.chunk(2, dim=-1)
-            plain = linear.linear(F.silu(gate) * up, w, b, "triton-gemv", residual=residual)
-            exact = residual.double() + F.linear(F.silu(gate.double()) * up.double(), w.double(),
-                                                 None if b is None else b.double())
-            cases.append({"kind": "gated", "fuse": fuse, "dtype": str(dtype), "ran": ran,
-                          "gap": (fused.double() - plain.double()).abs().max().item(),
-                          "error": (fused.double() - exact).abs().max().item(), "scale": exact.abs().max().item()})
-    launched.clear()
-    x, w = torch.randn(1, 1, 64, generator=g), torch.randn(32, 64, generator=g)
-    linear.gated_linear(torch.randn(1, 1, 128, generator=g), w, None, kernel, "gelu", F.gelu)
-    linear.norm_linear(x, lambda h: h * 2, w, None, kernel, None)  # no RMSNorm weight given: norm it first
-    cases.append({"kind": "not-fusable", "fuse": fuse, "ran": list(launched)})
-loaded = load_model("random:tiny", "cpu", "float32")
-spec = BatchSpec([loaded.tokenizer("The prologue computes")["input_ids"]], 4, pad_id=0, keep_logits=True)
-runs = {}
-for fuse in (False, True):
-    model = Transformer(loaded.model).with_linear_kernel("triton-gemv-fused" if fuse else "triton-gemv")
-    launched.clear()
-    out = generate_batch(model, spec)
-    runs[fuse] = {"tokens": out.tokens.tolist(), "logits": out.logits, "ran": sorted(set(launched))}
-cases.append({"kind": "model", "tokens_equal": runs[True]["tokens"] == runs[False]["tokens"],
-              "logits_gap": float(abs(runs[True]["logits"].view("float32").astype("float64")  # raw bits stored
-                                      - runs[False]["logits"].view("float32")).max()),
-              "ran_fused": runs[True]["ran"], "ran_plain": runs[False]["ran"]})
-print(json.dumps(cases))
-"""
-
-
-def test_the_gemv_prologues_compute_the_norm_and_the_gate_within_rounding():
-    cases = run_under_triton_interpreter(PROLOGUE_CASES)
-    products = [c for c in cases if c["kind"] in ("norm", "gated")]
-    for case in products:
-        unit = 2.0 ** -20 if case["dtype"] == "torch.float32" else 2.0 ** -8  # a rounding of an input, summed
-        assert case["gap"] <= case["scale"] * unit + 1e-5, case
-        assert case["error"] <= case["scale"] * 4 * unit + 1e-5, case
-        assert case["ran"][0] == (case["kind"] if case["fuse"] else "plain"), case  # one GEMV, with its prologue
-        assert case["fuse"] or case["gap"] == 0.0
-    for case in (c for c in cases if c["kind"] == "not-fusable"):  # gelu, another norm: computed by torch first
-        assert case["ran"] == ["plain", "plain"], case
-    model = cases[-1]
-    assert model["tokens_equal"] and model["logits_gap"] <= 1e-3, model
-    assert model["ran_fused"] == ["gated", "norm", "plain"] and model["ran_plain"] == ["plain"], model
-
-
-@gpu
-@needs_cuda
-@pytest.mark.parametrize("rows,n,k", [(1, 6144, 4096), (4, 6144, 4096), (1, 4096, 14336)])
-def test_gpu_gemv_prologues_agree_eager_compiled_and_graphed(rows, n, k):
-    """linear_kernel=triton-gemv-fused's prologues in bfloat16 on the GPU: within rounding of torch computing the norm or the gate first, and the
-    same bits eagerly, inside torch.compile (Inductor passes eps as float64) and replayed from a CUDA graph."""
-    import torch.nn.functional as F
-
-    from evalrun.engine import linear
-    from evalrun.engine.transformer import rms_norm
-
-    linear.prepare("triton-gemv-fused", "cuda")
-    x = torch.randn(1, rows, k, device="cuda", dtype=torch.bfloat16) * 3
-    scale = (torch.randn(k, device="cuda") * 0.2 + 1).to(torch.bfloat16)
-    gate_up = torch.randn(1, rows, 2 * k, device="cuda", dtype=torch.bfloat16)
-    w = torch.randn(n, k, device="cuda", dtype=torch.bfloat16) * 0.02
-    residual = torch.randn(1, rows, n, device="cuda", dtype=torch.bfloat16)
-    norm = lambda a: linear.norm_linear(  # noqa: E731
-        a, lambda h: rms_norm(h, scale, 1e-5), w, None, "triton-gemv-fused", (scale, 1e-5))
-    gated = lambda a, r: linear.gated_linear(a, w, None, "triton-gemv-fused", "silu", F.silu, residual=r)  # noqa: E731
-    y_norm, y_gated = norm(x), gated(gate_up, residual)
-    plain_norm = linear.linear(rms_norm(x, scale, 1e-5), w, None, "triton-gemv")
-    gate, up = gate_up.chunk(2, dim=-1)
-    plain_gated = linear.linear(F.silu(gate) * up, w, None, "triton-gemv", residual=residual)
-    for fused, plain in ((y_norm, plain_norm), (y_gated, plain_gated)):
-        assert (fused.double() - plain.double()).abs().max().item() <= plain.abs().max().item() * 2 ** -6
-    assert torch.equal(torch.compile(norm, fullgraph=True)(x), y_norm)
-    assert torch.equal(torch.compile(gated, fullgraph=True)(gate_up, residual), y_gated)
-    static = gate_up.clone()
-    gated(static, residual)
-    torch.cuda.synchronize()
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        out = gated(static, residual)
-    static.copy_(gate_up.flip(-1))
-    graph.replay()
-    assert torch.equal(out, gated(gate_up.flip(-1), residual))

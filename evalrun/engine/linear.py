@@ -16,16 +16,11 @@ tensor-parallel rank's shards. The golden's reference and oracle run without it 
 
 `gguf-gemv` (CPU) computes those rows from a GGUF model's stored blocks instead (gguf_blocks.py): its weights
 are BlockWeights, and a prefill multiplies their dense tensors.
-
-`triton-gemv-fused` is the same GEMV with prologues (`norm_linear`, `gated_linear`): it computes its own input
-from the previous kernel's output, one kernel fewer each: the RMSNorm before q/k/v (Llama's norm, no offset), and
-silu(gate) * up before down (linear_triton_kernel.py). Its bits are the GEMV's own again (another order of the
-norm's sum of squares, Triton's exp), so it is a knob value of its own: `triton-gemv` keeps its bits.
 """
 
 from __future__ import annotations
 
-from typing import Callable, Optional
+from typing import Optional
 
 import torch
 import torch.nn.functional as F
@@ -47,16 +42,12 @@ GEMV_BLOCKS = {1: (8, 512, 4), 2: (8, 512, 4), 4: (8, 256, 4)}
 # models (K <= N) stay with cuBLAS: not measured.
 GEMV_LONG_ROW = 8192
 GEMV_LONG_BLOCKS = (8, 1024, 4)
-# One row of any larger weight (gate/up, the head) takes the GEMV too, with GEMV_LONG_BLOCKS: being measured
-GEMV_ONE_ROW_ANY_WEIGHT = False
-TRITON_GEMVS = ("triton-gemv", "triton-gemv-fused")  # the linear_kernel values that run the Triton GEMV
-FUSED_PROLOGUES = ("norm", "gated")  # which prologues triton-gemv-fused computes (being measured one by one)
 _OP: dict = {}  # "op": the registered torch op, once prepare() ran on a CUDA device with Triton
 
 
 def prepare(kernel: str, device: torch.device | str) -> None:
     """Register the GEMV as a torch op for a CUDA device, once, before anything is compiled (triton_ops)."""
-    if kernel not in TRITON_GEMVS or "op" in _OP or INTERPRETED:
+    if kernel != "triton-gemv" or "op" in _OP or INTERPRETED:
         return
     refuse_unregistrable("linear_kernel", kernel, "aten", device)
     from torch.library import triton_op, wrap_triton
@@ -66,10 +57,8 @@ def prepare(kernel: str, device: torch.device | str) -> None:
     with registering():
         @triton_op("evalrun::gemv", mutates_args={})
         def gemv(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor],  # noqa: UP045 (schema)
-                 residual: Optional[torch.Tensor], norm: Optional[torch.Tensor],  # noqa: UP045 (schema)
-                 eps: float, gated: bool) -> torch.Tensor:
-            return linear_triton_kernel.launch(x, weight, bias, *blocks(x.shape[0], weight), wrap_triton, residual,
-                                               norm, eps, gated)
+                 residual: Optional[torch.Tensor]) -> torch.Tensor:  # noqa: UP045 (schema)
+            return linear_triton_kernel.launch(x, weight, bias, *blocks(x.shape[0], weight), wrap_triton, residual)
 
     _OP["op"] = gemv
 
@@ -92,7 +81,7 @@ def gemv_applies(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | Non
     interpreted)."""
     rows = x.numel() // max(1, x.shape[-1])
     return (1 <= rows <= GEMV_MAX_ROWS and weight.dim() == 2 and weight.shape[1] == x.shape[-1]
-            and (weight.numel() <= GEMV_MAX_WEIGHT or (rows == 1 and (GEMV_ONE_ROW_ANY_WEIGHT or is_long_row(weight))))
+            and (weight.numel() <= GEMV_MAX_WEIGHT or (rows == 1 and is_long_row(weight)))
             and weight.stride(-1) == 1 and x.dtype == weight.dtype and x.dtype in GEMV_DTYPES
             and (bias is None or (bias.dtype == x.dtype and bias.dim() == 1 and bias.is_contiguous()))
             and (x.is_cuda or INTERPRETED))
@@ -101,65 +90,27 @@ def gemv_applies(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | Non
 def linear(x: torch.Tensor, weight: "torch.Tensor | BlockWeight", bias: torch.Tensor | None,
            kernel: str = "aten", residual: torch.Tensor | None = None) -> torch.Tensor:
     """x [..., K] @ weight [N, K]^T + bias [N] -> [..., N], by `kernel` (aten | triton-gemv | gguf-gemv) where
-    it applies (triton-gemv-fused: as triton-gemv); with `residual` [..., N], residual + that. The GEMV adds it in its epilogue (one kernel fewer), with
+    it applies; with `residual` [..., N], residual + that. The GEMV adds it in its epilogue (one kernel fewer), with
     the bits of adding it with torch afterwards; compiled, the residual is then a stored tensor of the model dtype,
     where Inductor might otherwise have kept the sum that made it unrounded (transformer.mlp_block)."""
     if kernel == "gguf-gemv":
         return _plus(residual, _block_linear(x, weight, bias))
-    if kernel not in TRITON_GEMVS:
+    if kernel != "triton-gemv":
         return _plus(residual, F.linear(x, weight, bias))
-    _require_prepared(kernel)
+    if "op" not in _OP and not INTERPRETED:  # asked for and never prepared: refused, not run as cuBLAS
+        raise ConfigError("linear_kernel=triton-gemv needs a CUDA device with Triton; use linear_kernel=aten")
     if not gemv_applies(x, weight, bias):
         return _plus(residual, F.linear(x, weight, bias))
-    return _gemv(x, weight, bias, residual)
-
-
-def norm_linear(x: torch.Tensor, norm: Callable[[torch.Tensor], torch.Tensor], weight: torch.Tensor,
-                bias: torch.Tensor | None, kernel: str = "aten",
-                rms: tuple[torch.Tensor, float] | None = None) -> torch.Tensor:
-    """norm(x) [..., K] @ weight [N, K]^T + bias -> [..., N]. Where `norm` is Llama's RMSNorm, `rms` gives its
-    weight [K] and eps, and linear_kernel=triton-gemv-fused takes the product, the GEMV normalises x itself."""
-    if (kernel == "triton-gemv-fused" and "norm" in FUSED_PROLOGUES and rms is not None and gemv_applies(x, weight, bias)
-            and rms[0].dtype == x.dtype and rms[0].shape == (x.shape[-1],) and rms[0].is_contiguous()):
-        _require_prepared(kernel)
-        return _gemv(x, weight, bias, None, norm=rms[0], eps=rms[1])
-    return linear(norm(x), weight, bias, kernel)
-
-
-def gated_linear(gate_up: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, kernel: str,
-                 activation: str, activate: Callable[[torch.Tensor], torch.Tensor],
-                 residual: torch.Tensor | None = None) -> torch.Tensor:
-    """activate(gate) * up @ weight [N, I]^T + bias (+ residual) -> [..., N], gate_up [..., 2I] being [gate | up].
-    Under linear_kernel=triton-gemv-fused a silu MLP's down projection by the GEMV computes silu(gate) * up itself."""
-    width = weight.shape[-1]
-    gate, up = gate_up.chunk(2, dim=-1)
-    if (kernel == "triton-gemv-fused" and "gated" in FUSED_PROLOGUES and activation in ("silu", "swish") and gate_up.shape[-1] == 2 * width
-            and gemv_applies(gate, weight, bias)):
-        _require_prepared(kernel)
-        return _gemv(gate_up, weight, bias, residual, gated=True)
-    return linear(activate(gate) * up, weight, bias, kernel, residual=residual)
-
-
-def _require_prepared(kernel: str) -> None:
-    if "op" not in _OP and not INTERPRETED:  # asked for and never prepared: refused, not run as cuBLAS
-        raise ConfigError(f"linear_kernel={kernel} needs a CUDA device with Triton; use linear_kernel=aten")
-
-
-def _gemv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, residual: torch.Tensor | None,
-          norm: torch.Tensor | None = None, eps: float = 0.0, gated: bool = False) -> torch.Tensor:
-    """The GEMV of x [..., K] ([..., 2K] gated) with weight [N, K] -> [..., N]; with `residual` [..., N], residual +
-    that, added in the epilogue where the residual is a contiguous tensor of x's dtype and shape."""
-    rows = x.reshape(-1, x.shape[-1]).contiguous()  # [M, K] or [M, 2K]
+    rows = x.reshape(-1, x.shape[-1]).contiguous()  # [M, K]
     fused = (residual is not None and residual.is_contiguous() and residual.dtype == x.dtype
              and residual.shape == (*x.shape[:-1], weight.shape[0]))
     into = residual.view(rows.shape[0], weight.shape[0]) if fused else None  # [M, N]
     if INTERPRETED:
         from .linear_triton_kernel import launch
 
-        out = launch(rows, weight, bias, *blocks(rows.shape[0], weight), residual=into, norm=norm, eps=eps,
-                     gated=gated)
+        out = launch(rows, weight, bias, *blocks(rows.shape[0], weight), residual=into)
     else:
-        out = _OP["op"](rows, weight, bias, into, norm, float(eps), gated)  # [M, N]
+        out = _OP["op"](rows, weight, bias, into)  # [M, N]
     out = out.view(*x.shape[:-1], weight.shape[0])
     return out if fused else _plus(residual, out)
 

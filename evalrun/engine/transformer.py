@@ -58,7 +58,7 @@ class Variant:
     attn_softcap: float | None = None  # Gemma 2: scores -> c * tanh(scores / c) before the mask
     final_softcap: float | None = None  # Gemma 2: logits -> c * tanh(logits / c)
     sliding_window: int | None = None  # a query sees the keys of its last `sliding_window` slots
-    linear_kernel: str = "aten"  # aten | triton-gemv[-fused] | gguf-gemv: who computes 1-4 rows' projections (linear.py)
+    linear_kernel: str = "aten"  # aten | triton-gemv | gguf-gemv: who computes projections of 1-4 rows (linear.py)
 
 
 LLAMA_VARIANT = Variant()
@@ -415,9 +415,7 @@ def pre_attention(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, input_n
     bqkv [(H+2G)*D]: the q/k/v biases (Qwen2, Llama's attention_bias); q_norm, k_norm [D]: Qwen3's and
     Gemma 3's RMSNorm of each query and key head, applied before rotary."""
     batch, tokens, _ = x.shape
-    rms = None if variant.norm_offset else (input_norm, eps)  # Llama's RMSNorm: triton-gemv-fused computes it
-    qkv = projections.norm_linear(x, lambda h: norm(h, input_norm, eps, variant), wqkv, bqkv, variant.linear_kernel,
-                                  rms).view(batch, tokens, heads + 2 * kv_heads, head_dim)
+    qkv = projections.linear(norm(x, input_norm, eps, variant), wqkv, bqkv, variant.linear_kernel).view(batch, tokens, heads + 2 * kv_heads, head_dim)
     q, k, v = qkv.transpose(1, 2).split([heads, kv_heads, kv_heads], dim=1)
     if q_norm is not None:
         q, k = norm(q, q_norm, eps, variant), norm(k, k_norm, eps, variant)
@@ -495,16 +493,14 @@ def mlp_block(x: torch.Tensor, post_norm: torch.Tensor, gate_up: torch.Tensor, d
     """The MLP sub-block with its residual: x [B, T, hidden] -> x + down(act(gate) * up) of norm(x);
     b_gate_up [2*inter] and b_down [hidden] are its biases where the config has them; out_norm [hidden]:
     Gemma's norm of the MLP output before the add; reduce: the tensor-parallel sum (row_parallel_linear)."""
-    gate_up_out = projections.linear(norm(x, post_norm, eps, variant), gate_up, b_gate_up, variant.linear_kernel)
+    gate, up = projections.linear(norm(x, post_norm, eps, variant), gate_up, b_gate_up,
+                                  variant.linear_kernel).chunk(2, dim=-1)
     # x + down(...): the Triton GEMV adds x in its epilogue, one kernel fewer. Eagerly the same bits as the add. In
     # a compiled post_attention x (= the residual + the output projection) is then stored rounded to the model
     # dtype, as eager rounds it, where Inductor had kept that sum in float32 for the norm and this add: other bits
     # for compiled bfloat16/float16 runs with linear_kernel=triton-gemv than before stop 15 (engine_code says so).
-    # linear_kernel=triton-gemv-fused also computes activate(gate) * up in the GEMV (linear.gated_linear).
     if out_norm is None and reduce is None and RESIDUAL_IN_PROJECTION:
-        return projections.gated_linear(gate_up_out, down, b_down, variant.linear_kernel, activation,
-                                        lambda gate: activate(gate, activation), residual=x)
-    gate, up = gate_up_out.chunk(2, dim=-1)
+        return projections.linear(activate(gate, activation) * up, down, b_down, variant.linear_kernel, residual=x)
     out = row_parallel_linear(activate(gate, activation) * up, down, b_down, reduce, variant.linear_kernel)
     return x + (out if out_norm is None else norm(out, out_norm, eps, variant))
 
