@@ -257,15 +257,15 @@ def main() -> None:
     pdl = {"inductor_options": {"triton.enable_pdl": True}}  # Inductor's kernels with programmatic dependent launch
     combo = {"inductor_options": {"combo_kernels": True}}
     o3 = {"inductor_options": {"combo_kernels": True, "max_autotune": True, "coordinate_descent_tuning": True}}
-    levers = gemv.with_attention_kernel("triton-split-kv")
+    split_kv = gemv.with_attention_kernel("triton-split-kv")
     rows = [(None, "", gemv, {}, True),
-            ("split-kv", " +triton-split-kv", levers, {}, True),
+            ("split-kv", " +triton-split-kv", split_kv, {}, True),
             ("residual", ", residual add separate", gemv, {}, False),
             ("kv-write", ", KV write separate", gemv, {"kv_write_in_piece": False}, True),
             ("pdl-inductor", " +Inductor PDL", gemv, pdl, True),
             ("combo", " +Inductor combo kernels", gemv, combo, True),
-            ("levers", " +split-kv +combo", levers, combo, True),
-            ("levers-o3", " +split-kv +combo, -O3's Inductor options", levers, o3, True)]
+            ("levers", " +split-kv +combo", split_kv, combo, True),
+            ("levers-o3", " +split-kv +combo, -O3's Inductor options", split_kv, o3, True)]
     for name, label, forward, options, residual_in_projection in rows:
         if name in skip:
             continue

@@ -212,7 +212,8 @@ def test_gpu_split_kv_eager_compiled_and_graphed_agree_bitwise(slots, dtype):
     out = attention(q, k, v, mask, "sdpa", kernel="triton-split-kv")
     exact = attention(q.double(), k.double(), v.double(), mask.double(), "sdpa")
     assert (out.double() - exact).abs().max().item() <= (2 ** -7 if dtype == torch.bfloat16 else 1e-5)
-    compiled = torch.compile(lambda a: attention(a, k, v, mask, "sdpa", kernel="triton-split-kv"), fullgraph=True)
+    forward = lambda a: attention(a, k, v, mask, "sdpa", kernel="triton-split-kv")  # noqa: E731
+    compiled = torch.compile(forward, fullgraph=True)
     for index, query in enumerate((q, *(torch.randn(q.shape, device="cuda", dtype=dtype, generator=generator)
                                         for _ in range(2)))):
         eager = attention(query, k, v, mask, "sdpa", kernel="triton-split-kv")
@@ -222,8 +223,7 @@ def test_gpu_split_kv_eager_compiled_and_graphed_agree_bitwise(slots, dtype):
             again = (got != compiled(query)).sum().item()
             torch._dynamo.reset()
             with torch._inductor.config.patch(fx_graph_cache=False):
-                fresh = torch.compile(lambda a: attention(a, k, v, mask, "sdpa", kernel="triton-split-kv"),
-                                      fullgraph=True)(query)
+                fresh = torch.compile(forward, fullgraph=True)(query)
             gap = (got.double() - eager.double()).abs().max().item()
             pytest.fail(f"query {index}: {differ} of {eager.numel()} values differ compiled vs eager, by at most "
                         f"{gap:.3g}; compiled again, {again} differ; compiled afresh without the FX graph cache, "
