@@ -57,7 +57,7 @@ class CUDAGraphMode(enum.StrEnum):
         return self in (CUDAGraphMode.FULL, CUDAGraphMode.FULL_DECODE_ONLY, CUDAGraphMode.FULL_AND_PIECEWISE)
 
     def has_piecewise_cudagraphs(self) -> bool:
-        """Inductor's CUDA graphs around the compiled pieces (prefill, and decode for PIECEWISE)."""
+        """A CUDA graph around each call of a compiled piece (prefill, and decode for PIECEWISE; engine/piece_graphs.py)."""
         return self in (CUDAGraphMode.PIECEWISE, CUDAGraphMode.FULL_AND_PIECEWISE)
 
     def captures_full_prefill(self) -> bool:

@@ -149,11 +149,12 @@ def test_bench_unknown_config(cli):
     assert code == 2 and "unknown bench config" in err
 
 
-def test_inductor_graph_modes_warm_each_shape_twice(monkeypatch):
-    """Inductor's CUDA graph trees record a path on its second call: warm-up must make that call,
-    or the first measured prefills record (the 400 ms TTFT once measured on the H200)."""
+def test_piecewise_graph_modes_warm_each_shape_twice(monkeypatch):
+    """Piecewise graphs capture a shape's pieces on its second call: warm-up must make that call, or the first
+    measured prefills capture (as Inductor's graph trees, used before, recorded: a 400 ms TTFT on the H200)."""
     from evalrun import runner
     from evalrun.config import build_config
+    from evalrun.engine.piece_graphs import PieceGraphs, RerunGraphs
 
     flags = {"model": "random:tiny", "prompts": "smoke", "max_new_tokens": 2, "compilation_mode": "piecewise"}
     prepared = runner.prepare(build_config(flags=flags))
@@ -165,7 +166,7 @@ def test_inductor_graph_modes_warm_each_shape_twice(monkeypatch):
     runner.execute(prepared)
     assert len(calls) == shapes + len(batches)
     calls.clear()
-    mode.inductor_graphs = True  # what --cudagraph-mode piecewise / full-and-piecewise set (GPU only)
+    mode.piece_graphs = PieceGraphs(RerunGraphs())  # what --cudagraph-mode piecewise / full-and-piecewise set (GPU)
     runner.execute(prepared)
     assert len(calls) == 2 * shapes + len(batches)
 
@@ -208,7 +209,7 @@ def test_a_second_process_takes_compiled_graphs_from_evalruns_cache_with_the_sam
 @pytest.mark.parametrize("device,graphs", [("cpu", "none")] + [
     pytest.param("cuda", graphs, marks=pytest.mark.gpu) for graphs in ("none", "full", "full-and-piecewise")])
 def test_the_kv_write_inside_the_piece_keeps_the_bits_and_runs_no_index_copy(device, graphs):
-    """Compiled pieces without Inductor's CUDA graphs write the cache in the pre-attention piece: the same
+    """Compiled pieces write the cache in the pre-attention piece: the same
     logits and tokens as the separate index_copy (prefill and decode), as many Dynamo graphs, no recompile or
     fallback, and on CPU no eager cache write left in the run."""
     import torch
@@ -250,95 +251,35 @@ def test_the_kv_write_inside_the_piece_keeps_the_bits_and_runs_no_index_copy(dev
 
 
 @pytest.mark.parametrize("graphs", ["none", "piecewise", "full", "full-decode-only", "full-and-piecewise"])
-def test_only_pieces_without_inductors_cuda_graphs_write_the_cache(graphs):
-    """Inductor's CUDA graphs skip a piece that mutates its input: the writing piece goes exactly to the pieces
-    compiled without them (every piece at full, the decode pieces of full-and-piecewise), and the mode's own
-    Transformer is left as it was."""
+def test_the_writing_piece_goes_to_pieces_without_piecewise_graphs_which_wrap_exactly_the_graphed_steps(graphs):
+    """The writing piece (the KV write inside the pre-attention piece) serves exactly the compiled pieces without
+    piecewise graphs (every piece at full, the decode pieces of full-and-piecewise); piecewise graphs wrap the
+    prefill's pieces (piecewise, full-and-piecewise) and the decode's (piecewise) and read the weights in place;
+    the mode's own Transformer is left as it was."""
     from evalrun.config import CompilationMode, CUDAGraphMode
     from evalrun.engine.modes import ExecutionMode
+    from evalrun.engine.piece_graphs import GraphedPiece, storages
     from evalrun.engine.transformer import Transformer
     from evalrun.models import load_model
 
     transformer = Transformer(load_model("random:tiny", "cpu", "float32").model)
     cudagraph_mode = CUDAGraphMode(graphs)
     mode = ExecutionMode(transformer, CompilationMode.PIECEWISE, cudagraph_mode)
-    prefill_writes = not cudagraph_mode.has_piecewise_cudagraphs()
-    decode_writes = cudagraph_mode is not CUDAGraphMode.PIECEWISE
-    assert (mode.prefill_forward.__self__.pre_attention_writing is not None) == prefill_writes
-    assert (mode.decode_forward.__self__.pre_attention_writing is not None) == decode_writes
+    prefill, decode = mode.prefill_forward.__self__, mode.decode_forward.__self__
+    prefill_graphed, decode_graphed = cudagraph_mode.has_piecewise_cudagraphs(), cudagraph_mode is CUDAGraphMode.PIECEWISE
+    assert (prefill.pre_attention_writing is None) == prefill_graphed
+    assert (decode.pre_attention_writing is None) == decode_graphed
     assert transformer.pre_attention_writing is None
+    assert isinstance(prefill.pre_attention, GraphedPiece) == prefill_graphed
+    assert isinstance(decode.head, GraphedPiece) == decode_graphed
+    if mode.piece_graphs:
+        weights = transformer.weights()
+        layer = transformer.layers[0]
+        assert any(w is layer.qkv for w in weights) and any(w is layer.gate_up for w in weights)
+        assert storages(weights) <= mode.piece_graphs.stable
     off = ExecutionMode(transformer, CompilationMode.PIECEWISE, cudagraph_mode, kv_write_in_piece=False)
     assert off.prefill_forward.__self__.pre_attention_writing is None
     assert off.decode_forward.__self__.pre_attention_writing is None
-
-
-@pytest.mark.parametrize("graphs", ["none", "full", "piecewise", "full-and-piecewise"])
-def test_weights_are_marked_static_exactly_where_inductors_cuda_graphs_run(graphs):
-    """Inductor's CUDA graphs copy each input not known to be static before every replay; the mode marks the
-    model's weights static (stacked q/k/v and gate/up included) where its pieces run under those graphs."""
-    from evalrun.config import CompilationMode, CUDAGraphMode
-    from evalrun.engine.modes import ExecutionMode
-    from evalrun.engine.transformer import Transformer
-    from evalrun.models import load_model
-
-    transformer = Transformer(load_model("random:tiny", "cpu", "float32").model)
-    weights = transformer.weights()
-    layer = transformer.layers[0]
-    assert any(w is layer.qkv for w in weights) and any(w is layer.gate_up for w in weights)
-    assert any(w is transformer.lm_head for w in weights) and any(w is layer.input_norm for w in weights)
-    ExecutionMode(transformer, CompilationMode.PIECEWISE, CUDAGraphMode(graphs))
-    marked = [getattr(w, "_dynamo_static_input_type", None) for w in weights]
-    expected = "unguarded" if CUDAGraphMode(graphs).has_piecewise_cudagraphs() else None
-    assert marked == [expected] * len(weights)
-
-
-@pytest.mark.gpu
-def test_gpu_piecewise_graphs_read_the_weights_in_place_with_the_same_bits(monkeypatch):
-    """Under Inductor's CUDA graphs (-O1) no weight is copied into a graph's buffer before a replay once the
-    weights are marked static; unmarked, the stacked ones were (the test sees the copies); the same bits."""
-    import torch
-
-    from evalrun.config import CompilationMode, CUDAGraphMode
-    from evalrun.engine import modes
-    from evalrun.engine.driver import generate_batch
-    from evalrun.engine.generate import BatchSpec
-    from evalrun.engine.transformer import Transformer
-    from evalrun.models import load_model
-
-    copies: list[int] = []  # the addresses Inductor's CUDA graph trees copy from into a graph's buffers
-    original_copy = torch._foreach_copy_
-
-    def recording_copy(targets, sources, *args, **kwargs):
-        copies.extend(source.untyped_storage().data_ptr() for source in sources)
-        return original_copy(targets, sources, *args, **kwargs)
-
-    # Each configuration compiled afresh: on the H200 an unmarked compile made first in the same process left the
-    # marked run copying too (a cached compile served for the marked graph, we suppose; not confirmed).
-    monkeypatch.setattr(torch._inductor.config, "fx_graph_cache", False)
-    monkeypatch.setattr(torch._functorch.config, "enable_autograd_cache", False)
-    original_mark = modes.mark_weights_static
-    outputs, copied = [], []
-    for marked in (True, False):
-        loaded = load_model("random:tiny", "cuda", "bfloat16")  # fresh tensors each time: a mark sticks
-        monkeypatch.setattr(modes, "mark_weights_static", original_mark if marked else lambda transformer: None)
-        torch._dynamo.reset()
-        transformer = Transformer(loaded.model)
-        mode = modes.ExecutionMode(transformer, CompilationMode.PIECEWISE, CUDAGraphMode.PIECEWISE,
-                                   prefill_buckets=(16,), batch_buckets=(1,))
-        modes.allow_recompiles_for(mode.prefill_buckets, mode.batch_buckets)
-        spec = BatchSpec([loaded.tokenizer("Weights stay put")["input_ids"]], 6, pad_id=0, keep_logits=True)
-        for _ in range(mode.calls_to_warm):
-            generate_batch(transformer, spec, mode)
-        weights = {w.untyped_storage().data_ptr() for w in transformer.weights()}
-        copies.clear()
-        monkeypatch.setattr(torch, "_foreach_copy_", recording_copy)
-        outputs.append(generate_batch(transformer, spec, mode))
-        monkeypatch.setattr(torch, "_foreach_copy_", original_copy)
-        copied.append(sum(address in weights for address in copies))
-        assert copies and mode.evidence()["fallbacks"] == []  # activations are still copied: the spy saw them
-    assert copied[0] == 0 and copied[1] > 0, copied  # marked: none; unmarked: the stacked ones
-    assert outputs[0].tokens.tolist() == outputs[1].tokens.tolist()
-    assert outputs[0].logits.tobytes() == outputs[1].logits.tobytes()
 
 
 def test_combo_kernels_is_an_inductor_knob_hashed_only_when_set(cli, tiny_args):

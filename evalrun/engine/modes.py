@@ -7,12 +7,13 @@ Compilation modes (vLLM's names in brackets)
               a recompile after warm-up is a fallback
   piecewise   regional: the pieces (prologue: embedding, rotary, mask; norm +   [VLLM_COMPILE]
               projections + rotary; output projection + MLP or MoE; head) compiled once,
-              the layer pieces shared by every layer; attention runs between them,
-              and the KV-cache write with it, or inside the norm + projections piece where
-              that piece runs without Inductor's CUDA graphs (pre_attention_writing)
+              the layer pieces shared by every layer; attention runs between them, and the
+              KV-cache write with it, or inside the norm + projections piece where that
+              piece runs without piecewise graphs (pre_attention_writing)
 CUDA graph modes
   none                no graphs
-  piecewise           Inductor's CUDA graphs around the compiled pieces (prefill and decode)
+  piecewise           a CUDA graph around each call of a compiled piece, attention eager between them
+                      (prefill and decode; piece_graphs.py, vLLM's piecewise graphs)
   full                the whole decode step (forward + capture) and each prefill bucket captured
   full-decode-only    decode captured whole; prefill without graphs
   full-and-piecewise  decode captured whole; prefill with piecewise graphs
@@ -41,6 +42,7 @@ import torch
 
 from ..config import CompilationMode, CUDAGraphMode, EffectiveConfig
 from . import gguf_blocks
+from .piece_graphs import PieceGraphs
 from .generate import (BatchOutput, BatchSpec, PaddedBatch, Workspace, decode_step, load_batch, prefill_step,
                        stack_outputs)
 from .shapes import ShapePlan
@@ -81,15 +83,18 @@ class ExecutionMode(ShapePlan):
     inductor_options: dict[str, Any] = field(default_factory=dict)
     fallbacks: list[str] = field(default_factory=list)
     batch_invariant: bool = False  # rows run one at a time (generate)
-    # Compiled pieces without Inductor's CUDA graphs write the KV cache inside the pre-attention piece
-    # (transformer.pre_attention_writing): one kernel fewer per layer, the same bits. Off only to measure it.
+    # Compiled pieces without piecewise graphs write the KV cache inside the pre-attention piece
+    # (transformer.pre_attention_writing): one kernel fewer per layer. Off only to measure it.
     kv_write_in_piece: bool = True
 
     def __post_init__(self) -> None:
         self.static = (self.compilation_mode, self.cudagraph_mode) != (CompilationMode.NONE, CUDAGraphMode.NONE)
-        self.inductor_graphs = self.cudagraph_mode.has_piecewise_cudagraphs()
-        if self.inductor_graphs:
-            mark_weights_static(self.transformer)
+        # piecewise CUDA graphs (piece_graphs.py): the prefill's pieces (piecewise, full-and-piecewise), the decode's too
+        # (piecewise); the weights and each workspace are read in place
+        self.piece_graphs: PieceGraphs | None = None
+        if self.cudagraph_mode.has_piecewise_cudagraphs():
+            self.piece_graphs = PieceGraphs()
+            self.piece_graphs.register(self.transformer.weights())
         self.workspaces: dict[tuple, Workspace] = {}
         self.graphs: dict[tuple, torch.cuda.CUDAGraph] = {}
         self.graph_inputs: dict[tuple, tuple[torch.Tensor, torch.Tensor]] = {}
@@ -104,22 +109,26 @@ class ExecutionMode(ShapePlan):
 
     # ------------------------------------------------------------ compilation
 
-    def _compile(self, function: Callable, tag: str, graphs: bool, fullgraph: bool, dynamic: bool | None) -> Callable:
-        options = dict(self.inductor_options, **{"triton.cudagraphs": graphs})
+    def _compile(self, function: Callable, tag: str, fullgraph: bool, dynamic: bool | None) -> Callable:
+        options = dict(self.inductor_options, **{"triton.cudagraphs": False})  # graphs are the mode's own
         return torch.compile(clone_function(function, tag), fullgraph=fullgraph, dynamic=dynamic, options=options)
 
     def _pieces(self, tag: str, graphs: bool) -> Transformer:
+        """The transformer with its pieces compiled under `tag`, each call in a CUDA graph of its own if `graphs`.
+
+        The writing piece (the KV write inside the pre-attention piece) serves the pieces without piecewise graphs;
+        it takes the layer's cache, so it compiles once per cache length S (as the prologue's mask already does).
+        Pieces under piecewise graphs keep the separate write, as they had under Inductor's graph trees: on
+        Qwen3-MoE (q/k norms) the writing piece's prefill moved a bfloat16 routing near-tie (the H200's GPU suite,
+        stop 18), so the prefill of -O1 and -O2 keeps its earlier kernels and bits."""
         view = copy.copy(self.transformer)
-        view.prologue = self._compile(prologue, f"{tag}_prologue", graphs, True, False)
-        view.pre_attention = self._compile(pre_attention, f"{tag}_pre", graphs, True, False)
-        # Inductor's CUDA graphs would skip a piece that mutates its input. The writing piece takes the layer's
-        # cache, so it compiles once per cache length S (as the prologue's mask already does).
-        writes = not graphs and self.kv_write_in_piece
-        view.pre_attention_writing = (self._compile(pre_attention_writing, f"{tag}_pre_writing", False, True, False)
-                                      if writes else None)
-        view.post_attention = self._compile(post_attention, f"{tag}_post", graphs, True, False)
-        view.moe_post_attention = self._compile(moe_post_attention, f"{tag}_moe_post", graphs, True, False)
-        view.head = self._compile(head, f"{tag}_head", graphs, True, False)
+        pieces = {"prologue": prologue, "pre_attention": pre_attention, "post_attention": post_attention,
+                  "moe_post_attention": moe_post_attention, "head": head}
+        if self.kv_write_in_piece and not graphs:
+            pieces["pre_attention_writing"] = pre_attention_writing
+        for name, function in pieces.items():
+            compiled = self._compile(function, f"{tag}_{name}", True, False)
+            setattr(view, name, self.piece_graphs.wrap(name, compiled) if graphs else compiled)
         return view
 
     def _build_forwards(self) -> tuple[Callable, Callable]:
@@ -131,7 +140,7 @@ class ExecutionMode(ShapePlan):
             decode = self._pieces("decode", graphs is CUDAGraphMode.PIECEWISE)
             return prefill.forward, decode.forward
         fullgraph, dynamic = (True, False) if compilation is CompilationMode.TRACE_ONCE else (False, None)
-        compiled = self._compile(Transformer.forward, compilation.value.replace("-", "_"), False, fullgraph, dynamic)
+        compiled = self._compile(Transformer.forward, compilation.value.replace("-", "_"), fullgraph, dynamic)
         forward = self._guarded(lambda *args: compiled(self.transformer, *args), self.transformer.forward)
         return forward, forward
 
@@ -193,23 +202,25 @@ class ExecutionMode(ShapePlan):
         key = (batch, slots, steps, spec.layout())
         if key not in self.workspaces:
             self.workspaces[key] = Workspace.allocate(self.transformer, batch, slots, steps, spec)
+            if self.piece_graphs:
+                self.piece_graphs.register(self.workspaces[key])  # the KV cache a piece writes, read in place
         return self.workspaces[key]
 
     # ------------------------------------------------------------ steps
 
     @property
     def calls_to_warm(self) -> int:
-        """Calls per shape before one runs as measured: Inductor's CUDA graph trees run a new path
-        eagerly on its first call and record it on the second, so they need two."""
-        return 2 if self.inductor_graphs else 1
+        """Calls per shape before one runs as measured: piecewise graphs run a new shape's pieces as they are on
+        its first call (compiling them) and capture them on the second, so they need two."""
+        return 2 if self.piece_graphs else 1
 
-    def _new_step(self) -> None:
-        """Inductor's CUDA graph trees need to know where a step starts (outputs of the last one may be reused)."""
-        if self.inductor_graphs:
-            torch.compiler.cudagraph_mark_step_begin()
+    def _new_step(self, key: tuple) -> None:
+        """Piecewise graphs number a forward's piece calls from its start, under the step's key."""
+        if self.piece_graphs:
+            self.piece_graphs.begin(key)
 
     def prefill(self, workspace: Workspace, tokens: torch.Tensor, positions: torch.Tensor) -> None:
-        self._new_step()
+        self._new_step(("prefill", id(workspace), tuple(tokens.shape)))
         if not self.cudagraph_mode.captures_full_prefill():
             prefill_step(self.prefill_forward, workspace, tokens, positions)
             return
@@ -225,7 +236,7 @@ class ExecutionMode(ShapePlan):
         self._replay(key)
 
     def decode(self, workspace: Workspace) -> None:
-        self._new_step()
+        self._new_step(("decode", id(workspace)))
         if not self.cudagraph_mode.has_full_cudagraphs():
             decode_step(self.decode_forward, workspace)
             return
@@ -271,6 +282,10 @@ class ExecutionMode(ShapePlan):
         self.measuring = dynamo_snapshot()
         self.counts = {"cudagraph_captures_warmup": self.counts["cudagraph_captures"], "cudagraph_captures": 0,
                        "cudagraph_replays": 0}
+        if self.piece_graphs:
+            pieces = self.piece_graphs.counts
+            pieces["piece_graph_captures_warmup"] = pieces["piece_graph_captures"]
+            pieces.update(piece_graph_captures=0, piece_graph_replays=0, piece_graph_recaptures=0)
 
     def _count_launches(self, workspace: Workspace) -> int:
         """Kernel launches (and graph launches) the host issues for one decode step (profiler)."""
@@ -295,7 +310,8 @@ class ExecutionMode(ShapePlan):
             "recompiles_after_warmup": now["graphs"] - measured["graphs"],
             "compile_s": now["compile_s"] - start["compile_s"],
             "inductor_cudagraph_skips": now["cudagraph_skips"] - start["cudagraph_skips"],
-            **self.counts, "kernel_launches_per_decode_step": self.kernel_launches_per_decode_step,
+            **self.counts, **(self.piece_graphs.counts if self.piece_graphs else {}),
+            "kernel_launches_per_decode_step": self.kernel_launches_per_decode_step,
             "prefill_buckets": self.prefill_buckets if self.static else None,
             "batch_buckets": self.batch_buckets if self.static else None,
         }
@@ -315,23 +331,11 @@ def find_fallbacks(evidence: dict[str, Any]) -> list[str]:
         found.append(f"trace-once recompiled {evidence['recompiles_after_warmup']}x after warm-up")
     if graphs.has_full_cudagraphs() and evidence["cudagraph_replays"] == 0:
         found.append(f"cudagraph_mode={graphs} but no CUDA graph was replayed")
-    if graphs.has_piecewise_cudagraphs() and evidence["inductor_cudagraph_skips"]:
-        found.append(f"Inductor skipped CUDA graphs {evidence['inductor_cudagraph_skips']}x (piecewise pieces ran without graphs)")
+    if graphs.has_piecewise_cudagraphs() and evidence.get("piece_graph_replays") == 0:
+        found.append(f"cudagraph_mode={graphs} but no piece's CUDA graph was replayed (the pieces ran without graphs)")
+    if evidence["inductor_cudagraph_skips"]:
+        found.append(f"Inductor skipped CUDA graphs {evidence['inductor_cudagraph_skips']}x")
     return found
-
-
-def mark_weights_static(transformer: Transformer) -> None:
-    """Tell Dynamo that the model's weights never move, so Inductor's CUDA graphs read them where they are.
-
-    A compiled piece serves every layer, each with its own weights. Inductor's CUDA graph trees copy every
-    input they do not know to be static into the graph's own buffer before each replay; parameters count
-    as static, but the stacked q/k/v and gate/up matrices are plain tensors (stack_rows). Unmarked, each
-    piecewise-graphed forward copied them: 6.4 of a prefill's 11.5 ms of kernel time on Llama-3-8B (H200,
-    benchmarks/decode_breakdown.py). Marked (unguarded: no recompile per layer), each layer's node of the
-    graph tree records its own weights' addresses, as it already did for the parameters. Same bits: the
-    copies held the same values."""
-    for weight in transformer.weights():
-        torch._dynamo.mark_static_address(weight, guard=False)
 
 
 def eager_mode(transformer: Transformer) -> ExecutionMode:
