@@ -42,9 +42,9 @@ import torch
 
 from ..config import CompilationMode, CUDAGraphMode, EffectiveConfig
 from . import gguf_blocks
-from .piece_graphs import PieceGraphs
 from .generate import (BatchOutput, BatchSpec, PaddedBatch, Workspace, decode_step, load_batch, prefill_step,
                        stack_outputs)
+from .piece_graphs import PieceGraphs
 from .shapes import ShapePlan
 from .timing import StepClock
 from .transformer import (StatePieces, Transformer, head, mlp_block, moe_post_attention, output_projection,

@@ -4,8 +4,8 @@ CUDAGraphWrapper around each piece), not Inductor's CUDA graph trees.
 
 Why not Inductor's trees: each call through them costs the host Dynamo's guards, AOTAutograd's wrappers and the
 trees' bookkeeping. On the H200 (random:llama3-8b bf16, -O2, a 16-token prefill bucket, torch 2.11) the prefill's
-66 piece calls kept the host busy 15.5 ms for 5.2 ms of kernels (`gpu_scratch` probe of stop 18, README): the
-time to first token was the host's. A replay here is one check of the arguments and one graph launch.
+66 piece calls kept the host busy 15.5 ms for 5.2 ms of kernels (benchmarks/prefill_ttft.py, README): the time
+to first token was the host's; here 5.8-6.3 ms. A replay here is one check of the arguments and one graph launch.
 
 How: `begin(key)` starts a forward (key: prefill or decode, the workspace, the shape), and the piece calls that
 follow are numbered in order. Under a new key the pieces run as they are (compiling, and recording their
@@ -18,8 +18,9 @@ address, and a replay checks that the call passes the same one. Every other tens
 prompt's tokens) is copied into a buffer the graph reads, before each replay. A piece's outputs are copied,
 inside its graph, into buffers shared by every call of that piece with the same output shape: the residual
 stream is one buffer for all layers, so the memory held is a layer's worth, not the model's, and the next
-piece reads it in place; the copied arguments' buffers are shared the same way. All graphs share one memory pool: they replay one after another on one stream, in the
-order they were captured, so one's temporaries may reuse another's.
+piece reads it in place; the copied arguments' buffers are shared the same way (each replay fills its own first).
+All graphs share one memory pool: they replay one after another on one stream, so one's temporaries may reuse
+another's (no graph's output lives in the pool: each is copied out inside its graph).
 
 A replay runs what the graph captured, without Dynamo's guards: what the pieces read besides their arguments
 (numerics flags, module switches) is what it was at the capture. A mode is built per configuration and its flags
@@ -41,9 +42,12 @@ from torch.utils._pytree import tree_flatten, tree_unflatten
 def storages(objects: Any) -> set[int]:
     """The storage addresses of every tensor in `objects` (tensors, dataclasses of them, lists, dicts), recursively."""
     found: set[int] = set()
-    pending = [objects]
+    pending, seen = [objects], set()
     while pending:
         item = pending.pop()
+        if id(item) in seen:
+            continue
+        seen.add(id(item))
         if isinstance(item, torch.Tensor):
             found.add(item.untyped_storage().data_ptr())
         elif is_dataclass(item) and not isinstance(item, type):
