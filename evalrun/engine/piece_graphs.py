@@ -155,7 +155,7 @@ class PieceGraphs:
         self.backend = backend if backend is not None else CudaGraphs()
         self.sequences: dict[tuple, Sequence] = {}
         self.stable: set[int] = set()  # storage addresses read in place
-        self.buffers: dict[tuple, torch.Tensor] = {}  # (piece, output leaf, TensorMeta) -> shared buffer
+        self.buffers: dict[tuple, torch.Tensor] = {}  # (in or out, piece, leaf position, TensorMeta) -> shared buffer
         self.sequence: Sequence | None = None
         self.cursor = 0
         self.counts = {"piece_graph_captures": 0, "piece_graph_replays": 0, "piece_graph_recaptures": 0}
@@ -220,8 +220,8 @@ class PieceGraphs:
         return all(leaves[position] == value for position, value in call.constants)
 
     def _capture(self, call: PieceCall, piece: Callable, leaves: list, spec: Any) -> None:
-        """Capture `call`: stable arguments read in place, the others from buffers of their own (filled now), the
-        outputs copied into the shared buffers inside the graph."""
+        """Capture `call`: stable arguments read in place, the others from the piece's shared argument buffers
+        (filled now), the outputs copied into its shared output buffers inside the graph."""
         if call.graph is not None:
             self.counts["piece_graph_recaptures"] += 1
         call.stable, call.copied, call.constants, call.leaves = [], [], [], len(leaves)
