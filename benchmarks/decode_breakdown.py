@@ -14,8 +14,8 @@ and the engine's decode step under three modes with its kernel time by kind.
    again with the KV cache written by a separate index_copy per layer (before the write moved into the
    pre-attention piece), with the MLP's residual added by its own kernel (before the GEMV's epilogue
    took it), with attention by the split-KV kernel (`attention_kernel=triton-split-kv`), with Inductor's
-   combo kernels, and those levers together with and without -O3's Inductor options (max-autotune,
-   coordinate descent), side by side.
+   combo kernels, and those levers together: as they are, with split-KV's chunks combined by a second kernel
+   (before stop 19), and with -O3's Inductor options (max-autotune, coordinate descent), side by side.
    Each row also gives the time to first token of four more batches and one profiled prefill: host wall
    time against the GPU's kernel time (is the prefill bound by the host?) and its longest kernels.
    `--skip` leaves parts out.
@@ -35,7 +35,7 @@ import torch.nn.functional as F
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from evalrun.engine import linear  # noqa: E402
+from evalrun.engine import attention_triton, linear  # noqa: E402
 from evalrun.engine.driver import generate_batch  # noqa: E402
 from evalrun.engine.generate import BatchSpec  # noqa: E402
 from evalrun.config import CompilationMode, CUDAGraphMode  # noqa: E402
@@ -228,7 +228,7 @@ def main() -> None:
     parser.add_argument("--skip", default="", help="comma-separated parts to leave out: projections, eager "
                         "(the eager and graphless steps), split-kv (the step with the split-KV attention), residual, "
                         "kv-write (the step with the MLP's residual add, or the KV write, separate), pdl-inductor, combo, "
-                        "levers, levers-o3")
+                        "levers, levers-combine-kernel, levers-o3")
     args = parser.parse_args()
     skip = set(args.skip.split(","))
     loaded = load_model(args.model, "cuda", args.dtype)
@@ -258,19 +258,25 @@ def main() -> None:
     combo = {"inductor_options": {"combo_kernels": True}}
     o3 = {"inductor_options": {"combo_kernels": True, "max_autotune": True, "coordinate_descent_tuning": True}}
     split_kv = gemv.with_attention_kernel("triton-split-kv")
-    rows = [(None, "", gemv, {}, True),
-            ("split-kv", " +triton-split-kv", split_kv, {}, True),
-            ("residual", ", residual add separate", gemv, {}, False),
-            ("kv-write", ", KV write separate", gemv, {"kv_write_in_piece": False}, True),
-            ("pdl-inductor", " +Inductor PDL", gemv, pdl, True),
-            ("combo", " +Inductor combo kernels", gemv, combo, True),
-            ("levers", " +split-kv +combo", split_kv, combo, True),
-            ("levers-o3", " +split-kv +combo, -O3's Inductor options", split_kv, o3, True)]
-    for name, label, forward, options, residual_in_projection in rows:
+    separate_residual = ((transformer_module, "RESIDUAL_IN_PROJECTION", False),)
+    separate_combine = ((attention_triton, "COMBINE_IN_LAST_PROGRAM", False),)  # split-KV's second kernel (stop 19)
+    rows = [(None, "", gemv, {}, ()),
+            ("split-kv", " +triton-split-kv", split_kv, {}, ()),
+            ("residual", ", residual add separate", gemv, {}, separate_residual),
+            ("kv-write", ", KV write separate", gemv, {"kv_write_in_piece": False}, ()),
+            ("pdl-inductor", " +Inductor PDL", gemv, pdl, ()),
+            ("combo", " +Inductor combo kernels", gemv, combo, ()),
+            ("levers", " +split-kv +combo", split_kv, combo, ()),
+            ("levers-combine-kernel", " +split-kv +combo, split-KV's chunks combined by a second kernel", split_kv,
+             combo, separate_combine),
+            ("levers-o3", " +split-kv +combo, -O3's Inductor options", split_kv, o3, ())]
+    for name, label, forward, options, flags in rows:
         if name in skip:
             continue
         torch._dynamo.reset()
-        transformer_module.RESIDUAL_IN_PROJECTION = residual_in_projection
+        saved = [(module, flag, getattr(module, flag)) for module, flag, _ in flags]
+        for module, flag, value in flags:
+            setattr(module, flag, value)
         try:
             row = measure_decode(forward, "piecewise", "full-and-piecewise", prompt, args.steps, **options)
         except Exception as error:  # one row failing (a knob this torch lacks) leaves the others measured
@@ -278,7 +284,8 @@ def main() -> None:
             print(f"row {name} failed: {report['failed_rows'][name]}", file=sys.stderr)
             continue
         finally:
-            transformer_module.RESIDUAL_IN_PROJECTION = True
+            for module, flag, value in saved:
+                setattr(module, flag, value)
         report["decode"].append({**row, "mode": f"piecewise/full-and-piecewise +triton-gemv{label}"})
         if args.json:  # after each row: a run cut short by a deadline keeps the rows it measured
             Path(args.json).write_text(json.dumps(report, indent=1))

@@ -15,6 +15,7 @@ not computed here: a model with them is refused (Transformer.with_attention_kern
 from __future__ import annotations
 
 import torch
+from torch._subclasses.fake_tensor import is_fake
 
 from ..config import TRITON_DTYPE_NAMES
 from ..errors import ConfigError
@@ -23,7 +24,10 @@ from .triton_ops import INTERPRETED, refuse_unregistrable, registering
 BLOCK_S = 64  # cache slots a program reads per step of its loop
 TARGET_CHUNKS = 16  # chunks per key/value head: enough programs to keep the SMs reading at batch 1
 DTYPES = tuple(getattr(torch, name) for name in TRITON_DTYPE_NAMES)  # those config.validate lets through
+ARRIVAL_COUNTERS = 1 << 16  # batch x key/value heads a call may have for its last programs to combine
+COMBINE_IN_LAST_PROGRAM = True  # False: always a second kernel (benchmarks/decode_breakdown.py times both)
 _OP: dict = {}  # "op": the registered torch op, once prepare() ran on a CUDA device with Triton
+_ARRIVALS: dict[torch.device, torch.Tensor] = {}  # each device's counters, zero between calls
 
 
 def chunk_for(slots: int, target_chunks: int = TARGET_CHUNKS) -> int:
@@ -33,10 +37,15 @@ def chunk_for(slots: int, target_chunks: int = TARGET_CHUNKS) -> int:
 
 
 def prepare(kernel: str, device: torch.device | str) -> None:
-    """Register the kernel as a torch op for a CUDA device, once, before anything is compiled (triton_ops)."""
-    if kernel != "triton-split-kv" or "op" in _OP or INTERPRETED:
+    """Register the kernel as a torch op for a CUDA device, once, before anything is compiled (triton_ops), and
+    allocate the device's arrival counters before any CUDA graph is captured."""
+    if kernel != "triton-split-kv" or INTERPRETED:
         return
     refuse_unregistrable("attention_kernel", kernel, "sdpa", device)
+    device = torch.device(device)
+    arrival_counters(device if device.index is not None else torch.device("cuda", torch.cuda.current_device()))
+    if "op" in _OP:
+        return
     from torch.library import triton_op, wrap_triton
 
     from . import attention_triton_kernel
@@ -45,9 +54,30 @@ def prepare(kernel: str, device: torch.device | str) -> None:
         @triton_op("evalrun::split_kv_attention", mutates_args={})
         def split_kv_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor,
                                scale: float) -> torch.Tensor:
-            return attention_triton_kernel.launch(q, k, v, mask, scale, chunk_for(k.shape[2]), BLOCK_S, wrap_triton)
+            return attention_triton_kernel.launch(q, k, v, mask, scale, chunk_for(k.shape[2]), BLOCK_S, wrap_triton,
+                                                  arrivals=arrivals_for(q, k.shape[1]))
 
     _OP["op"] = split_kv_attention
+
+
+def arrivals_for(q: torch.Tensor, kv_heads: int) -> torch.Tensor | None:
+    """The counters with which the last program of each head combines its chunks (one kernel a call); None (a
+    second kernel combines, the same bits) inside torch.compile's traces, where a buffer the op mutates behind the
+    compiler's back has no place (Dynamo's, and Inductor's lowering, which calls the op on fake tensors outside
+    Dynamo), and for more heads than there are counters."""
+    if (not COMBINE_IN_LAST_PROGRAM or torch.compiler.is_compiling() or is_fake(q)
+            or q.shape[0] * kv_heads > ARRIVAL_COUNTERS):
+        return None
+    return arrival_counters(q.device)
+
+
+def arrival_counters(device: torch.device) -> torch.Tensor | None:
+    """The device's arrival counters: allocated zeroed once, never inside a CUDA graph capture (a graph replays
+    their address; prepare() allocates them before any capture), and left zero by every kernel that uses them."""
+    arrivals = _ARRIVALS.get(device)
+    if arrivals is None and not (device.type == "cuda" and torch.cuda.is_current_stream_capturing()):
+        arrivals = _ARRIVALS[device] = torch.zeros(ARRIVAL_COUNTERS, dtype=torch.int32, device=device)
+    return arrivals
 
 
 def applies(grouped: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor) -> bool:
@@ -68,7 +98,8 @@ def decode_attention(grouped: torch.Tensor, k: torch.Tensor, v: torch.Tensor, ma
     if INTERPRETED:
         from .attention_triton_kernel import launch
 
-        return launch(grouped, k, v, mask, scale, chunk_for(k.shape[2]), BLOCK_S)
+        return launch(grouped, k, v, mask, scale, chunk_for(k.shape[2]), BLOCK_S,
+                      arrivals=arrivals_for(grouped, k.shape[1]))
     if "op" not in _OP:  # asked for and never prepared: refused, not run as SDPA
         raise ConfigError("attention_kernel=triton-split-kv needs a CUDA device with Triton; use attention_kernel=sdpa")
     return _OP["op"](grouped, k, v, mask, scale)

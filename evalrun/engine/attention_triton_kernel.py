@@ -4,13 +4,16 @@ q [B, G, R, D]: the R query heads that share key/value head g, as R rows (the en
 and values [B, G, S, D]; an additive mask [B, 1, R, S]. Each program of the first kernel takes one key/value
 head and one chunk of CHUNK cache slots (whole blocks of BLOCK_S), and keeps, in float32 for each of the R
 rows, the running maximum of the scaled scores, the sum of their exponentials and the exponential-weighted sum
-of the values (the rows padded to 16 for tl.dot, the head dimension to a power of two). The second kernel
-combines a head's chunks in a fixed order. The chunking is fixed by S alone (attention_triton.chunk_for), and
-nothing is atomic, so a run's bits depend on the shapes only. The probabilities are rounded to the values'
-dtype before their product with the values, as flash attention does; float32 products are computed in full
-float32 (input_precision="ieee"), never TF32 (the 16-bit dtypes keep Triton's default, which is exact for
-them). CHUNK and CHUNKS are compile-time constants: one compile per chunk count a run meets. Imported only
-where it runs (a CUDA device, or under TRITON_INTERPRET=1).
+of the values (the rows padded to 16 for tl.dot, the head dimension to a power of two). Then a head's chunks
+are combined in a fixed order: by the last program of the head to finish (it counts the head's finished programs
+in an arrival counter, and sets it back to 0), or, where no counter is given (inside torch.compile's traces), by
+a second kernel. Both combine with the same code in the same order, so the same bits; the first saves a kernel
+launch per layer. The chunking is fixed by S alone (attention_triton.chunk_for), and the counter only decides
+which program combines, never the order, so a run's bits depend on the shapes only. The probabilities are
+rounded to the values' dtype before their product with the values, as flash attention does; float32 products
+are computed in full float32 (input_precision="ieee"), never TF32 (the 16-bit dtypes keep Triton's default,
+which is exact for them). CHUNK and CHUNKS are compile-time constants: one compile per chunk count a run meets.
+Imported only where it runs (a CUDA device, or under TRITON_INTERPRET=1).
 """
 
 from __future__ import annotations
@@ -21,10 +24,11 @@ import triton.language as tl
 
 
 @triton.jit
-def partial_kernel(q_ptr, k_ptr, v_ptr, mask_ptr, acc_ptr, max_ptr, sum_ptr, scale, slots, q_stride_b, q_stride_g,
-                   q_stride_r, kv_stride_b, kv_stride_g, kv_stride_s, mask_stride_b, mask_stride_r, kv_heads,
-                   R: tl.constexpr, ROWS: tl.constexpr, D: tl.constexpr, DIMS: tl.constexpr, CHUNK: tl.constexpr,
-                   CHUNKS: tl.constexpr, BLOCK_S: tl.constexpr, PRECISION: tl.constexpr):
+def partial_kernel(q_ptr, k_ptr, v_ptr, mask_ptr, acc_ptr, max_ptr, sum_ptr, out_ptr, arrivals_ptr, scale, slots,
+                   q_stride_b, q_stride_g, q_stride_r, kv_stride_b, kv_stride_g, kv_stride_s, mask_stride_b,
+                   mask_stride_r, out_stride_b, out_stride_g, out_stride_r, kv_heads, R: tl.constexpr,
+                   ROWS: tl.constexpr, D: tl.constexpr, DIMS: tl.constexpr, CHUNK: tl.constexpr, CHUNKS: tl.constexpr,
+                   BLOCK_S: tl.constexpr, PRECISION: tl.constexpr, COMBINE: tl.constexpr):
     head = tl.program_id(0)  # b * G + g
     chunk = tl.program_id(1)
     scale = tl.cast(scale, tl.float32)  # Inductor passes a Python float as float64; Triton's own launch as float32
@@ -61,35 +65,54 @@ def partial_kernel(q_ptr, k_ptr, v_ptr, mask_ptr, acc_ptr, max_ptr, sum_ptr, sca
     tl.store(acc_ptr + (part * ROWS + rows[:, None]) * DIMS + dims[None, :], acc)
     tl.store(max_ptr + part * ROWS + rows, running_max)
     tl.store(sum_ptr + part * ROWS + rows, running_sum)
+    if COMBINE:  # the head's last program to finish combines its chunks
+        tl.debug_barrier()  # every thread's stores above, then the release of the count (acq_rel: PTX's cumulativity)
+        finished = tl.atomic_add(arrivals_ptr + head, 1, sem="acq_rel", scope="gpu")
+        if finished == CHUNKS - 1:
+            combine_head(head, acc_ptr, max_ptr, sum_ptr, out_ptr, out_stride_b, out_stride_g, out_stride_r,
+                         kv_heads, R, ROWS, D, DIMS, CHUNKS)
+            tl.store(arrivals_ptr + head, 0)  # for the next launch, which starts after this kernel ends
 
 
 @triton.jit
 def combine_kernel(acc_ptr, max_ptr, sum_ptr, out_ptr, out_stride_b, out_stride_g, out_stride_r, kv_heads,
                    R: tl.constexpr, ROWS: tl.constexpr, D: tl.constexpr, DIMS: tl.constexpr, CHUNKS: tl.constexpr):
-    head = tl.program_id(0)
+    combine_head(tl.program_id(0), acc_ptr, max_ptr, sum_ptr, out_ptr, out_stride_b, out_stride_g, out_stride_r,
+                 kv_heads, R, ROWS, D, DIMS, CHUNKS)
+
+
+@triton.jit
+def combine_head(head, acc_ptr, max_ptr, sum_ptr, out_ptr, out_stride_b, out_stride_g, out_stride_r, kv_heads,
+                 R: tl.constexpr, ROWS: tl.constexpr, D: tl.constexpr, DIMS: tl.constexpr, CHUNKS: tl.constexpr):
+    """One head's chunks in a fixed order. The partials are read from L2 (.cg): another SM wrote them."""
     b = head // kv_heads
     g = head % kv_heads
     rows = tl.arange(0, ROWS)
     dims = tl.arange(0, DIMS)
     overall = tl.full((ROWS,), float("-inf"), tl.float32)
     for chunk in range(CHUNKS):
-        overall = tl.maximum(overall, tl.load(max_ptr + (head * CHUNKS + chunk) * ROWS + rows))
+        overall = tl.maximum(overall, tl.load(max_ptr + (head * CHUNKS + chunk) * ROWS + rows, cache_modifier=".cg"))
     safe = tl.where(overall == float("-inf"), 0.0, overall)  # padding rows only: every query sees itself
     total = tl.zeros((ROWS,), tl.float32)
     acc = tl.zeros((ROWS, DIMS), tl.float32)
     for chunk in range(CHUNKS):  # a fixed order
         part = head * CHUNKS + chunk
-        weight = tl.exp(tl.load(max_ptr + part * ROWS + rows) - safe)  # a chunk that saw no key: 0
-        total += tl.load(sum_ptr + part * ROWS + rows) * weight
-        acc += tl.load(acc_ptr + (part * ROWS + rows[:, None]) * DIMS + dims[None, :]) * weight[:, None]
+        weight = tl.exp(tl.load(max_ptr + part * ROWS + rows, cache_modifier=".cg") - safe)  # saw no key: 0
+        total += tl.load(sum_ptr + part * ROWS + rows, cache_modifier=".cg") * weight
+        partial = tl.load(acc_ptr + (part * ROWS + rows[:, None]) * DIMS + dims[None, :], cache_modifier=".cg")
+        acc += partial * weight[:, None]
     out = acc / tl.where(total == 0.0, 1.0, total)[:, None]
     tl.store(out_ptr + b * out_stride_b + g * out_stride_g + rows[:, None] * out_stride_r + dims[None, :],
              out.to(out_ptr.dtype.element_ty), mask=(rows < R)[:, None] & (dims < D)[None, :])
 
 
 def launch(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor, scale: float, chunk: int,
-           block_s: int, wrap=lambda kernel: kernel, num_warps: int = 4) -> torch.Tensor:
-    """q [B, G, R, D], k/v [B, G, S, D], mask [B, 1, R, S] (each with its last dimension contiguous) -> [B, G, R, D]."""
+           block_s: int, wrap=lambda kernel: kernel, num_warps: int = 4,
+           arrivals: torch.Tensor | None = None) -> torch.Tensor:
+    """q [B, G, R, D], k/v [B, G, S, D], mask [B, 1, R, S] (each with its last dimension contiguous) -> [B, G, R, D].
+
+    arrivals: int32 counters, at least B * G of them, all 0 (and left 0): the last program of each head combines
+    its chunks. None: a second kernel combines them (the same bits)."""
     batch, kv_heads, rows, dim = q.shape
     slots = k.shape[2]
     chunks = triton.cdiv(slots, chunk)
@@ -100,10 +123,13 @@ def launch(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor
     sums = torch.empty(parts, dtype=torch.float32, device=q.device)
     out = torch.empty_like(q)
     shape = dict(R=rows, ROWS=padded_rows, D=dim, DIMS=padded_dim, CHUNKS=chunks)
+    combine = arrivals is not None
     wrap(partial_kernel)[(batch * kv_heads, chunks)](
-        q, k, v, mask, acc, maxes, sums, scale, slots, q.stride(0), q.stride(1), q.stride(2), k.stride(0),
-        k.stride(1), k.stride(2), mask.stride(0), mask.stride(2), kv_heads, CHUNK=chunk, BLOCK_S=block_s,
-        PRECISION="ieee" if q.dtype == torch.float32 else "tf32", num_warps=num_warps, **shape)
-    wrap(combine_kernel)[(batch * kv_heads,)](acc, maxes, sums, out, out.stride(0), out.stride(1), out.stride(2),
-                                              kv_heads, num_warps=num_warps, **shape)
+        q, k, v, mask, acc, maxes, sums, out, arrivals if combine else maxes, scale, slots, q.stride(0), q.stride(1),
+        q.stride(2), k.stride(0), k.stride(1), k.stride(2), mask.stride(0), mask.stride(2), out.stride(0),
+        out.stride(1), out.stride(2), kv_heads, CHUNK=chunk, BLOCK_S=block_s,
+        PRECISION="ieee" if q.dtype == torch.float32 else "tf32", COMBINE=combine, num_warps=num_warps, **shape)
+    if not combine:
+        wrap(combine_kernel)[(batch * kv_heads,)](acc, maxes, sums, out, out.stride(0), out.stride(1), out.stride(2),
+                                                  kv_heads, num_warps=num_warps, **shape)
     return out
