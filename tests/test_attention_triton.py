@@ -8,6 +8,7 @@ compiled, also inside torch.compile and a CUDA graph.
 
 from __future__ import annotations
 
+import inspect
 import json
 import os
 import subprocess
@@ -29,6 +30,21 @@ import torch
 from evalrun.engine import attention_triton
 from evalrun.engine.transformer import attention, build_mask
 
+from evalrun.engine import attention_triton_kernel
+
+launches = []  # the grids the second (combine) kernel was launched with
+
+
+class Counted:
+    def __init__(self, kernel):
+        self.kernel = kernel
+
+    def __getitem__(self, grid):
+        launches.append(grid)
+        return self.kernel[grid]
+
+
+attention_triton_kernel.combine_kernel = Counted(attention_triton_kernel.combine_kernel)
 g = torch.Generator().manual_seed(11)
 cases = []
 for dtype in (torch.float32, torch.float16):
@@ -41,18 +57,22 @@ for dtype in (torch.float32, torch.float16):
         valid[1, used - 1:used] = True  # a row that sees one key: itself
         mask = build_mask(torch.tensor([used - 1]), valid, 4, dtype, window)
         exact = attention(q.double(), k.double(), v.double(), mask.double(), "sdpa")
+        before = len(launches)
         out = attention(q, k, v, mask, "sdpa", kernel="triton-split-kv")
         again = attention(q, k, v, mask, "sdpa", kernel="triton-split-kv")
+        one_kernel = len(launches) == before and torch.device("cpu") in attention_triton._ARRIVALS
         sdpa = attention(q, k, v, mask, "sdpa")
         attention_triton.COMBINE_IN_LAST_PROGRAM = False  # a second kernel combines the chunks
         separate = attention(q, k, v, mask, "sdpa", kernel="triton-split-kv")
         attention_triton.COMBINE_IN_LAST_PROGRAM = True
+        two_kernels = len(launches) == before + 1
         cases.append({"dtype": str(dtype), "slots": slots, "dim": dim, "chunk": attention_triton.chunk_for(slots),
                       "error": (out.double() - exact).abs().max().item(),
                       "sdpa_error": (sdpa.double() - exact).abs().max().item(), "repeatable": torch.equal(out, again),
-                      "combined_alike": torch.equal(out, separate), "shape": list(out.shape),
+                      "combined_alike": torch.equal(out, separate), "one_kernel": one_kernel,
+                      "two_kernels": two_kernels, "shape": list(out.shape),
                       "out_dtype": str(out.dtype)})
-arrivals = attention_triton.arrival_counters(torch.device("cpu"))
+arrivals = attention_triton._ARRIVALS[torch.device("cpu")]
 q = torch.randn(1, 8, 3, 64, generator=g)  # three query tokens: a prefill
 k, v = torch.randn(1, 2, 16, 64, generator=g), torch.randn(1, 2, 16, 64, generator=g)
 valid = torch.ones(1, 16, dtype=torch.bool)
@@ -80,10 +100,47 @@ def test_split_kv_attention_matches_float64_as_closely_as_sdpa(interpreted):
 
 
 def test_the_last_program_of_a_head_combines_its_chunks_as_a_second_kernel_would(interpreted):
-    """One kernel a call: the last of a head's programs to finish combines its chunks, in the order the second
-    kernel would (the same bits), and leaves the arrival counters zero for the next call."""
-    assert all(case["combined_alike"] for case in interpreted["cases"]), interpreted["cases"]
+    """One kernel a call (the second kernel never launched, the counters made): the last of a head's programs to
+    finish combines its chunks with the bits of the second kernel, and leaves the counters zero for the next call.
+    (The interpreter runs programs one after another, so which program combines, and when, is checked on the GPU
+    and in the PTX: the next test.)"""
+    for case in interpreted["cases"]:
+        assert case["one_kernel"] and case["two_kernels"] and case["combined_alike"], case
     assert interpreted["arrivals"] >= 2 * 2 and interpreted["arrivals_left"] == 0
+
+
+def test_the_combining_program_sees_every_partial_by_the_ptx():
+    """The memory-ordering argument, read off the kernel as Triton compiles it for Hopper (a CPU can compile it):
+    each program stores its partials, then a barrier of its threads, then one acquire-release atomic add at GPU
+    scope, then a barrier handing its result to every thread, and only then the combine's loads, at L2. A Triton
+    that lowered any of these otherwise would fail here before it could combine a chunk early on a GPU."""
+    triton = pytest.importorskip("triton")
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+
+    from evalrun.engine.attention_triton_kernel import partial_kernel
+
+    names = list(inspect.signature(partial_kernel.fn).parameters)
+    pointers = {"q_ptr": "*bf16", "k_ptr": "*bf16", "v_ptr": "*bf16", "mask_ptr": "*bf16", "acc_ptr": "*fp32",
+                "max_ptr": "*fp32", "sum_ptr": "*fp32", "out_ptr": "*bf16", "arrivals_ptr": "*i32", "scale": "fp32"}
+    constants = dict(R=4, ROWS=16, D=128, DIMS=128, CHUNK=64, CHUNKS=16, BLOCK_S=64, PRECISION="tf32", COMBINE=True)
+    signature = {name: pointers.get(name, "constexpr" if name in constants else "i32") for name in names}
+    source = ASTSource(fn=partial_kernel, signature=signature,
+                       constexprs={(names.index(name),): value for name, value in constants.items()})
+    try:
+        ptx = triton.compile(source, target=GPUTarget("cuda", 90, 32), options={"num_warps": 4}).asm["ptx"]
+    except Exception as error:  # a Triton without its CUDA backend's tools
+        pytest.skip(f"Triton cannot compile for sm_90 here: {str(error).splitlines()[0][:120]}")
+    lines = ptx.splitlines()
+    at = lambda text: [i for i, line in enumerate(lines) if text in line]  # noqa: E731
+    atomics = at("atom.global.gpu.acq_rel.add")
+    assert len(atomics) == 1, atomics
+    count = atomics[0]
+    last_store = max(i for i in at("st.global") if i < count)  # the partials (and nothing after them) come first
+    assert any(last_store < i < count for i in at("bar.sync")), "no barrier between the partials' stores and the count"
+    loads = at("ld.global.cg")
+    assert loads and min(loads) > count, "the combine reads before it counts"
+    assert any(count < i < min(loads) for i in at("bar.sync")), "no barrier handing the count to every thread"
 
 
 def test_the_chunking_is_fixed_by_the_cache_length_alone():
@@ -292,6 +349,38 @@ def test_gpu_the_last_program_combines_as_the_second_kernel_would_replay_after_r
         assert differ == [0] * 60, (slots, differ)
     torch.cuda.synchronize()
     assert int(arrivals.abs().sum()) == 0
+
+
+@gpu
+@needs_cuda
+def test_gpu_the_op_launches_one_kernel_eagerly_and_two_when_traced():
+    """Through the engine's attention: eagerly the registered op launches the partial kernel alone (its last
+    programs combine), compiled it launches the partial kernel and the second kernel; the same bits."""
+    from torch.profiler import ProfilerActivity, profile
+
+    from evalrun.engine import attention_triton
+    from evalrun.engine.transformer import attention, build_mask
+
+    attention_triton.prepare("triton-split-kv", "cuda")
+    torch._dynamo.reset()
+    generator = torch.Generator(device="cuda").manual_seed(5)
+    q = torch.randn(1, 32, 1, 128, device="cuda", dtype=torch.bfloat16, generator=generator)
+    k, v = (torch.randn(1, 8, 1000, 128, device="cuda", dtype=torch.bfloat16, generator=generator) for _ in range(2))
+    mask = build_mask(torch.tensor([999], device="cuda"), torch.ones(1, 1000, dtype=torch.bool, device="cuda"), 4,
+                      torch.bfloat16)
+    forward = lambda a: attention(a, k, v, mask, "sdpa", kernel="triton-split-kv")  # noqa: E731
+    compiled = torch.compile(forward, fullgraph=True, dynamic=False)
+    assert torch.equal(compiled(q), forward(q))  # compiled (and warmed) before the profile
+    launched = {}
+    for name, function in (("eager", forward), ("compiled", compiled)):
+        with profile(activities=[ProfilerActivity.CUDA]) as profiled:
+            function(q)
+            torch.cuda.synchronize()
+        kernels = [event.name for event in profiled.events() if event.device_type.name == "CUDA"]
+        launched[name] = (sum("partial_kernel" in kernel for kernel in kernels),
+                          sum("combine_kernel" in kernel for kernel in kernels))
+    assert launched == {"eager": (1, 0), "compiled": (1, 1)}, launched
+    assert attention_triton.arrivals_left() == 0
 
 
 @gpu

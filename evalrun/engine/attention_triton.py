@@ -4,8 +4,8 @@ row (the decode steps, and the prefill of a one-token prompt); longer prefills s
 path (`attn_implementation`).
 
 Why: at batch 1 SDPA's kernels read a decode step's keys and values far below the bandwidth, the more so the
-longer the cache. On the H200 at Llama-3-8B's shapes, per layer (benchmarks/decode_attention.py): cuDNN 10.1 us
-at 144 cache slots, 26.2 at 1024, 87.5 at 4096 (0.19 TB/s); the split-KV kernel 4.6, 9.3 and 13.2 us. It is
+longer the cache. On the H200 at Llama-3-8B's shapes, per layer (benchmarks/decode_attention.py): cuDNN 10.4 us
+at 144 cache slots, 26.5 at 1024, 88.8 at 4096 (0.19 TB/s); the split-KV kernel 4.5, 9.0 and 12.6 us. It is
 another reduction order, so other bits: a knob in the config hash, never on by default, refused where it
 cannot run (config.validate), and the golden's reference and oracle run without it (golden.py). The chunking
 is fixed by the cache length alone, so the bits depend on the shapes only. Soft-capped scores (Gemma 2) are
@@ -42,8 +42,7 @@ def prepare(kernel: str, device: torch.device | str) -> None:
     if kernel != "triton-split-kv" or INTERPRETED:
         return
     refuse_unregistrable("attention_kernel", kernel, "sdpa", device)
-    device = torch.device(device)
-    arrival_counters(device if device.index is not None else torch.device("cuda", torch.cuda.current_device()))
+    arrival_counters(torch.device(device))
     if "op" in _OP:
         return
     from torch.library import triton_op, wrap_triton
@@ -64,7 +63,8 @@ def arrivals_for(q: torch.Tensor, kv_heads: int) -> torch.Tensor | None:
     """The counters with which the last program of each head combines its chunks (one kernel a call); None (a
     second kernel combines, the same bits) inside torch.compile's traces, where a buffer the op mutates behind the
     compiler's back has no place (Dynamo's, and Inductor's lowering, which calls the op on fake tensors outside
-    Dynamo), and for more heads than there are counters."""
+    Dynamo), for more heads than there are counters, with COMBINE_IN_LAST_PROGRAM off, and inside a CUDA graph
+    capture that meets the device's counters before prepare() made them."""
     if (not COMBINE_IN_LAST_PROGRAM or torch.compiler.is_compiling() or is_fake(q)
             or q.shape[0] * kv_heads > ARRIVAL_COUNTERS):
         return None
@@ -73,11 +73,20 @@ def arrivals_for(q: torch.Tensor, kv_heads: int) -> torch.Tensor | None:
 
 def arrival_counters(device: torch.device) -> torch.Tensor | None:
     """The device's arrival counters: allocated zeroed once, never inside a CUDA graph capture (a graph replays
-    their address; prepare() allocates them before any capture), and left zero by every kernel that uses them."""
+    their address; prepare() allocates them before any capture; None if a capture meets them first), and left zero
+    by every kernel that uses them, as long as one launch runs at a time on the device (arrivals_left checks)."""
+    if device.type == "cuda" and device.index is None:
+        device = torch.device("cuda", torch.cuda.current_device())
     arrivals = _ARRIVALS.get(device)
     if arrivals is None and not (device.type == "cuda" and torch.cuda.is_current_stream_capturing()):
         arrivals = _ARRIVALS[device] = torch.zeros(ARRIVAL_COUNTERS, dtype=torch.int32, device=device)
     return arrivals
+
+
+def arrivals_left() -> int:
+    """Arrival counters not back at zero, over every device (a sync each). Not 0 only if two launches overlapped on
+    one device (two streams), which the engine never does: then combines ran early or never, and the run is void."""
+    return sum(int(torch.count_nonzero(arrivals)) for arrivals in _ARRIVALS.values())
 
 
 def applies(grouped: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor) -> bool:

@@ -6,9 +6,12 @@ head and one chunk of CHUNK cache slots (whole blocks of BLOCK_S), and keeps, in
 rows, the running maximum of the scaled scores, the sum of their exponentials and the exponential-weighted sum
 of the values (the rows padded to 16 for tl.dot, the head dimension to a power of two). Then a head's chunks
 are combined in a fixed order: by the last program of the head to finish (it counts the head's finished programs
-in an arrival counter, and sets it back to 0), or, where no counter is given (inside torch.compile's traces), by
-a second kernel. Both combine with the same code in the same order, so the same bits; the first saves a kernel
-launch per layer. The chunking is fixed by S alone (attention_triton.chunk_for), and the counter only decides
+in an arrival counter, and sets it back to 0), or, where no counters are given (inside torch.compile's traces;
+see attention_triton.arrivals_for for the other cases), by a second kernel. Both combine with the same code in the
+same order, so the same bits; the first saves a kernel launch per layer. Why the last program sees every other
+program's partials: each program's stores, a barrier of its threads, then one thread's atomic add with acquire-
+release semantics at GPU scope, whose result the barrier after it hands to every thread (tests/test_attention_triton.py
+reads this order in the PTX). The counters assume one launch at a time per device (one stream), as the engine runs. The chunking is fixed by S alone (attention_triton.chunk_for), and the counter only decides
 which program combines, never the order, so a run's bits depend on the shapes only. The probabilities are
 rounded to the values' dtype before their product with the values, as flash attention does; float32 products
 are computed in full float32 (input_precision="ieee"), never TF32 (the 16-bit dtypes keep Triton's default,
@@ -71,7 +74,7 @@ def partial_kernel(q_ptr, k_ptr, v_ptr, mask_ptr, acc_ptr, max_ptr, sum_ptr, out
         if finished == CHUNKS - 1:
             combine_head(head, acc_ptr, max_ptr, sum_ptr, out_ptr, out_stride_b, out_stride_g, out_stride_r,
                          kv_heads, R, ROWS, D, DIMS, CHUNKS)
-            tl.store(arrivals_ptr + head, 0)  # for the next launch, which starts after this kernel ends
+            tl.store(arrivals_ptr + head, 0)  # for the next launch, which on one stream starts after this kernel ends
 
 
 @triton.jit
@@ -84,7 +87,8 @@ def combine_kernel(acc_ptr, max_ptr, sum_ptr, out_ptr, out_stride_b, out_stride_
 @triton.jit
 def combine_head(head, acc_ptr, max_ptr, sum_ptr, out_ptr, out_stride_b, out_stride_g, out_stride_r, kv_heads,
                  R: tl.constexpr, ROWS: tl.constexpr, D: tl.constexpr, DIMS: tl.constexpr, CHUNKS: tl.constexpr):
-    """One head's chunks in a fixed order. The partials are read from L2 (.cg): another SM wrote them."""
+    """One head's chunks in a fixed order. Read at L2 (.cg), where other SMs' stores land; their visibility comes
+    from the barrier and the acquire-release count in partial_kernel."""
     b = head // kv_heads
     g = head % kv_heads
     rows = tl.arange(0, ROWS)
@@ -124,8 +128,11 @@ def launch(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor
     out = torch.empty_like(q)
     shape = dict(R=rows, ROWS=padded_rows, D=dim, DIMS=padded_dim, CHUNKS=chunks)
     combine = arrivals is not None
+    if combine and not (arrivals.dtype == torch.int32 and arrivals.device == q.device and arrivals.is_contiguous()
+                        and arrivals.numel() >= batch * kv_heads):
+        raise ValueError(f"arrival counters must be {batch * kv_heads} or more contiguous int32 on {q.device}")
     wrap(partial_kernel)[(batch * kv_heads, chunks)](
-        q, k, v, mask, acc, maxes, sums, out, arrivals if combine else maxes, scale, slots, q.stride(0), q.stride(1),
+        q, k, v, mask, acc, maxes, sums, out, arrivals if combine else maxes, scale, slots, q.stride(0), q.stride(1),  # maxes: unread
         q.stride(2), k.stride(0), k.stride(1), k.stride(2), mask.stride(0), mask.stride(2), out.stride(0),
         out.stride(1), out.stride(2), kv_heads, CHUNK=chunk, BLOCK_S=block_s,
         PRECISION="ieee" if q.dtype == torch.float32 else "tf32", COMBINE=combine, num_warps=num_warps, **shape)

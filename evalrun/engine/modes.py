@@ -41,7 +41,7 @@ from typing import Any, Callable
 import torch
 
 from ..config import CompilationMode, CUDAGraphMode, EffectiveConfig
-from . import gguf_blocks
+from . import attention_triton, gguf_blocks
 from .generate import (BatchOutput, BatchSpec, PaddedBatch, Workspace, decode_step, load_batch, prefill_step,
                        stack_outputs)
 from .piece_graphs import PieceGraphs
@@ -300,6 +300,10 @@ class ExecutionMode(ShapePlan):
         return sum(1 for event in profiler.events() if event.name in names)
 
     def evidence(self) -> dict[str, Any]:
+        left = attention_triton.arrivals_left()
+        if left:  # never stored as a run: its split-KV attention combined early or not at all
+            raise RuntimeError(f"split-KV attention left {left} arrival counters non-zero: two of its launches "
+                               "overlapped on one device; the run's attention cannot be trusted")
         now, start, measured = dynamo_snapshot(), self.started, self.measuring
         breaks = {reason.splitlines()[0][:200]: count - start["breaks"].get(reason, 0)
                   for reason, count in now["breaks"].items() if count > start["breaks"].get(reason, 0)}
