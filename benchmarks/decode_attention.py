@@ -14,8 +14,9 @@ time grows with the cache far slower than its bytes allow (88.9 us a layer for 1
 TB/s, in the first run), as if a few programs walked each head's whole cache; the split-KV kernel cuts each
 head's cache into chunks of whole 64-slot blocks, one program each, and combines them in a fixed order, so
 the bits depend on the shapes alone: by a second kernel, or (as the engine runs it eagerly since stop 19) by
-each head's last program to finish, the row "one kernel" beside "two kernels" at the same chunking. The prototype of this kernel, measured the same way
-before it was built in, is in `benchmarks/results/h200-decode-attention-split-kv.json`.
+each head's last program to finish, the row "one kernel" beside "two kernels" at the same chunking. The
+prototype of this kernel, measured the same way before it was built in, is in
+`benchmarks/results/h200-decode-attention-split-kv.json`.
 """
 
 from __future__ import annotations
@@ -79,7 +80,8 @@ def main() -> None:
     print(f"{report['device']}  torch {report['torch']}  per layer, one CUDA graph over {args.layers} layers")
     for name, row in report["us_per_layer"].items():
         us = f"{row['us']:7.2f} us" if row["us"] is not None else "refused"
-        print(f"  {name:72s} {us}  ({row['kv_mb']:.1f} MB of keys and values)  {row['max_abs_difference_from_default']}")
+        print(f"  {name:72s} {us}  ({row['kv_mb']:.1f} MB of keys and values)  "
+              f"{row['max_abs_difference_from_default']}")
     if args.json:
         Path(args.json).write_text(json.dumps(report, indent=1))
 

@@ -9,14 +9,15 @@ are combined in a fixed order: by the last program of the head to finish (it cou
 in an arrival counter, and sets it back to 0), or, where no counters are given (inside torch.compile's traces;
 see attention_triton.arrivals_for for the other cases), by a second kernel. Both combine with the same code in the
 same order, so the same bits; the first saves a kernel launch per layer. Why the last program sees every other
-program's partials: each program's stores, a barrier of its threads, then one thread's atomic add with acquire-
-release semantics at GPU scope, whose result the barrier after it hands to every thread (tests/test_attention_triton.py
-reads this order in the PTX). The counters assume one launch at a time per device (one stream), as the engine runs. The chunking is fixed by S alone (attention_triton.chunk_for), and the counter only decides
-which program combines, never the order, so a run's bits depend on the shapes only. The probabilities are
-rounded to the values' dtype before their product with the values, as flash attention does; float32 products
-are computed in full float32 (input_precision="ieee"), never TF32 (the 16-bit dtypes keep Triton's default,
-which is exact for them). CHUNK and CHUNKS are compile-time constants: one compile per chunk count a run meets.
-Imported only where it runs (a CUDA device, or under TRITON_INTERPRET=1).
+program's partials: each program's stores, a barrier of its threads, then one thread's atomic add with
+acquire-release semantics at GPU scope, whose result the barrier after it hands to every thread
+(tests/test_attention_triton.py reads this order in the PTX). The counters assume one launch at a time per
+device (one stream), as the engine runs. The chunking is fixed by S alone (attention_triton.chunk_for), and the
+counter only decides which program combines, never the order, so a run's bits depend on the shapes only. The
+probabilities are rounded to the values' dtype before their product with the values, as flash attention does;
+float32 products are computed in full float32 (input_precision="ieee"), never TF32 (the 16-bit dtypes keep
+Triton's default, which is exact for them). CHUNK and CHUNKS are compile-time constants: one compile per chunk
+count a run meets. Imported only where it runs (a CUDA device, or under TRITON_INTERPRET=1).
 """
 
 from __future__ import annotations
@@ -132,7 +133,8 @@ def launch(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor
                         and arrivals.numel() >= batch * kv_heads):
         raise ValueError(f"arrival counters must be {batch * kv_heads} or more contiguous int32 on {q.device}")
     wrap(partial_kernel)[(batch * kv_heads, chunks)](
-        q, k, v, mask, acc, maxes, sums, out, arrivals if combine else maxes, scale, slots, q.stride(0), q.stride(1),  # maxes: unread
+        q, k, v, mask, acc, maxes, sums, out, arrivals if combine else maxes,  # maxes: a pointer never read
+        scale, slots, q.stride(0), q.stride(1),
         q.stride(2), k.stride(0), k.stride(1), k.stride(2), mask.stride(0), mask.stride(2), out.stride(0),
         out.stride(1), out.stride(2), kv_heads, CHUNK=chunk, BLOCK_S=block_s,
         PRECISION="ieee" if q.dtype == torch.float32 else "tf32", COMBINE=combine, num_warps=num_warps, **shape)
