@@ -18,6 +18,7 @@ Shapes: N decode steps, L MoE layers, k experts per token.
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 from typing import Mapping
 
@@ -41,14 +42,31 @@ class RoutingFlip:
     near_tie: bool  # needed <= moved
     flipped: int  # (step, layer) entries whose chosen experts differ, over the compared steps
     compared: int  # (step, layer) entries compared
+    oracle_margin: float | None = None  # the float64 oracle's router margin there (along the same tokens)
+    oracle_experts: list[int] | None = None  # and the experts it chose, sorted
 
     def describe(self, name_a: str = "A", name_b: str = "B") -> str:
         kind = ("a near-tie: drift-like" if self.near_tie else
                 "not a near-tie: more than the router moved anywhere before it")
+        oracle = ""
+        if self.oracle_margin is not None:
+            side = (name_a if self.oracle_experts == self.experts_a else name_b if self.oracle_experts == self.experts_b
+                    else "neither")
+            oracle = f"; the oracle's router margin there {self.oracle_margin:.3g}, its experts {side}'s"
         return (f"routing flip at step {self.step}, MoE layer {self.layer}: experts {self.experts_a} ({name_a}) vs "
                 f"{self.experts_b} ({name_b}), router margin {self.margin_a:.3g} vs {self.margin_b:.3g}; the flip "
                 f"needs a router-probability gap to move {self.needed:.3g}, before it margins moved up to {self.moved:.3g} "
-                f"({kind}); {self.flipped} of {self.compared} step-layer routings differ")
+                f"({kind}){oracle}; {self.flipped} of {self.compared} step-layer routings differ")
+
+    def with_oracle(self, oracle: Mapping[str, np.ndarray]) -> "RoutingFlip":
+        """This flip with the oracle's router margin and experts at its step and layer (unchanged if the oracle
+        holds no routing there). A margin near 0 says the model itself sits at a tie: whichever experts a run
+        chose there, its implementation's rounding or tie-breaking chose them."""
+        if not has_routing(oracle) or oracle["routing_experts"].shape[0] <= self.step:
+            return self
+        experts = np.sort(oracle["routing_experts"][self.step, self.layer]).tolist()
+        return dataclasses.replace(self, oracle_margin=float(oracle["routing_margins"][self.step, self.layer]),
+                                   oracle_experts=experts)
 
 
 def has_routing(arrays: Mapping[str, np.ndarray]) -> bool:

@@ -407,8 +407,10 @@ def _routing_flips(context: Context, forced: dict[int, PromptResult], prompts: l
     every step has the same input), and one cause naming the first flip and whether it was a near-tie."""
     for golden_run, prompt in zip(context.golden_results, prompts):
         if prompt.verdict != "identical":
-            prompt.routing = result_flip(golden_run.arrays, forced[golden_run.prompt_index].arrays,
-                                         context.steps[golden_run.prompt_index])
+            flip = result_flip(golden_run.arrays, forced[golden_run.prompt_index].arrays,
+                               context.steps[golden_run.prompt_index])
+            oracle = context.oracle_by_index(golden_run.prompt_index).arrays
+            prompt.routing = flip.with_oracle(oracle) if flip is not None else None
     flipped = [p for p in prompts if p.routing is not None]
     if not flipped:
         return

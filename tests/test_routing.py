@@ -78,6 +78,9 @@ def test_verify_names_a_planted_routing_flip_with_its_router_margin(golden_facto
     flips = [p.routing for p in verdict.prompts if p.routing is not None]
     assert flips and all(f.layer == 1 for f in flips)  # layer 0 is untouched: only the faulted layer flips first
     assert all(f.experts_a != f.experts_b and f.margin_a >= 0 for f in flips)
+    # the float64 oracle, along the golden's tokens, chose the float32 golden's experts there, by its margin
+    assert all(f.oracle_experts == f.experts_a and abs(f.oracle_margin - f.margin_a) < 1e-5 for f in flips), flips
+    assert "the oracle's router margin there" in routing[0] and "its experts golden's" in routing[0], routing[0]
     from evalrun.verdict_report import render
     assert "routing flip at step" in render(verdict, "text")
     assert json.loads(render(verdict, "json"))["prompts"][0]["routing"] is not None or len(flips) < len(verdict.prompts)
@@ -91,6 +94,7 @@ def test_routing_flips_of_a_dtype_change_are_near_ties_and_the_verdict_is_drift(
     flips = [p.routing for p in verdict.prompts if p.routing is not None]
     assert all(f.near_tie for f in flips), [f.describe() for f in flips]
     assert all(("at near-ties" in c) for c in verdict.causes if c.startswith("routing:"))
+    assert all(f.oracle_margin is not None and f.oracle_margin <= f.moved for f in flips), [f.describe() for f in flips]
 
 
 def test_diff_names_a_planted_routing_flip(cli, moe_dir, store_path):
