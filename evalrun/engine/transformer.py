@@ -141,8 +141,8 @@ class Transformer:
         # The pieces the forward calls; an execution mode may replace them with compiled versions.
         self.prologue, self.pre_attention, self.post_attention, self.head = prologue, pre_attention, post_attention, head
         # Set by an execution mode whose compiled pieces run without piecewise graphs (engine/modes.py): the
-        # pre-attention piece writes the step's keys and values into the cache itself (pre_attention_writing), so Inductor fuses the write into the
-        # rotary kernel instead of a separate index_copy per layer. Same bits.
+        # pre-attention piece writes the step's keys and values into the cache itself (pre_attention_writing), so
+        # Inductor fuses the write into the rotary kernel instead of a separate index_copy per layer. Same bits.
         self.pre_attention_writing: Callable | None = None
         self.moe_post_attention = moe_post_attention  # an MoE layer's piece (engine/moe.py)
         moe_layers = [w.moe for w in self.layers if w.moe is not None]
