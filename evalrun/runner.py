@@ -173,7 +173,7 @@ def _pad_id(loaded: LoadedModel) -> int:
 
 
 def batch_spec(prepared: Prepared, indices: list[int], forced: dict[int, np.ndarray] | None = None,
-               probes: Probes | None = None) -> BatchSpec:
+               probes: Probes | None = None, routing: dict[int, np.ndarray] | None = None) -> BatchSpec:
     """The engine's description of one batch of the run."""
     config, prompt_set = prepared.config, prepared.prompt_set
     row_steps = [steps_for(prompt_set, index, config) for index in indices]
@@ -183,6 +183,7 @@ def batch_spec(prepared: Prepared, indices: list[int], forced: dict[int, np.ndar
         config.temperature, [row_seed(prompt_set.records[i].id, config.seed) for i in indices],
         any(keep_logits_steps(config.keep_logits, prompt_set.records[i].id, steps) for i in indices),
         [forced[i] for i in indices] if forced else None,
+        [routing[i] for i in indices] if routing else None,
         [probes.ids[i] for i in indices] if probes else None, probes.own_topk if probes else 0,
         row_steps=row_steps if len(set(row_steps)) > 1 else None)
 
@@ -255,12 +256,14 @@ def warmup_batches(batches: list[list[int]], prepared: Prepared, mode: Engine) -
 
 def execute(prepared: Prepared, forced: dict[int, np.ndarray] | None = None, probes: Probes | None = None,
             progress: Progress | None = None, only: set[int] | None = None, timed: bool = True,
-            placement: Placement | None = None) -> Run:
+            placement: Placement | None = None, routing: dict[int, np.ndarray] | None = None) -> Run:
     """Warm up, then run every batch of the plan (or only those holding a prompt index in `only`).
 
     `forced` feeds given tokens per prompt index instead of the model's own choices (forced
-    decoding); `probes` records the logits at given ids. Batch composition is always the plan's,
-    so a partial re-run computes the same bits as the full one would. `timed=False` skips the
+    decoding); `routing` (MoE models, with `forced`) applies given experts per prompt index, [N, L, k],
+    instead of the model's own choices (forced routing; evalrun's engine only); `probes` records the
+    logits at given ids. Batch composition is always the plan's, so a partial re-run computes the same
+    bits as the full one would. `timed=False` skips the
     warm-up of eager modes (runs made for their numbers, not their timings); static modes always warm
     up, since that is where they compile and capture. `placement` replaces the plan: each batch then
     records one row's result (a prompt placed among companions).
@@ -281,7 +284,7 @@ def execute(prepared: Prepared, forced: dict[int, np.ndarray] | None = None, pro
     for _ in range(config.warmup if timed or mode.static else 0):  # discarded: compile, capture, autotune and allocator warm-up
         for indices in warmup_batches(batches, prepared, mode):
             for _ in range(mode.calls_to_warm):
-                output = mode.generate(batch_spec(prepared, indices, forced, probes))
+                output = mode.generate(batch_spec(prepared, indices, forced, probes, routing))
                 cold_ttft_ms = float(output.step_ms[0]) if cold_ttft_ms is None else cold_ttft_ms
     warmup_seconds = time.perf_counter() - started
     reset_peak_memory(device)
@@ -289,7 +292,7 @@ def execute(prepared: Prepared, forced: dict[int, np.ndarray] | None = None, pro
     results, outputs = [], []
     started = time.perf_counter()
     for number, indices in zip(chosen, batches):
-        output = mode.generate(batch_spec(prepared, indices, forced, probes))
+        output = mode.generate(batch_spec(prepared, indices, forced, probes, routing))
         outputs.append(output)
         batch_results = to_results(prepared, number, indices, output)
         results += batch_results if kept[number] is None else [batch_results[kept[number]]]

@@ -113,6 +113,45 @@ def test_routing_matches_transformers_router_choice(moe_model):
         np.testing.assert_allclose(out.routing_margins[0, :, layer], (values[:, 1] - values[:, 2]).numpy(), atol=1e-6)
 
 
+def _forced_routing_runs(loaded, compilation: str, steps: int = 8):
+    """Two prompts, free then forced along the free run's tokens: with the free run's own routing, and with the
+    routing of the first MoE layer at step 2 of row 0 replaced (its runner-up expert in, its k-th out)."""
+    from evalrun.config import CompilationMode
+    from evalrun.engine.modes import ExecutionMode, allow_recompiles_for
+
+    transformer = Transformer(loaded.model, "sdpa")
+    mode = ExecutionMode(transformer, CompilationMode(compilation))
+    if mode.static:
+        torch._dynamo.reset()
+        allow_recompiles_for(mode.prefill_buckets, mode.batch_buckets)
+    prompts = [loaded.tokenizer(PROMPT)["input_ids"], loaded.tokenizer("Routing")["input_ids"]]
+    mode.plan(max(len(p) for p in prompts), steps)
+    free = generate_batch(transformer, BatchSpec(prompts, steps, pad_id=0, keep_logits=True), mode)
+    tokens = [free.tokens[row] for row in range(2)]
+    own = [free.routing_experts[row] for row in range(2)]  # [N, L, k] each
+    forced_own = generate_batch(transformer, BatchSpec(prompts, steps, pad_id=0, keep_logits=True, forced_tokens=tokens,
+                                                       forced_routing=own), mode)
+    other = [experts.copy() for experts in own]
+    other[0][2, 0] = [e for e in range(8) if e not in own[0][2, 0]][:1] + own[0][2, 0, :1].tolist()
+    forced_other = generate_batch(transformer, BatchSpec(prompts, steps, pad_id=0, keep_logits=True,
+                                                         forced_tokens=tokens, forced_routing=other), mode)
+    return free, forced_own, forced_other, other
+
+
+@pytest.mark.parametrize("compilation", ["none", "piecewise"])
+def test_forced_routing_applies_the_given_experts_and_records_the_models_own(moe_model, compilation):
+    """Forced along its own routing a run computes its free bits; forced along other experts at one step and
+    layer, its logits change from that step on, in that row only, and it still records its own choice there."""
+    free, forced_own, forced_other, other = _forced_routing_runs(moe_model, compilation)
+    assert np.array_equal(forced_own.logits, free.logits) and np.array_equal(forced_own.digests, free.digests)
+    assert np.array_equal(forced_own.routing_experts, free.routing_experts)
+    changed = [not np.array_equal(a, b) for a, b in zip(forced_other.logits[0], free.logits[0])]
+    assert changed[:2] == [False, False] and changed[2], changed  # step 2 on
+    assert np.array_equal(forced_other.logits[1], free.logits[1])  # the other row routes as it chose
+    assert forced_other.routing_experts[0, 2, 0].tolist() == free.routing_experts[0, 2, 0].tolist()  # its own
+    assert forced_other.routing_experts[0, 2, 0].tolist() != other[0][2, 0].tolist()
+
+
 def test_dense_models_capture_no_routing(tmp_path):
     from evalrun.models import load_model as load
 

@@ -34,6 +34,8 @@ class BatchSpec:
 
     `forced_tokens` (one [N] array per row) feeds those tokens instead of the model's choices:
     forced decoding along another run's path; the capture still records the model's own choice.
+    `forced_routing` (MoE models; one [N, L, k] array per row) likewise applies, at each step, those experts
+    to the step's token in every MoE layer (another run's routing); the capture records the model's own.
     `probe_ids` (one [N, K'] array per row) records the exact logits at those ids each step; with
     `probe_own_topk` = k the first k probe columns of each step are that step's own top-k ids
     (an oracle run chooses the ids later runs are probed at).
@@ -47,6 +49,7 @@ class BatchSpec:
     row_seeds: list[int] | None = None
     keep_logits: bool = False
     forced_tokens: list[np.ndarray] | None = None
+    forced_routing: list[np.ndarray] | None = None
     probe_ids: list[np.ndarray] | None = None
     probe_own_topk: int = 0
     capture: bool = True
@@ -57,14 +60,15 @@ class BatchSpec:
         pick = lambda values: [values[index]] if values is not None else None  # noqa: E731
         steps = self.row_steps[index] if self.row_steps is not None else self.steps
         return dataclasses.replace(self, prompts=[self.prompts[index]], steps=steps, row_seeds=pick(self.row_seeds),
-                                   forced_tokens=pick(self.forced_tokens), probe_ids=pick(self.probe_ids),
+                                   forced_tokens=pick(self.forced_tokens), forced_routing=pick(self.forced_routing),
+                                   probe_ids=pick(self.probe_ids),
                                    row_steps=None)
 
     def layout(self) -> tuple:
         """What fixes a workspace's buffers, besides its shape: batches with equal layouts share one."""
         probe_width = self.probe_ids[0].shape[-1] if self.probe_ids is not None else 0
         return (self.top_k, self.temperature, self.keep_logits, self.forced_tokens is not None, probe_width,
-                self.probe_own_topk, self.capture)
+                self.probe_own_topk, self.capture, self.forced_routing is not None)
 
 
 @dataclass
@@ -213,6 +217,12 @@ def capture_routing(cache: KVCache, step: torch.Tensor, buffers: CaptureBuffers)
         buffers.routing_margins.index_copy_(1, step, cache.routing.margins[:, None])  # [B, 1, L]
 
 
+def force_routing(workspace: "Workspace") -> None:
+    """Forced routing: give the next forward the experts of the step it computes (`workspace.step`)."""
+    if workspace.forced_routing is not None:
+        workspace.cache.routing.forced.copy_(workspace.forced_routing.index_select(1, workspace.step)[:, 0])
+
+
 @dataclass
 class Workspace:
     """Everything one batch shape needs on the device, allocated once and reused batch after batch."""
@@ -229,6 +239,7 @@ class Workspace:
     top_k: int
     temperature: float
     capture: bool = True
+    forced_routing: torch.Tensor | None = None  # [B, N, L, k] int64 experts to apply instead of the model's choices
 
     @classmethod
     def allocate(cls, model: Transformer, batch: int, slots: int, steps: int, spec: BatchSpec) -> "Workspace":
@@ -236,10 +247,12 @@ class Workspace:
         buffers = CaptureBuffers.allocate(batch, steps, model.vocab_size, spec, model.dtype, device,
                                           getattr(model, "routing_shape", None))  # MoE models only
         zeros = lambda *shape: torch.zeros(*shape, dtype=torch.int64, device=device)  # noqa: E731
-        return cls(model.new_cache(batch, slots), buffers, torch.zeros(batch, slots, dtype=torch.bool, device=device),
-                   zeros(batch), zeros(batch), zeros(1), zeros(1), zeros(batch),
-                   zeros(batch, steps) if spec.forced_tokens is not None else None, spec.top_k, spec.temperature,
-                   spec.capture)
+        routing = spec.forced_routing is not None and getattr(model, "routing_shape", None) is not None
+        return cls(model.new_cache(batch, slots, routing), buffers,
+                   torch.zeros(batch, slots, dtype=torch.bool, device=device), zeros(batch), zeros(batch), zeros(1),
+                   zeros(1), zeros(batch), zeros(batch, steps) if spec.forced_tokens is not None else None, spec.top_k,
+                   spec.temperature, spec.capture,
+                   zeros(batch, steps, *model.routing_shape) if routing else None)
 
     @property
     def shape(self) -> tuple[int, int, int]:
@@ -293,6 +306,8 @@ def load_batch(workspace: Workspace, padded: PaddedBatch, spec: BatchSpec) -> No
     workspace.seeds.copy_(torch.tensor((seeds + seeds[-1:] * batch)[:batch], dtype=torch.int64))
     if forced is not None:
         workspace.forced.copy_(row_matrix(forced, batch, steps))
+    if workspace.forced_routing is not None:
+        workspace.forced_routing.copy_(row_matrix(spec.forced_routing, batch, steps))
     if probe_ids is not None:
         workspace.buffers.probe_ids.copy_(row_matrix(probe_ids, batch, steps))
 
@@ -301,8 +316,9 @@ def prefill_step(forward: Forward, workspace: Workspace, tokens: torch.Tensor, p
     """tokens, positions [B, P]: fill cache slots [0, P), capture step 0, set up the first decode step."""
     ws = workspace
     slots = torch.arange(tokens.shape[1], device=tokens.device)
-    logits = forward(tokens, positions, slots, ws.key_valid, ws.cache)
     ws.step.zero_()
+    force_routing(ws)
+    logits = forward(tokens, positions, slots, ws.key_valid, ws.cache)
     ws.token.copy_(capture_step(logits, ws.step, ws.buffers, ws.top_k, ws.temperature, ws.seeds, ws.capture))
     capture_routing(ws.cache, ws.step, ws.buffers)
     ws.step.add_(1)
@@ -314,6 +330,7 @@ def decode_step(forward: Forward, workspace: Workspace) -> None:
     previous = ws.step - 1  # [1]
     fed = ws.forced.index_select(1, previous)[:, 0] if ws.forced is not None else ws.token  # [B]
     position = (ws.lengths + previous)[:, None]  # [B, 1]
+    force_routing(ws)
     logits = forward(fed[:, None], position, ws.slot_base + previous, ws.key_valid, ws.cache)
     ws.token.copy_(capture_step(logits, ws.step, ws.buffers, ws.top_k, ws.temperature, ws.seeds, ws.capture))
     capture_routing(ws.cache, ws.step, ws.buffers)

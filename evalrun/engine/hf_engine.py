@@ -170,6 +170,8 @@ class TransformersEngine(ShapePlan):
         return self._generate(spec)
 
     def _generate(self, spec: BatchSpec) -> BatchOutput:
+        if spec.forced_routing is not None:  # verify forces routing only under evalrun's engine
+            raise NotImplementedError("forced routing: transformers' MoE blocks choose their own experts")
         prompts = spec.prompts
         padded_length, batch = self.padded_length(prompts), self.padded_batch(len(prompts))
         rows = prompts + [prompts[-1]] * (batch - len(prompts))  # batch-bucket filler rows repeat the last prompt

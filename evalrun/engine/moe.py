@@ -15,6 +15,10 @@ Routing is itself a discrete decision, so the block also returns, for the last t
 token whose logits a step captures), the chosen experts and the router margin: the gap between the
 k-th and (k+1)-th router probability. A flip of the chosen set at a margin near 0 is a near-tie.
 
+Forced routing (verify's forced runs, like forced tokens): the last token of each row may be given its k
+experts (another run's choice at that step); the block then applies those experts, weighted by its own
+router probabilities at them, and still returns its own choice and margin. A row given -1 routes freely.
+
 Shapes: B batch, T tokens, N = B*T, E experts, k experts per token, I expert inner size, L MoE layers.
 """
 
@@ -52,11 +56,17 @@ def layer_weights(mlp: torch.nn.Module, slot: int) -> MoEWeights | None:
 
 class RoutingState:
     """The last forward's routing of each row's last token, in every MoE layer; lives with the KV cache
-    (one per workspace), written by the forward, read by the step's capture."""
+    (one per workspace), written by the forward, read by the step's capture. With `forcing`, `forced`
+    holds the experts the next forward applies to each row's last token (written by the decode loop)."""
 
-    def __init__(self, batch: int, layers: int, top_k: int, device: torch.device):
+    def __init__(self, batch: int, layers: int, top_k: int, device: torch.device, forcing: bool = False):
         self.experts = torch.zeros((batch, layers, top_k), dtype=torch.int64, device=device)  # [B, L, k]
         self.margins = torch.zeros((batch, layers), dtype=torch.float32, device=device)  # [B, L]
+        self.forced = torch.full((batch, layers, top_k), -1, dtype=torch.int64, device=device) if forcing else None
+
+    def forced_for(self, slot: int) -> torch.Tensor | None:
+        """[B, k]: the experts MoE layer `slot` must apply to each row's last token, or None (free routing)."""
+        return self.forced.select(1, slot) if self.forced is not None else None
 
     def record(self, slot: int, experts: torch.Tensor, margin: torch.Tensor) -> None:
         """experts [B, k], margin [B] of MoE layer `slot`."""
@@ -64,9 +74,11 @@ class RoutingState:
         self.margins.select(1, slot).copy_(margin)
 
 
-def route(x: torch.Tensor, router: torch.Tensor, top_k: int, normalize: bool,
-          ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """x [N, hidden] -> weights [N, k] (x's dtype), experts [N, k] int64, margin [N] float32.
+def route(x: torch.Tensor, router: torch.Tensor, top_k: int, normalize: bool, forced: torch.Tensor | None = None,
+          ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """x [N, hidden] -> weights [N, k] (x's dtype), applied experts [N, k] int64, own experts [N, k], margin [N]
+    float32. `forced` [N, k] (a row of -1: free) replaces the own choice of the applied experts; their weights
+    are this router's probabilities at them. Without it, applied and own experts are one tensor.
 
     Softmax in fp32 (fp64 for an fp64 model), as transformers' Qwen3MoeTopKRouter (which uses fp32)."""
     wide = torch.promote_types(x.dtype, torch.float32)
@@ -74,10 +86,14 @@ def route(x: torch.Tensor, router: torch.Tensor, top_k: int, normalize: bool,
     values, experts = torch.topk(probs, min(top_k + 1, probs.shape[-1]), dim=-1)  # [N, k+1] (k when k = E)
     runner_up = values[:, top_k] if values.shape[-1] > top_k else torch.zeros_like(values[:, 0])
     margin = (values[:, top_k - 1] - runner_up).float()
-    chosen = values[:, :top_k]
+    own = experts[:, :top_k]
+    applied, chosen = own, values[:, :top_k]
+    if forced is not None:
+        applied = torch.where(forced[:, :1] >= 0, forced, own)  # [N, k]
+        chosen = probs.gather(-1, applied)  # the same values where the row routes freely
     if normalize:
         chosen = chosen / chosen.sum(dim=-1, keepdim=True)
-    return chosen.to(x.dtype), experts[:, :top_k], margin
+    return chosen.to(x.dtype), applied, own, margin
 
 
 def experts_gathered(x: torch.Tensor, experts: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor,
@@ -96,24 +112,30 @@ def experts_dense(x: torch.Tensor, experts: torch.Tensor, gate_up: torch.Tensor,
 
 
 def sparse_mlp(x: torch.Tensor, router: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor, act: Activation,
-               top_k: int, normalize: bool) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """x [N, hidden] (normed) -> out [N, hidden], experts [N, k], margin [N]."""
-    weights, experts, margin = route(x, router, top_k, normalize)
+               top_k: int, normalize: bool, forced: torch.Tensor | None = None,
+               ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """x [N, hidden] (normed), forced [N, k] or None (see route) -> out [N, hidden], own experts [N, k], margin [N]."""
+    weights, applied, own, margin = route(x, router, top_k, normalize, forced)
     compute = experts_gathered if x.shape[0] * top_k < gate_up.shape[0] else experts_dense  # static shapes
-    outputs = compute(x, experts, gate_up, down, act)  # [N, k, hidden]
-    return (outputs * weights[..., None]).sum(dim=1), experts, margin
+    outputs = compute(x, applied, gate_up, down, act)  # [N, k, hidden]
+    return (outputs * weights[..., None]).sum(dim=1), own, margin
 
 
 def mlp_block(x: torch.Tensor, normed: torch.Tensor, router: torch.Tensor, gate_up: torch.Tensor,
-              down: torch.Tensor, act: Activation, top_k: int, normalize: bool,
+              down: torch.Tensor, act: Activation, top_k: int, normalize: bool, forced: torch.Tensor | None = None,
               ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """The MoE sub-block's residual update: x, normed (x after the layer's post-attention norm) [B, T, hidden]
-    -> x + experts(normed) [B, T, hidden], and the routing of each row's last token: experts [B, k], margin [B].
+    -> x + experts(normed) [B, T, hidden], and the routing of each row's last token: experts [B, k], margin [B]
+    (its own choice). `forced` [B, k] or None: the experts applied to each row's last token (-1: free).
 
     (engine.transformer.moe_post_attention applies the norm and the attention output first: this module
     builds on no other, so the transformer can import it.)"""
     batch, tokens, hidden = x.shape
-    out, experts, margin = sparse_mlp(normed.reshape(-1, hidden), router, gate_up, down, act, top_k, normalize)
+    if forced is not None:  # [B, T, k] -> [N, k]: only the last token of each row is given its experts
+        free = torch.full((batch, tokens - 1, top_k), -1, dtype=forced.dtype, device=forced.device)
+        forced = torch.cat([free, forced[:, None]], dim=1).reshape(-1, top_k)
+    out, experts, margin = sparse_mlp(normed.reshape(-1, hidden), router, gate_up, down, act, top_k, normalize,
+                                      forced)
     last = tokens - 1
     return (x + out.view(batch, tokens, hidden), experts.view(batch, tokens, top_k)[:, last],
             margin.view(batch, tokens)[:, last])

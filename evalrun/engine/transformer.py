@@ -242,10 +242,11 @@ class Transformer:
             found += [part for part in parts if isinstance(part, torch.Tensor)]
         return found
 
-    def new_cache(self, batch: int, slots: int) -> KVCache:
+    def new_cache(self, batch: int, slots: int, forced_routing: bool = False) -> KVCache:
+        """`forced_routing`: MoE models, the cache's routing state takes the experts each step must apply."""
         cache = KVCache(len(self.layers), batch, self.kv_heads, slots, self.head_dim, self.dtype, self.device)
         if self.routing_shape is not None:
-            cache.routing = moe.RoutingState(batch, *self.routing_shape, self.device)
+            cache.routing = moe.RoutingState(batch, *self.routing_shape, self.device, forced_routing)
         return cache
 
     # ------------------------------------------------------------ forward
@@ -290,7 +291,7 @@ class Transformer:
                 m = w.moe
                 x, experts, margin = self.moe_post_attention(x, attended, w.o, w.post_norm, m.router, m.gate_up, m.down,
                                                              self.eps, self.activation, m.top_k, m.normalize, w.o_bias,
-                                                             variant)
+                                                             variant, cache.routing.forced_for(m.slot))
                 cache.routing.record(m.slot, experts, margin)
                 continue
             x = self.post_attention(x, attended, w.o, w.post_norm, w.gate_up, w.down, self.eps, self.activation,
@@ -508,12 +509,14 @@ def mlp_block(x: torch.Tensor, post_norm: torch.Tensor, gate_up: torch.Tensor, d
 def moe_post_attention(x: torch.Tensor, attended: torch.Tensor, wo: torch.Tensor, post_norm: torch.Tensor,
                        router: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor, eps: float, activation: str,
                        top_k: int, normalize: bool, bo: torch.Tensor | None = None,
-                       variant: Variant = LLAMA_VARIANT) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+                       variant: Variant = LLAMA_VARIANT, forced: torch.Tensor | None = None,
+                       ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """post_attention of an MoE layer (engine/moe.py): x [B, T, hidden], attended [B, H, T, D] -> x, and
-    the routing of each row's last token: experts [B, k], margin [B]. One piece (piecewise mode compiles it)."""
+    the routing of each row's last token: experts [B, k], margin [B]; `forced` [B, k] or None: the experts
+    applied to each row's last token instead (forced routing). One piece (piecewise mode compiles it)."""
     x = output_projection(x, attended, wo, bo, variant=variant)
     return moe.mlp_block(x, rms_norm(x, post_norm, eps), router, gate_up, down, lambda t: activate(t, activation),
-                         top_k, normalize)
+                         top_k, normalize, forced)
 
 
 
