@@ -13,6 +13,11 @@ those is `moved`. A flip with needed <= moved is a **near-tie**: a change of the
 where nothing flipped tipped a balanced decision (drift-like evidence). A flip that needs more than
 the router moved anywhere before it is not explained by that movement.
 
+When run B was forced along run A's routing (and tokens), every step of both saw the same input, so the
+router's movement is measured over every agreeing entry of the whole set (`margin_movement`), not only
+before the flip, and passed in as `moved`: verify then judges each flip by it (a flip that is no near-tie
+is a routing change, not drift).
+
 Shapes: N decode steps, L MoE layers, k experts per token.
 """
 
@@ -42,12 +47,13 @@ class RoutingFlip:
     near_tie: bool  # needed <= moved
     flipped: int  # (step, layer) entries whose chosen experts differ, over the compared steps
     compared: int  # (step, layer) entries compared
+    forced: bool = False  # B was forced along A's routing: `moved` is the set's movement, and the flip is judged
     oracle_margin: float | None = None  # the float64 oracle's router margin there (along the same tokens)
     oracle_experts: list[int] | None = None  # and the experts it chose, sorted
 
     def describe(self, name_a: str = "A", name_b: str = "B") -> str:
-        kind = ("a near-tie: drift-like" if self.near_tie else
-                "not a near-tie: more than the router moved anywhere before it")
+        where = "anywhere in the set" if self.forced else "anywhere before it"
+        kind = ("a near-tie: drift-like" if self.near_tie else f"not a near-tie: more than the router moved {where}")
         oracle = ""
         if self.oracle_margin is not None:
             side = (name_a if self.oracle_experts == self.experts_a else name_b if self.oracle_experts == self.experts_b
@@ -55,7 +61,8 @@ class RoutingFlip:
             oracle = f"; the oracle's router margin there {self.oracle_margin:.3g}, its experts {side}'s"
         return (f"routing flip at step {self.step}, MoE layer {self.layer}: experts {self.experts_a} ({name_a}) vs "
                 f"{self.experts_b} ({name_b}), router margin {self.margin_a:.3g} vs {self.margin_b:.3g}; the flip "
-                f"needs a router-probability gap to move {self.needed:.3g}, before it margins moved up to {self.moved:.3g} "
+                f"needs a router-probability gap to move {self.needed:.3g}, {where.split(' ', 1)[1]} margins moved up "
+                f"to {self.moved:.3g} "
                 f"({kind}){oracle}; {self.flipped} of {self.compared} step-layer routings differ")
 
     def with_oracle(self, oracle: Mapping[str, np.ndarray]) -> "RoutingFlip":
@@ -73,33 +80,64 @@ def has_routing(arrays: Mapping[str, np.ndarray]) -> bool:
     return all(name in arrays for name in ARRAYS)
 
 
-def routing_flip(experts_a: np.ndarray, margins_a: np.ndarray, experts_b: np.ndarray, margins_b: np.ndarray,
-                 steps: int) -> RoutingFlip | None:
-    """experts [N, L, k], margins [N, L] of two runs over the same inputs for their first `steps` steps ->
-    the first flip, or None when every chosen set agrees (or the shapes differ: another model)."""
+def _agreement(experts_a: np.ndarray, experts_b: np.ndarray, steps: int) -> tuple[np.ndarray, np.ndarray, int] | None:
+    """-> (sets_a [n, L, k] sorted, agree [n*L] step-major, n), or None when the shapes differ (another model)."""
     n = min(steps, len(experts_a), len(experts_b))
     if experts_a.shape[1:] != experts_b.shape[1:] or n <= 0:
         return None
     sets_a, sets_b = np.sort(experts_a[:n], axis=-1), np.sort(experts_b[:n], axis=-1)  # [n, L, k]: order inside a set is no flip
-    agree = np.all(sets_a == sets_b, axis=-1).reshape(-1)  # [n*L], step-major
-    if agree.all():
+    return sets_a, np.all(sets_a == sets_b, axis=-1).reshape(-1), n
+
+
+def margin_movement(experts_a: np.ndarray, margins_a: np.ndarray, experts_b: np.ndarray, margins_b: np.ndarray,
+                    steps: int) -> float:
+    """The largest |margin_a - margin_b| over the (step, layer) entries where both runs chose the same experts,
+    in their first `steps` steps (0.0 where none agree)."""
+    found = _agreement(experts_a, experts_b, steps)
+    if found is None:
+        return 0.0
+    _, agree, n = found
+    moved = np.abs(margins_a[:n].astype(np.float64) - margins_b[:n].astype(np.float64)).reshape(-1)[agree]
+    return float(moved.max()) if moved.size else 0.0
+
+
+def routing_flip(experts_a: np.ndarray, margins_a: np.ndarray, experts_b: np.ndarray, margins_b: np.ndarray,
+                 steps: int, moved: float | None = None) -> RoutingFlip | None:
+    """experts [N, L, k], margins [N, L] of two runs over the same inputs for their first `steps` steps ->
+    the first flip, or None when every chosen set agrees (or the shapes differ: another model). `moved`: the
+    router's movement to judge it by, when B was forced along A's routing (default: before the flip)."""
+    found = _agreement(experts_a, experts_b, steps)
+    if found is None or found[1].all():
         return None
+    sets_a, agree, n = found
     first = int(np.argmin(agree))
     step, layer = divmod(first, experts_a.shape[1])
     ma, mb = margins_a[:n].reshape(-1).astype(np.float64), margins_b[:n].reshape(-1).astype(np.float64)
-    before = np.abs(ma[:first] - mb[:first])  # every entry before the flip agrees
-    moved = float(before.max()) if before.size else 0.0
+    forced = moved is not None
+    if moved is None:
+        before = np.abs(ma[:first] - mb[:first])  # every entry before the flip agrees
+        moved = float(before.max()) if before.size else 0.0
     needed = ma[first] + mb[first]
-    return RoutingFlip(step, layer, sets_a[step, layer].tolist(), sets_b[step, layer].tolist(), float(ma[first]),
-                       float(mb[first]), float(needed), moved, bool(needed <= moved), int((~agree).sum()),
-                       int(agree.size))
+    return RoutingFlip(step, layer, sets_a[step, layer].tolist(), np.sort(experts_b[step, layer]).tolist(),
+                       float(ma[first]), float(mb[first]), float(needed), moved, bool(needed <= moved),
+                       int((~agree).sum()), int(agree.size), forced)
 
 
-def result_flip(a: Mapping[str, np.ndarray], b: Mapping[str, np.ndarray], steps: int) -> RoutingFlip | None:
-    """The first routing flip between two prompt results' arrays (None for dense models)."""
+def result_flip(a: Mapping[str, np.ndarray], b: Mapping[str, np.ndarray], steps: int,
+                moved: float | None = None) -> RoutingFlip | None:
+    """The first routing flip between two prompt results' arrays (None for dense models); `moved` as routing_flip."""
     if not (has_routing(a) and has_routing(b)):
         return None
-    return routing_flip(a["routing_experts"], a["routing_margins"], b["routing_experts"], b["routing_margins"], steps)
+    return routing_flip(a["routing_experts"], a["routing_margins"], b["routing_experts"], b["routing_margins"], steps,
+                        moved)
+
+
+def result_movement(a: Mapping[str, np.ndarray], b: Mapping[str, np.ndarray], steps: int) -> float:
+    """margin_movement between two prompt results' arrays (0.0 for dense models)."""
+    if not (has_routing(a) and has_routing(b)):
+        return 0.0
+    return margin_movement(a["routing_experts"], a["routing_margins"], b["routing_experts"], b["routing_margins"],
+                           steps)
 
 
 def shape_problem(arrays: Mapping[str, np.ndarray], steps: int) -> bool:

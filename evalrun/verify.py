@@ -6,7 +6,12 @@
 2. The candidate runs free, probed at the golden's ids. Every digest and token equal -> identical,
    with no other run (the cheap path).
 3. Forced decoding: the batches holding a prompt whose tokens left the golden's path run again, fed
-   the golden's tokens (the other prompts' free runs already followed it).
+   the golden's tokens (the other prompts' free runs already followed it). MoE models, when the candidate
+   runs evalrun's engine in the golden's dtype and is not the function config: forced routing too. A prompt
+   whose experts left the golden's anywhere runs again along the golden's tokens and routing, so that a
+   routing flip at a tie is judged by itself, not by the logits of the other path it opens. A flip is drift
+   when it is a near-tie (routing.py: it needs no larger router movement than the set shows where both chose
+   the same experts); a flip that is no near-tie fails the execution check.
 4. Function check (is it the same model?): the candidate environment runs the golden's function
    config (float32, eager, deterministic, TF32 off) forced and probed. In the golden's own
    environment it must reproduce the golden's function run bit for bit; elsewhere its error against
@@ -34,7 +39,7 @@ from .config import DECODE_LEVER_DEFAULTS, EffectiveConfig, RunConfig, build_con
 from .errors import ConfigError, GoldenError
 from .golden import ENVELOPE_ROLES, Golden, Hook, reference_config
 from .hashing import hash_value
-from .routing import RoutingFlip, result_flip
+from .routing import RoutingFlip, has_routing, result_flip, result_movement
 from .rules import (EXECUTION_RULE, FUNCTION_RULE, Evidence, Judgement, aggregate, judge, judge_set, rule_for,
                     step_errors, typical)
 from .runner import Prepared, Probes, Run, execute, prepare, steps_for
@@ -164,6 +169,17 @@ class Context:
 
     def tokens(self) -> dict[int, np.ndarray]:
         return {r.prompt_index: r.arrays["tokens"] for r in self.golden_results}
+
+    def routing(self) -> dict[int, np.ndarray] | None:
+        """The golden's experts per prompt index, [N, L, k], when the candidate's forced runs follow them: an MoE
+        golden, evalrun's engine, the golden's dtype (the envelope members share its routing path), and not the
+        function config (its forced run must reproduce the golden's function run, whose routing was its own)."""
+        config = self.candidate.config
+        if (not all(has_routing(r.arrays) for r in self.golden_results) or config.engine != "evalrun"
+                or config.dtype != self.golden.config("pinned").dtype
+                or config.compute_hash() == _function_config(self).compute_hash()):
+            return None
+        return {r.prompt_index: r.arrays["routing_experts"] for r in self.golden_results}
 
     def probes(self) -> Probes:
         return Probes({r.prompt_index: r.arrays["probe_ids"] for r in self.oracle})
@@ -391,12 +407,16 @@ def _forced_results(context: Context, free: Run, prompts: list[PromptVerdict],
     """Every prompt's numbers along the golden's tokens: free results where the tokens stayed on the
     path, a forced re-run of the batches where they did not (`prompts` are `golden_results`' verdicts)."""
     results = free.by_index()
-    diverged = {r.prompt_index for r, p in zip(golden_results, prompts) if p.first_divergent_step >= 0}
+    routing = context.routing()
+    diverged = {r.prompt_index for r, p in zip(golden_results, prompts)
+                if p.first_divergent_step >= 0 or (routing is not None and p.verdict != "identical"
+                                                   and result_flip(r.arrays, results[r.prompt_index].arrays,
+                                                                   context.steps[r.prompt_index]) is not None)}
     if diverged:
         started = time.perf_counter()
         rerun = context.ran("forced", execute(context.candidate, forced=context.tokens(), probes=context.probes(),
                                               progress=context.tick("forced", context.candidate), only=diverged,
-                                              timed=False))
+                                              timed=False, routing=routing))
         results.update(rerun.by_index())
         context.timings["forced_s"] = time.perf_counter() - started
     return results
@@ -404,11 +424,15 @@ def _forced_results(context: Context, free: Run, prompts: list[PromptVerdict],
 
 def _routing_flips(context: Context, forced: dict[int, PromptResult], prompts: list[PromptVerdict]) -> None:
     """MoE models: each prompt's first routing flip (golden vs the candidate along the golden's tokens, so
-    every step has the same input), and one cause naming the first flip and whether it was a near-tie."""
+    every step has the same input), and one cause naming the first flip and whether it was a near-tie. Under
+    forced routing each flip is judged by the router's movement over the whole set (see the module docstring)."""
+    pairs = [(g, forced[g.prompt_index], context.steps[g.prompt_index]) for g in context.golden_results]
+    moved = (max(result_movement(g.arrays, c.arrays, steps) for g, c, steps in pairs)
+             if context.routing() is not None else None)
     for golden_run, prompt in zip(context.golden_results, prompts):
         if prompt.verdict != "identical":
             flip = result_flip(golden_run.arrays, forced[golden_run.prompt_index].arrays,
-                               context.steps[golden_run.prompt_index])
+                               context.steps[golden_run.prompt_index], moved)
             oracle = context.oracle_by_index(golden_run.prompt_index).arrays
             prompt.routing = flip.with_oracle(oracle) if flip is not None else None
     flipped = [p for p in prompts if p.routing is not None]
@@ -560,6 +584,9 @@ def _decide(context: Context, prompts: list[PromptVerdict], function_line: str, 
             function_failed.append(prompt.prompt_id)
         elif prompt.execution is not None and prompt.execution.reason:
             prompt.verdict, prompt.reason = "changed", "execution check: " + prompt.execution.reason
+            execution_failed.append(prompt.prompt_id)
+        elif prompt.routing is not None and prompt.routing.forced and not prompt.routing.near_tie:
+            prompt.verdict, prompt.reason = "changed", "execution check: " + prompt.routing.describe("golden", "candidate")
             execution_failed.append(prompt.prompt_id)
         elif prompt.verdict != "identical":
             prompt.reason = f"within the budgets (at {prompt.distance:.2f} of the closest)"

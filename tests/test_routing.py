@@ -11,7 +11,7 @@ import pytest
 from evalrun.config import build_config
 from evalrun.engine.faults import Fault, fault_hook, plant
 from evalrun.golden import open_golden
-from evalrun.routing import routing_flip
+from evalrun.routing import margin_movement, routing_flip
 from evalrun.runner import execute_run, prepare
 from evalrun.store import Store
 from evalrun.verify import candidate_config, verify_golden
@@ -52,6 +52,24 @@ def test_a_flip_needing_less_than_the_router_moved_before_is_a_near_tie():
     assert "near-tie" in flip.describe()
 
 
+def test_forced_routing_judges_a_flip_by_the_sets_movement():
+    """Given the set's movement (B forced along A's routing), a flip is judged by it, not by the entries before it:
+    the same flip is a near-tie against a movement that covers it and no near-tie against one that does not."""
+    other = EXPERTS.copy()
+    other[0, 0] = [0, 5]  # the very first entry flips: nothing before it moved
+    margins = MARGINS.copy()
+    margins[0, 0], margins[2, 1] = 0.0, MARGINS[2, 1] + 0.2  # B tied there; the router moved 0.2 later on
+    assert not routing_flip(EXPERTS, MARGINS, other, margins, 3).near_tie  # before the flip: no movement at all
+    moved = margin_movement(EXPERTS, MARGINS, other, margins, 3)
+    assert moved == pytest.approx(0.2)  # the flipped entry itself is not counted
+    flip = routing_flip(EXPERTS, MARGINS, other, margins, 3, moved)
+    assert flip.forced and flip.near_tie and flip.moved == moved and "anywhere in the set" not in flip.describe()
+    assert not routing_flip(EXPERTS, MARGINS, other, margins, 3, 0.05).near_tie
+    assert "more than the router moved anywhere in the set" in routing_flip(EXPERTS, MARGINS, other, margins, 3,
+                                                                           0.05).describe()
+    assert margin_movement(EXPERTS, MARGINS, EXPERTS[:, :1], MARGINS[:, :1], 3) == 0.0  # another model: nothing
+
+
 # ---------------------------------------------------------------- planted flips, end to end
 
 STEPS = 12
@@ -74,8 +92,10 @@ def test_verify_names_a_planted_routing_flip_with_its_router_margin(golden_facto
     assert verdict.verdict == "changed", verdict.causes
     routing = [cause for cause in verdict.causes if cause.startswith("routing:")]
     assert len(routing) == 1 and "routing flip at step" in routing[0] and "router margin" in routing[0], routing
-    assert "not a near-tie" in routing[0]  # doubling a router logit moves far more than anything did before
     flips = [p.routing for p in verdict.prompts if p.routing is not None]
+    # forced along the golden's tokens and routing (same dtype, not the function config): judged by the set's
+    # movement, which the fault inflates; the function check (bit for bit here), not the flip, says changed
+    assert all(f.forced for f in flips) and any("no longer reproduces" in c for c in verdict.causes), verdict.causes
     assert flips and all(f.layer == 1 for f in flips)  # layer 0 is untouched: only the faulted layer flips first
     assert all(f.experts_a != f.experts_b and f.margin_a >= 0 for f in flips)
     # the float64 oracle, along the golden's tokens, chose the float32 golden's experts there, by its margin
@@ -123,3 +143,41 @@ def test_dense_runs_store_no_routing_arrays(cli, tiny_args, store_path):
     assert code == 0, err
     results = Store(store_path).load_results(json.loads(out)["run_id"])
     assert all("routing_experts" not in r.arrays and "routing_margins" not in r.arrays for r in results)
+
+
+# ---------------------------------------------------------------- forced routing in verify
+
+TIES = dict(seed=7, num_experts=32, num_experts_per_tok=4)  # bfloat16 routing ties that piecewise compile tips
+BF16 = ("--dtype", "bfloat16", "--device", "cpu", "-O0")
+
+
+@pytest.fixture(scope="module")
+def ties_dir(tmp_path_factory):
+    return moe_checkpoint(tmp_path_factory.mktemp("ties") / "moe", **TIES)
+
+
+def test_piecewise_compile_tipping_bfloat16_routing_ties_is_drift(golden_factory, ties_dir, verify):
+    """A bfloat16 -O0 golden of an MoE model, verified under piecewise compile (-O1: a legitimate change of
+    bits). Compile tips routing near-ties; before forced routing the candidate's forced run then took other
+    experts from the flip on and one prompt failed the execution check at 1.61x its budget (a false changed).
+    Now the flips are judged alone, as near-ties, and the logits along the golden's routing are drift."""
+    directory = golden_factory(*BF16, model=str(ties_dir), tokens=16)
+    code, verdict, err = verify(directory, "-O1")
+    assert code == 0 and verdict["verdict"] in ("identical", "drift"), (err, verdict and verdict["causes"])
+    flips = [p["routing"] for p in verdict["prompts"] if p["routing"]]
+    assert flips, "no routing flip on this machine: the case no longer exercises forced routing (pick another seed)"
+    assert all(f["forced"] and f["near_tie"] for f in flips), flips
+    assert any(c.startswith("routing:") and "anywhere in the set" not in c and "in the set margins moved" in c
+               for c in verdict["causes"]), verdict["causes"]
+
+
+def test_a_router_change_in_the_candidates_execution_alone_is_still_changed(golden_factory, ties_dir):
+    """Forced routing must not hide a routing change: expert 0's router logit doubled in the candidate's
+    execution only (the function check passes) still fails the execution check."""
+    golden = open_golden("g", golden_factory(*BF16, model=str(ties_dir), tokens=16))
+    config = candidate_config(golden, None, {"opt_level": 1}, ())
+    candidate_only = fault_hook(ROUTER_FAULT, only=lambda prepared: prepared.config.dtype == "bfloat16")
+    verdict = verify_golden(golden, config, hook=candidate_only)
+    assert verdict.verdict == "changed", verdict.causes
+    assert any(c.startswith("execution check failed") for c in verdict.causes), verdict.causes
+    assert [p.routing.forced for p in verdict.prompts if p.routing is not None] != []
