@@ -113,14 +113,14 @@ def test_routing_matches_transformers_router_choice(moe_model):
         np.testing.assert_allclose(out.routing_margins[0, :, layer], (values[:, 1] - values[:, 2]).numpy(), atol=1e-6)
 
 
-def _forced_routing_runs(loaded, compilation: str, steps: int = 8):
+def _forced_routing_runs(loaded, compilation: str, steps: int = 8, graphs: str = "none"):
     """Two prompts, free then forced along the free run's tokens: with the free run's own routing, and with the
-    routing of the first MoE layer at step 2 of row 0 replaced (its runner-up expert in, its k-th out)."""
-    from evalrun.config import CompilationMode
+    routing of the first MoE layer at step 2 of row 0 replaced (an unchosen expert in, its k-th out)."""
+    from evalrun.config import CompilationMode, CUDAGraphMode
     from evalrun.engine.modes import ExecutionMode, allow_recompiles_for
 
     transformer = Transformer(loaded.model, "sdpa")
-    mode = ExecutionMode(transformer, CompilationMode(compilation))
+    mode = ExecutionMode(transformer, CompilationMode(compilation), CUDAGraphMode(graphs))
     if mode.static:
         torch._dynamo.reset()
         allow_recompiles_for(mode.prefill_buckets, mode.batch_buckets)
@@ -138,11 +138,7 @@ def _forced_routing_runs(loaded, compilation: str, steps: int = 8):
     return free, forced_own, forced_other, other
 
 
-@pytest.mark.parametrize("compilation", ["none", "piecewise"])
-def test_forced_routing_applies_the_given_experts_and_records_the_models_own(moe_model, compilation):
-    """Forced along its own routing a run computes its free bits; forced along other experts at one step and
-    layer, its logits change from that step on, in that row only, and it still records its own choice there."""
-    free, forced_own, forced_other, other = _forced_routing_runs(moe_model, compilation)
+def _check_forced_routing(free, forced_own, forced_other, other) -> None:
     assert np.array_equal(forced_own.logits, free.logits) and np.array_equal(forced_own.digests, free.digests)
     assert np.array_equal(forced_own.routing_experts, free.routing_experts)
     changed = [not np.array_equal(a, b) for a, b in zip(forced_other.logits[0], free.logits[0])]
@@ -150,6 +146,22 @@ def test_forced_routing_applies_the_given_experts_and_records_the_models_own(moe
     assert np.array_equal(forced_other.logits[1], free.logits[1])  # the other row routes as it chose
     assert forced_other.routing_experts[0, 2, 0].tolist() == free.routing_experts[0, 2, 0].tolist()  # its own
     assert forced_other.routing_experts[0, 2, 0].tolist() != other[0][2, 0].tolist()
+
+
+@pytest.mark.parametrize("compilation", ["none", "piecewise"])
+def test_forced_routing_applies_the_given_experts_and_records_the_models_own(moe_model, compilation):
+    """Forced along its own routing a run computes its free bits; forced along other experts at one step and
+    layer, its logits change from that step on, in that row only, and it still records its own choice there."""
+    _check_forced_routing(*_forced_routing_runs(moe_model, compilation))
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("compilation,graphs", [("none", "none"), ("piecewise", "piecewise"), ("piecewise", "full")])
+def test_gpu_forced_routing_under_compile_and_cuda_graphs(tmp_path, compilation, graphs):
+    """The same on the GPU in bfloat16, with the decode step (and prefill) replayed from CUDA graphs: the
+    forced experts are read from the workspace at each replay's step."""
+    loaded = load_model(str(moe_checkpoint(tmp_path / "moe")), "cuda", "bfloat16")
+    _check_forced_routing(*_forced_routing_runs(loaded, compilation, graphs=graphs))
 
 
 def test_dense_models_capture_no_routing(tmp_path):
