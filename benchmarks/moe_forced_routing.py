@@ -1,0 +1,73 @@
+"""False `changed` at MoE routing ties, before and after forced routing (stop 20). For each seed, a random tiny
+Qwen3-MoE checkpoint (32 experts, top-4: bfloat16 router ties are common), a bfloat16 -O0 golden on the smoke
+prompts (16 tokens), verified at each level given, twice in one process: as verify runs now (forced routing) and
+with forced routing switched off (verify's `Context.routing` answering None: the forced run then routes freely,
+as before stop 20). A legitimate change of bits should never say changed.
+
+    python benchmarks/moe_forced_routing.py OUT.json --device cuda --seeds 0-9 --levels 1,2
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import tempfile
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests"))
+
+from evalrun import verify as verify_module  # noqa: E402
+from evalrun.config import build_config  # noqa: E402
+from evalrun.golden import create_golden, open_golden  # noqa: E402
+from evalrun.verify import candidate_config, verify_golden  # noqa: E402
+from test_moe import moe_checkpoint  # noqa: E402
+
+
+def seeds(text: str) -> list[int]:
+    first, _, last = text.partition("-")
+    return list(range(int(first), int(last or first) + 1))
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("out")
+    parser.add_argument("--device", default="cpu")
+    parser.add_argument("--seeds", default="0-9")
+    parser.add_argument("--levels", default="1,2")
+    args = parser.parse_args()
+    forced_routing = verify_module.Context.routing
+    rows = []
+    with tempfile.TemporaryDirectory() as folder:
+        for seed in seeds(args.seeds):
+            directory = moe_checkpoint(Path(folder) / f"moe{seed}", seed=seed, num_experts=32, num_experts_per_tok=4)
+            config = build_config(None, {"model": str(directory), "prompts": "smoke", "max_new_tokens": 16,
+                                         "dtype": "bfloat16", "device": args.device, "opt_level": 0}, ())
+            create_golden("g", config, Path(folder) / f"g{seed}")
+            golden = open_golden("g", Path(folder) / f"g{seed}")
+            for level in [int(n) for n in args.levels.split(",")]:
+                candidate = candidate_config(golden, None, {"opt_level": level}, ())
+                for label, routing in (("forced routing", forced_routing), ("free routing (before)", lambda self: None)):
+                    verify_module.Context.routing = routing
+                    verdict = verify_golden(golden, candidate)
+                    flips = [p.routing for p in verdict.prompts if p.routing is not None]
+                    rows.append({"seed": seed, "level": level, "verify": label, "verdict": verdict.verdict,
+                                 "distance": round(verdict.distance, 3), "prompts_with_flips": len(flips),
+                                 "near_ties": sum(f.near_tie for f in flips)})
+                    print(json.dumps(rows[-1]), flush=True)
+                verify_module.Context.routing = forced_routing
+    summary = {}
+    for row in rows:
+        key = f"-O{row['level']}, {row['verify']}"
+        entry = summary.setdefault(key, {"verifications": 0, "changed": 0, "with_flips": 0, "max_distance": 0.0})
+        entry["verifications"] += 1
+        entry["changed"] += row["verdict"] == "changed"
+        entry["with_flips"] += row["prompts_with_flips"] > 0
+        entry["max_distance"] = max(entry["max_distance"], row["distance"])
+    Path(args.out).write_text(json.dumps({"device": args.device, "summary": summary, "rows": rows}, indent=1))
+    print(json.dumps(summary, indent=1))
+
+
+if __name__ == "__main__":
+    main()
