@@ -15,8 +15,8 @@ the router moved anywhere before it is not explained by that movement.
 
 When run B was forced along run A's routing (and tokens), every step of both saw the same input, so the
 router's movement is measured over every agreeing entry of the whole set (`margin_movement`), not only
-before the flip, and passed in as `moved`: verify then judges each flip by it (a flip that is no near-tie
-is a routing change, not drift).
+before the flip, and verify passes in `moved` = that movement x rules.ROUTING_FLIP_MULTIPLIER: it judges
+each prompt's first flip by it (a flip that is no near-tie is a routing change, not drift).
 
 Shapes: N decode steps, L MoE layers, k experts per token.
 """
@@ -43,7 +43,8 @@ class RoutingFlip:
     margin_a: float  # router margin of run A there
     margin_b: float
     needed: float  # margin_a + margin_b: a router-probability gap changed at least this much
-    moved: float  # largest |margin_a - margin_b| where both chose the same experts, before the flip
+    moved: float  # largest |margin_a - margin_b| where both chose the same experts, before the flip (forced: the
+    # allowance verify passes in, the set's largest such movement x its multiplier)
     near_tie: bool  # needed <= moved
     flipped: int  # (step, layer) entries whose chosen experts differ, over the compared steps
     compared: int  # (step, layer) entries compared
@@ -52,8 +53,14 @@ class RoutingFlip:
     oracle_experts: list[int] | None = None  # and the experts it chose, sorted
 
     def describe(self, name_a: str = "A", name_b: str = "B") -> str:
-        where = "anywhere in the set" if self.forced else "anywhere before it"
-        kind = ("a near-tie: drift-like" if self.near_tie else f"not a near-tie: more than the router moved {where}")
+        if self.forced:
+            kind = "a near-tie: drift-like" if self.near_tie else "not a near-tie: more than the set allows"
+            movement = (f"the set allows {self.moved:.3g} (its largest margin movement where experts agree, x the "
+                        "verdict's multiplier)")
+        else:
+            kind = ("a near-tie: drift-like" if self.near_tie else
+                    "not a near-tie: more than the router moved anywhere before it")
+            movement = f"before it margins moved up to {self.moved:.3g}"
         oracle = ""
         if self.oracle_margin is not None:
             side = (name_a if self.oracle_experts == self.experts_a else name_b if self.oracle_experts == self.experts_b
@@ -61,9 +68,8 @@ class RoutingFlip:
             oracle = f"; the oracle's router margin there {self.oracle_margin:.3g}, its experts {side}'s"
         return (f"routing flip at step {self.step}, MoE layer {self.layer}: experts {self.experts_a} ({name_a}) vs "
                 f"{self.experts_b} ({name_b}), router margin {self.margin_a:.3g} vs {self.margin_b:.3g}; the flip "
-                f"needs a router-probability gap to move {self.needed:.3g}, {where.split(' ', 1)[1]} margins moved up "
-                f"to {self.moved:.3g} "
-                f"({kind}){oracle}; {self.flipped} of {self.compared} step-layer routings differ")
+                f"needs a router-probability gap to move {self.needed:.3g}, {movement} ({kind}){oracle}; "
+                f"{self.flipped} of {self.compared} step-layer routings differ")
 
     def with_oracle(self, oracle: Mapping[str, np.ndarray]) -> "RoutingFlip":
         """This flip with the oracle's router margin and experts at its step and layer (unchanged if the oracle

@@ -11,7 +11,7 @@
    whose experts left the golden's anywhere runs again along the golden's tokens and routing, so that a
    routing flip at a tie is judged by itself, not by the logits of the other path it opens. A flip is drift
    when it is a near-tie (routing.py: it needs no larger router movement than the set shows where both chose
-   the same experts); a flip that is no near-tie fails the execution check.
+   the same experts, x rules.ROUTING_FLIP_MULTIPLIER); a flip that is no near-tie fails the execution check.
 4. Function check (is it the same model?): the candidate environment runs the golden's function
    config (float32, eager, deterministic, TF32 off) forced and probed. In the golden's own
    environment it must reproduce the golden's function run bit for bit; elsewhere its error against
@@ -40,8 +40,8 @@ from .errors import ConfigError, GoldenError
 from .golden import ENVELOPE_ROLES, Golden, Hook, reference_config
 from .hashing import hash_value
 from .routing import RoutingFlip, has_routing, result_flip, result_movement
-from .rules import (EXECUTION_RULE, FUNCTION_RULE, Evidence, Judgement, aggregate, judge, judge_set, rule_for,
-                    step_errors, typical)
+from .rules import (EXECUTION_RULE, FUNCTION_RULE, ROUTING_FLIP_MULTIPLIER, Evidence, Judgement, aggregate, judge,
+                    judge_set, rule_for, step_errors, typical)
 from .runner import Prepared, Probes, Run, execute, prepare, steps_for
 from .store import PromptResult
 
@@ -427,8 +427,8 @@ def _routing_flips(context: Context, forced: dict[int, PromptResult], prompts: l
     every step has the same input), and one cause naming the first flip and whether it was a near-tie. Under
     forced routing each flip is judged by the router's movement over the whole set (see the module docstring)."""
     pairs = [(g, forced[g.prompt_index], context.steps[g.prompt_index]) for g in context.golden_results]
-    moved = (max(result_movement(g.arrays, c.arrays, steps) for g, c, steps in pairs)
-             if context.routing() is not None else None)
+    moved = (ROUTING_FLIP_MULTIPLIER * max(result_movement(g.arrays, c.arrays, steps) for g, c, steps in pairs)
+             if context.routing() is not None else None)  # what a near-tie may need (rules.ROUTING_FLIP_MULTIPLIER)
     for golden_run, prompt in zip(context.golden_results, prompts):
         if prompt.verdict != "identical":
             flip = result_flip(golden_run.arrays, forced[golden_run.prompt_index].arrays,

@@ -63,10 +63,10 @@ def test_forced_routing_judges_a_flip_by_the_sets_movement():
     moved = margin_movement(EXPERTS, MARGINS, other, margins, 3)
     assert moved == pytest.approx(0.2)  # the flipped entry itself is not counted
     flip = routing_flip(EXPERTS, MARGINS, other, margins, 3, moved)
-    assert flip.forced and flip.near_tie and flip.moved == moved and "anywhere in the set" not in flip.describe()
+    assert flip.forced and flip.near_tie and flip.moved == moved and "the set allows 0.2" in flip.describe()
     assert not routing_flip(EXPERTS, MARGINS, other, margins, 3, 0.05).near_tie
-    assert "more than the router moved anywhere in the set" in routing_flip(EXPERTS, MARGINS, other, margins, 3,
-                                                                           0.05).describe()
+    assert "not a near-tie: more than the set allows" in routing_flip(EXPERTS, MARGINS, other, margins, 3,
+                                                                     0.05).describe()
     assert margin_movement(EXPERTS, MARGINS, EXPERTS[:, :1], MARGINS[:, :1], 3) == 0.0  # another model: nothing
 
 
@@ -167,7 +167,7 @@ def test_piecewise_compile_tipping_bfloat16_routing_ties_is_drift(golden_factory
     flips = [p["routing"] for p in verdict["prompts"] if p["routing"]]
     assert flips, "no routing flip on this machine: the case no longer exercises forced routing (pick another seed)"
     assert all(f["forced"] and f["near_tie"] for f in flips), flips
-    assert any(c.startswith("routing:") and "anywhere in the set" not in c and "in the set margins moved" in c
+    assert any(c.startswith("routing:") and "the set allows" in c and "not a near-tie" not in c
                for c in verdict["causes"]), verdict["causes"]
 
 
