@@ -2,9 +2,11 @@
 Qwen3-MoE checkpoint (32 experts, top-4: bfloat16 router ties are common), a bfloat16 -O0 golden on the smoke
 prompts (16 tokens), verified at each level given, twice in one process: as verify runs now (forced routing) and
 with forced routing switched off (verify's `Context.routing` answering None: the forced run then routes freely,
-as before stop 20). A legitimate change of bits should never say changed.
+as before stop 20). A legitimate change of bits should never say changed. Under forced routing each prompt's
+decisive flip is recorded as `flip_ratios`: the gap it needs / the set's margin movement where experts agree
+(rules.ROUTING_FLIP_MULTIPLIER is calibrated on their maximum).
 
-    python benchmarks/moe_forced_routing.py OUT.json --device cuda --seeds 0-9 --levels 1,2
+    python benchmarks/moe_forced_routing.py OUT.json --device cuda --seeds 0-9 --levels 1,2 [--forced-only]
 """
 
 from __future__ import annotations
@@ -21,6 +23,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests"))
 from evalrun import verify as verify_module  # noqa: E402
 from evalrun.config import build_config  # noqa: E402
 from evalrun.golden import create_golden, open_golden  # noqa: E402
+from evalrun.rules import ROUTING_FLIP_MULTIPLIER  # noqa: E402
 from evalrun.verify import candidate_config, verify_golden  # noqa: E402
 from test_moe import moe_checkpoint  # noqa: E402
 
@@ -36,6 +39,7 @@ def main() -> None:
     parser.add_argument("--device", default="cpu")
     parser.add_argument("--seeds", default="0-9")
     parser.add_argument("--levels", default="1,2")
+    parser.add_argument("--forced-only", action="store_true", help="skip the verification without forced routing")
     args = parser.parse_args()
     forced_routing = verify_module.Context.routing
     rows = []
@@ -48,23 +52,30 @@ def main() -> None:
             golden = open_golden("g", Path(folder) / f"g{seed}")
             for level in [int(n) for n in args.levels.split(",")]:
                 candidate = candidate_config(golden, None, {"opt_level": level}, ())
-                for label, routing in (("forced routing", forced_routing), ("free routing (before)", lambda self: None)):
+                variants = [("forced routing", forced_routing), ("free routing (before)", lambda self: None)]
+                for label, routing in variants[:1] if args.forced_only else variants:
                     verify_module.Context.routing = routing
                     verdict = verify_golden(golden, candidate)
                     flips = [p.routing for p in verdict.prompts if p.routing is not None]
                     rows.append({"seed": seed, "level": level, "verify": label, "verdict": verdict.verdict,
                                  "distance": round(verdict.distance, 3), "prompts_with_flips": len(flips),
-                                 "near_ties": sum(f.near_tie for f in flips)})
+                                 "near_ties": sum(f.near_tie for f in flips),
+                                 "flip_ratios": [round(f.needed * ROUTING_FLIP_MULTIPLIER / f.moved, 3) if f.moved else None
+                                                 for f in flips if f.forced]})
                     print(json.dumps(rows[-1]), flush=True)
                 verify_module.Context.routing = forced_routing
     summary = {}
     for row in rows:
         key = f"-O{row['level']}, {row['verify']}"
-        entry = summary.setdefault(key, {"verifications": 0, "changed": 0, "with_flips": 0, "max_distance": 0.0})
+        entry = summary.setdefault(key, {"verifications": 0, "changed": 0, "with_flips": 0, "max_distance": 0.0,
+                                         "flips_judged": 0, "max_flip_ratio": 0.0})
         entry["verifications"] += 1
         entry["changed"] += row["verdict"] == "changed"
         entry["with_flips"] += row["prompts_with_flips"] > 0
         entry["max_distance"] = max(entry["max_distance"], row["distance"])
+        ratios = [r if r is not None else float("inf") for r in row["flip_ratios"]]
+        entry["flips_judged"] += len(ratios)
+        entry["max_flip_ratio"] = max([entry["max_flip_ratio"], *ratios])
     Path(args.out).write_text(json.dumps({"device": args.device, "summary": summary, "rows": rows}, indent=1))
     print(json.dumps(summary, indent=1))
 

@@ -15,8 +15,9 @@ the router moved anywhere before it is not explained by that movement.
 
 When run B was forced along run A's routing (and tokens), every step of both saw the same input, so the
 router's movement is measured over every agreeing entry of the whole set (`margin_movement`), not only
-before the flip, and verify passes in `moved` = that movement x rules.ROUTING_FLIP_MULTIPLIER: it judges
-each prompt's first flip by it (a flip that is no near-tie is a routing change, not drift).
+before the flip, and verify passes in `moved` = that movement x rules.ROUTING_FLIP_MULTIPLIER. Every flip is
+then judged by it, through the one that needs the most (a flip that is no near-tie is a routing change,
+not drift).
 
 Shapes: N decode steps, L MoE layers, k experts per token.
 """
@@ -34,7 +35,8 @@ ARRAYS = ("routing_experts", "routing_margins")
 
 @dataclass
 class RoutingFlip:
-    """The first (step, MoE layer) where two runs chose different experts for the same input."""
+    """The first (step, MoE layer) where two runs chose different experts for the same input; under forced routing
+    the decisive one: the flip that needs the largest router-probability gap move."""
 
     step: int
     layer: int  # index among the model's MoE layers
@@ -116,10 +118,10 @@ def routing_flip(experts_a: np.ndarray, margins_a: np.ndarray, experts_b: np.nda
     if found is None or found[1].all():
         return None
     sets_a, agree, n = found
-    first = int(np.argmin(agree))
-    step, layer = divmod(first, experts_a.shape[1])
     ma, mb = margins_a[:n].reshape(-1).astype(np.float64), margins_b[:n].reshape(-1).astype(np.float64)
     forced = moved is not None
+    first = int(np.argmax(np.where(agree, -np.inf, ma + mb))) if forced else int(np.argmin(agree))
+    step, layer = divmod(first, experts_a.shape[1])
     if moved is None:
         before = np.abs(ma[:first] - mb[:first])  # every entry before the flip agrees
         moved = float(before.max()) if before.size else 0.0

@@ -425,7 +425,8 @@ def _forced_results(context: Context, free: Run, prompts: list[PromptVerdict],
 def _routing_flips(context: Context, forced: dict[int, PromptResult], prompts: list[PromptVerdict]) -> None:
     """MoE models: each prompt's first routing flip (golden vs the candidate along the golden's tokens, so
     every step has the same input), and one cause naming the first flip and whether it was a near-tie. Under
-    forced routing each flip is judged by the router's movement over the whole set (see the module docstring)."""
+    forced routing every flip is judged by the router's movement over the whole set (see the module docstring),
+    and each prompt reports its decisive flip."""
     pairs = [(g, forced[g.prompt_index], context.steps[g.prompt_index]) for g in context.golden_results]
     moved = (ROUTING_FLIP_MULTIPLIER * max(result_movement(g.arrays, c.arrays, steps) for g, c, steps in pairs)
              if context.routing() is not None else None)  # what a near-tie may need (rules.ROUTING_FLIP_MULTIPLIER)

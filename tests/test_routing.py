@@ -65,6 +65,13 @@ def test_forced_routing_judges_a_flip_by_the_sets_movement():
     flip = routing_flip(EXPERTS, MARGINS, other, margins, 3, moved)
     assert flip.forced and flip.near_tie and flip.moved == moved and "the set allows 0.2" in flip.describe()
     assert not routing_flip(EXPERTS, MARGINS, other, margins, 3, 0.05).near_tie
+    later = other.copy()
+    later[2, 1] = [1, 7]  # a second flip, needing more: forced, it is the one judged and reported
+    margins[2, 1] = 0.3
+    decisive = routing_flip(EXPERTS, MARGINS, later, margins, 3, moved)
+    assert (decisive.step, decisive.layer, decisive.flipped) == (2, 1, 2) and not decisive.near_tie
+    assert decisive.needed == pytest.approx(MARGINS[2, 1] + 0.3)
+    assert routing_flip(EXPERTS, MARGINS, later, margins, 3).step == 0  # not forced: the first flip
     assert "not a near-tie: more than the set allows" in routing_flip(EXPERTS, MARGINS, other, margins, 3,
                                                                      0.05).describe()
     assert margin_movement(EXPERTS, MARGINS, EXPERTS[:, :1], MARGINS[:, :1], 3) == 0.0  # another model: nothing
