@@ -408,6 +408,8 @@ def _forced_results(context: Context, free: Run, prompts: list[PromptVerdict],
     path, a forced re-run of the batches where they did not (`prompts` are `golden_results`' verdicts)."""
     results = free.by_index()
     routing = context.routing()
+    if routing is not None:
+        _check_routing(context, golden_results, results)
     diverged = {r.prompt_index for r, p in zip(golden_results, prompts)
                 if p.first_divergent_step >= 0 or (routing is not None and p.verdict != "identical"
                                                    and result_flip(r.arrays, results[r.prompt_index].arrays,
@@ -420,6 +422,20 @@ def _forced_results(context: Context, free: Run, prompts: list[PromptVerdict],
         results.update(rerun.by_index())
         context.timings["forced_s"] = time.perf_counter() - started
     return results
+
+
+def _check_routing(context: Context, golden_results: list[PromptResult], free: dict[int, PromptResult]) -> None:
+    """The golden's experts feed the candidate's forced routing: each must be an expert of the model, in the
+    candidate's own routing shape [N, MoE layers, k] (a damaged or hand-made golden gets one line, not a crash)."""
+    experts = getattr(context.candidate.loaded.model.config, "num_experts", None)
+    for result in golden_results:
+        ids, own = result.arrays["routing_experts"], free[result.prompt_index].arrays.get("routing_experts")
+        if own is None or ids.shape[1:] != own.shape[1:] or (ids.size and (ids.min() < 0 or (
+                experts is not None and ids.max() >= experts))):
+            raise GoldenError(f"golden {context.golden.path}: the pinned run's routing_experts for prompt "
+                              f"{result.prompt_id!r} are not this model's experts (shape {ids.shape}, ids "
+                              f"{ids.min() if ids.size else '-'}..{ids.max() if ids.size else '-'}); re-create it "
+                              f"with `evalrun golden create {context.golden.name} --force`")
 
 
 def _routing_flips(context: Context, forced: dict[int, PromptResult], prompts: list[PromptVerdict]) -> None:

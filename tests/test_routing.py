@@ -188,3 +188,27 @@ def test_a_router_change_in_the_candidates_execution_alone_is_still_changed(gold
     assert verdict.verdict == "changed", verdict.causes
     assert any(c.startswith("execution check failed") for c in verdict.causes), verdict.causes
     assert [p.routing.forced for p in verdict.prompts if p.routing is not None] != []
+
+
+def test_a_golden_whose_experts_are_not_the_models_is_refused_in_one_line(golden_factory, ties_dir, verify, tmp_path):
+    """The golden's experts feed forced routing (goldens come from pull requests): an id past the model's experts
+    is one line and exit 2, not an index error inside the engine."""
+    import shutil
+    import sqlite3
+
+    from evalrun.golden import content_digest
+    from evalrun.hashing import hash_bytes
+
+    directory = tmp_path / "forged"
+    shutil.copytree(golden_factory(*BF16, model=str(ties_dir), tokens=16), directory)
+    conn = sqlite3.connect(directory / "g.db", isolation_level=None)
+    for rowid, shape in conn.execute("SELECT rowid, shape FROM arrays WHERE name = 'routing_experts'").fetchall():
+        data = np.full(json.loads(shape), 99, dtype="<i2").tobytes()
+        conn.execute("UPDATE arrays SET dtype = 'int16', encoding = 'raw', data = ?, digest = ? WHERE rowid = ?",
+                     [data, hash_bytes(data), rowid])
+    conn.execute("UPDATE golden SET value = ? WHERE key = 'content_digest'", [content_digest(conn)])  # made, not damaged
+    conn.close()
+    code, verdict, err = verify(directory, "-O1")
+    assert code == 2 and verdict is None, (code, err)
+    lines = err.strip().splitlines()
+    assert len(lines) == 1 and "routing_experts" in lines[0] and "--force" in lines[0], err
