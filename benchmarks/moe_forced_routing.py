@@ -3,7 +3,7 @@ Qwen3-MoE checkpoint (32 experts, top-4: bfloat16 router ties are common), a bfl
 prompts (16 tokens), verified at each level given, twice in one process: as verify runs now (forced routing) and
 with forced routing switched off (verify's `Context.routing` answering None: the forced run then routes freely,
 as before stop 20). A legitimate change of bits should never say changed. Under forced routing each prompt's
-decisive flip is recorded as `flip_ratios`: the gap it needs / the set's margin movement where experts agree
+decisive flip is recorded as `flip_ratios`: the gap it needs / the golden's own router error against the oracle
 (rules.ROUTING_FLIP_MULTIPLIER is calibrated on their maximum).
 
     python benchmarks/moe_forced_routing.py OUT.json --device cuda --seeds 0-9 --levels 1,2 [--forced-only]

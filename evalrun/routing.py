@@ -13,11 +13,11 @@ those is `moved`. A flip with needed <= moved is a **near-tie**: a change of the
 where nothing flipped tipped a balanced decision (drift-like evidence). A flip that needs more than
 the router moved anywhere before it is not explained by that movement.
 
-When run B was forced along run A's routing (and tokens), every step of both saw the same input, so the
-router's movement is measured over every agreeing entry of the whole set (`margin_movement`), not only
-before the flip, and verify passes in `moved` = that movement x rules.ROUTING_FLIP_MULTIPLIER. Every flip is
-then judged by it, through the one that needs the most (a flip that is no near-tie is a routing change,
-not drift).
+When run B was forced along run A's routing (and tokens), every flip is comparable and verify judges them
+all, through the one that needs the most, against an allowance it passes in as `moved`: the golden's own router
+error (`margin_movement` of its pinned run against the float64 oracle) x rules.ROUTING_FLIP_MULTIPLIER. A flip
+that is no near-tie is a routing change, not drift. A negative margin (no router reports one) is never a
+near-tie.
 
 Shapes: N decode steps, L MoE layers, k experts per token.
 """
@@ -46,19 +46,26 @@ class RoutingFlip:
     margin_b: float
     needed: float  # margin_a + margin_b: a router-probability gap changed at least this much
     moved: float  # largest |margin_a - margin_b| where both chose the same experts, before the flip (forced: the
-    # allowance verify passes in, the set's largest such movement x its multiplier)
+    # allowance verify passes in: the golden's router error against the oracle x its multiplier)
     near_tie: bool  # needed <= moved
     flipped: int  # (step, layer) entries whose chosen experts differ, over the compared steps
     compared: int  # (step, layer) entries compared
-    forced: bool = False  # B was forced along A's routing: `moved` is the set's movement, and the flip is judged
+    forced: bool = False  # B was forced along A's routing: `moved` is verify's allowance, and the flip is judged
     oracle_margin: float | None = None  # the float64 oracle's router margin there (along the same tokens)
     oracle_experts: list[int] | None = None  # and the experts it chose, sorted
 
+    @property
+    def distance(self) -> float:
+        """needed / moved: <= 1 is a near-tie (with non-negative margins); a large finite number when nothing moved."""
+        if self.margin_a < 0 or self.margin_b < 0:
+            return 1e9
+        return self.needed / self.moved if self.moved > 0 else (0.0 if self.needed <= 0 else 1e9)
+
     def describe(self, name_a: str = "A", name_b: str = "B") -> str:
         if self.forced:
-            kind = "a near-tie: drift-like" if self.near_tie else "not a near-tie: more than the set allows"
-            movement = (f"the set allows {self.moved:.3g} (its largest margin movement where experts agree, x the "
-                        "verdict's multiplier)")
+            kind = "a near-tie: drift-like" if self.near_tie else "not a near-tie: more than the golden allows"
+            movement = (f"the golden allows {self.moved:.3g} (its own router error against the float64 oracle, x "
+                        "the verdict's multiplier)")
         else:
             kind = ("a near-tie: drift-like" if self.near_tie else
                     "not a near-tie: more than the router moved anywhere before it")
@@ -77,11 +84,14 @@ class RoutingFlip:
         """This flip with the oracle's router margin and experts at its step and layer (unchanged if the oracle
         holds no routing there). A margin near 0 says the model itself sits at a tie: whichever experts a run
         chose there, its implementation's rounding or tie-breaking chose them."""
-        if not has_routing(oracle) or oracle["routing_experts"].shape[0] <= self.step:
+        if not has_routing(oracle):
             return self
-        experts = np.sort(oracle["routing_experts"][self.step, self.layer]).tolist()
-        return dataclasses.replace(self, oracle_margin=float(oracle["routing_margins"][self.step, self.layer]),
-                                   oracle_experts=experts)
+        experts, margins = oracle["routing_experts"], oracle["routing_margins"]
+        if experts.ndim != 3 or margins.shape != experts.shape[:2] or not (self.step < len(experts)
+                                                                           and self.layer < experts.shape[1]):
+            return self  # no routing there (a shorter or damaged oracle)
+        return dataclasses.replace(self, oracle_margin=float(margins[self.step, self.layer]),
+                                   oracle_experts=np.sort(experts[self.step, self.layer]).tolist())
 
 
 def has_routing(arrays: Mapping[str, np.ndarray]) -> bool:
@@ -93,19 +103,21 @@ def _agreement(experts_a: np.ndarray, experts_b: np.ndarray, steps: int) -> tupl
     n = min(steps, len(experts_a), len(experts_b))
     if experts_a.shape[1:] != experts_b.shape[1:] or n <= 0:
         return None
-    sets_a, sets_b = np.sort(experts_a[:n], axis=-1), np.sort(experts_b[:n], axis=-1)  # [n, L, k]: order inside a set is no flip
+    sets_a, sets_b = np.sort(experts_a[:n], axis=-1), np.sort(experts_b[:n], axis=-1)  # [n, L, k]: order is no flip
     return sets_a, np.all(sets_a == sets_b, axis=-1).reshape(-1), n
 
 
 def margin_movement(experts_a: np.ndarray, margins_a: np.ndarray, experts_b: np.ndarray, margins_b: np.ndarray,
-                    steps: int) -> float:
+                    steps: int, until_flip: bool = False) -> float:
     """The largest |margin_a - margin_b| over the (step, layer) entries where both runs chose the same experts,
-    in their first `steps` steps (0.0 where none agree)."""
+    in their first `steps` steps (0.0 where none agree); `until_flip`: only before the first entry where they
+    did not (runs not forced along one routing see other inputs after it)."""
     found = _agreement(experts_a, experts_b, steps)
     if found is None:
         return 0.0
     _, agree, n = found
-    moved = np.abs(margins_a[:n].astype(np.float64) - margins_b[:n].astype(np.float64)).reshape(-1)[agree]
+    end = int(np.argmin(agree)) if until_flip and not agree.all() else agree.size  # step-major entries counted
+    moved = np.abs(margins_a[:n].astype(np.float64) - margins_b[:n].astype(np.float64)).reshape(-1)[:end][agree[:end]]
     return float(moved.max()) if moved.size else 0.0
 
 
@@ -126,8 +138,9 @@ def routing_flip(experts_a: np.ndarray, margins_a: np.ndarray, experts_b: np.nda
         before = np.abs(ma[:first] - mb[:first])  # every entry before the flip agrees
         moved = float(before.max()) if before.size else 0.0
     needed = ma[first] + mb[first]
+    near_tie = needed <= moved and ma[first] >= 0 and mb[first] >= 0
     return RoutingFlip(step, layer, sets_a[step, layer].tolist(), np.sort(experts_b[step, layer]).tolist(),
-                       float(ma[first]), float(mb[first]), float(needed), moved, bool(needed <= moved),
+                       float(ma[first]), float(mb[first]), float(needed), moved, bool(near_tie),
                        int((~agree).sum()), int(agree.size), forced)
 
 
@@ -140,12 +153,13 @@ def result_flip(a: Mapping[str, np.ndarray], b: Mapping[str, np.ndarray], steps:
                         moved)
 
 
-def result_movement(a: Mapping[str, np.ndarray], b: Mapping[str, np.ndarray], steps: int) -> float:
+def result_movement(a: Mapping[str, np.ndarray], b: Mapping[str, np.ndarray], steps: int,
+                    until_flip: bool = False) -> float:
     """margin_movement between two prompt results' arrays (0.0 for dense models)."""
     if not (has_routing(a) and has_routing(b)):
         return 0.0
     return margin_movement(a["routing_experts"], a["routing_margins"], b["routing_experts"], b["routing_margins"],
-                           steps)
+                           steps, until_flip)
 
 
 def shape_problem(arrays: Mapping[str, np.ndarray], steps: int) -> bool:

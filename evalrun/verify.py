@@ -10,8 +10,9 @@
    runs evalrun's engine in the golden's dtype and is not the function config: forced routing too. A prompt
    whose experts left the golden's anywhere runs again along the golden's tokens and routing, so that a
    routing flip at a tie is judged by itself, not by the logits of the other path it opens. A flip is drift
-   when it is a near-tie (routing.py: it needs no larger router movement than the set shows where both chose
-   the same experts, x rules.ROUTING_FLIP_MULTIPLIER); a flip that is no near-tie fails the execution check.
+   when it is a near-tie (routing.py: the router-probability gap it needs is within the golden's own router
+   error against the oracle, x rules.ROUTING_FLIP_MULTIPLIER); a flip that is no near-tie fails the execution
+   check.
 4. Function check (is it the same model?): the candidate environment runs the golden's function
    config (float32, eager, deterministic, TF32 off) forced and probed. In the golden's own
    environment it must reproduce the golden's function run bit for bit; elsewhere its error against
@@ -172,10 +173,11 @@ class Context:
 
     def routing(self) -> dict[int, np.ndarray] | None:
         """The golden's experts per prompt index, [N, L, k], when the candidate's forced runs follow them: an MoE
-        golden, evalrun's engine, the golden's dtype (the envelope members share its routing path), and not the
-        function config (its forced run must reproduce the golden's function run, whose routing was its own)."""
+        golden (with its oracle's routing, which calibrates the flips), evalrun's engine, the golden's dtype (the
+        envelope members share its routing path), and not the function config (its forced run must reproduce the
+        golden's function run, whose routing was its own)."""
         config = self.candidate.config
-        if (not all(has_routing(r.arrays) for r in self.golden_results) or config.engine != "evalrun"
+        if (not all(has_routing(r.arrays) for r in self.golden_results + self.oracle) or config.engine != "evalrun"
                 or config.dtype != self.golden.config("pinned").dtype
                 or config.compute_hash() == _function_config(self).compute_hash()):
             return None
@@ -425,27 +427,34 @@ def _forced_results(context: Context, free: Run, prompts: list[PromptVerdict],
 
 
 def _check_routing(context: Context, golden_results: list[PromptResult], free: dict[int, PromptResult]) -> None:
-    """The golden's experts feed the candidate's forced routing: each must be an expert of the model, in the
-    candidate's own routing shape [N, MoE layers, k] (a damaged or hand-made golden gets one line, not a crash)."""
+    """The golden's routing feeds forced routing and its allowance: the pinned run's experts must be integer ids of
+    this model's experts in the candidate's own routing shape [N, MoE layers, k], and the pinned and oracle runs'
+    margins probability gaps (finite, in [0, 1]) of that shape (a damaged or hand-made golden gets one line, not
+    a crash or a widened allowance)."""
     experts = getattr(context.candidate.loaded.model.config, "num_experts", None)
     for result in golden_results:
         ids, own = result.arrays["routing_experts"], free[result.prompt_index].arrays.get("routing_experts")
-        if own is None or ids.shape[1:] != own.shape[1:] or (ids.size and (ids.min() < 0 or (
+        oracle = context.oracle_by_index(result.prompt_index).arrays
+        margins = [result.arrays["routing_margins"], oracle["routing_margins"]]
+        problem = ""
+        if own is None or ids.shape[1:] != own.shape[1:] or oracle["routing_experts"].shape[1:] != own.shape[1:]:
+            problem = f"routing shape {ids.shape[1:]}, this model's {None if own is None else own.shape[1:]}"
+        elif not np.issubdtype(ids.dtype, np.integer) or (ids.size and (ids.min() < 0 or (
                 experts is not None and ids.max() >= experts))):
-            raise GoldenError(f"golden {context.golden.path}: the pinned run's routing_experts for prompt "
-                              f"{result.prompt_id!r} are not this model's experts (shape {ids.shape}, ids "
-                              f"{ids.min() if ids.size else '-'}..{ids.max() if ids.size else '-'}); re-create it "
+            problem = f"routing_experts of dtype {ids.dtype} outside this model's {experts} experts"
+        elif not all(np.issubdtype(m.dtype, np.floating) and np.all((m >= 0) & (m <= 1)) for m in margins):
+            problem = "routing_margins that are not probability gaps in [0, 1]"
+        if problem:
+            raise GoldenError(f"golden {context.golden.path}: prompt {result.prompt_id!r} has {problem}; re-create it "
                               f"with `evalrun golden create {context.golden.name} --force`")
 
 
 def _routing_flips(context: Context, forced: dict[int, PromptResult], prompts: list[PromptVerdict]) -> None:
     """MoE models: each prompt's first routing flip (golden vs the candidate along the golden's tokens, so
     every step has the same input), and one cause naming the first flip and whether it was a near-tie. Under
-    forced routing every flip is judged by the router's movement over the whole set (see the module docstring),
-    and each prompt reports its decisive flip."""
-    pairs = [(g, forced[g.prompt_index], context.steps[g.prompt_index]) for g in context.golden_results]
-    moved = (ROUTING_FLIP_MULTIPLIER * max(result_movement(g.arrays, c.arrays, steps) for g, c, steps in pairs)
-             if context.routing() is not None else None)  # what a near-tie may need (rules.ROUTING_FLIP_MULTIPLIER)
+    forced routing every flip is judged against the golden's own router error (`_routing_allowance`), and each
+    prompt reports its decisive flip."""
+    moved = _routing_allowance(context) if context.routing() is not None else None
     for golden_run, prompt in zip(context.golden_results, prompts):
         if prompt.verdict != "identical":
             flip = result_flip(golden_run.arrays, forced[golden_run.prompt_index].arrays,
@@ -456,10 +465,23 @@ def _routing_flips(context: Context, forced: dict[int, PromptResult], prompts: l
     if not flipped:
         return
     ties = sum(p.routing.near_tie for p in flipped)
-    first = min(flipped, key=lambda p: (p.routing.step, p.routing.layer))
+    if moved is None:
+        shown, which = min(flipped, key=lambda p: (p.routing.step, p.routing.layer)), "first"
+    else:  # forced: each prompt's decisive flip; the one nearest the decision
+        shown, which = max(flipped, key=lambda p: p.routing.needed), "the largest gap"
     context.causes.append(f"routing: experts chosen differently in {len(flipped)} of {len(prompts)} prompts "
-                          f"({ties} at near-ties); first in prompt {first.prompt_id!r}: "
-                          f"{first.routing.describe('golden', 'candidate')}")
+                          f"({ties} at near-ties); {which} in prompt {shown.prompt_id!r}: "
+                          f"{shown.routing.describe('golden', 'candidate')}")
+
+
+def _routing_allowance(context: Context) -> float:
+    """The router-probability gap a flip under forced routing may need and still be a near-tie: the golden's own
+    router error (the largest margin movement of its pinned run against the float64 oracle, where both chose the
+    same experts, before their first flip) x rules.ROUTING_FLIP_MULTIPLIER. The golden sets it, not the candidate:
+    a candidate whose router reports wild margins cannot widen it."""
+    return ROUTING_FLIP_MULTIPLIER * max(
+        result_movement(g.arrays, context.oracle_by_index(g.prompt_index).arrays, context.steps[g.prompt_index],
+                        until_flip=True) for g in context.golden_results)
 
 
 def _run_forced(context: Context, config: EffectiveConfig, phase: str,
@@ -596,6 +618,10 @@ def _decide(context: Context, prompts: list[PromptVerdict], function_line: str, 
                             for f in judgement.flips]
         checks = [c for c in (prompt.function, prompt.execution) if c is not None]
         prompt.distance = max((c.distance for c in checks), default=0.0)
+        routing = prompt.routing.distance if prompt.routing is not None and prompt.routing.forced else None
+        if routing is not None:
+            prompt.distance = max(prompt.distance, routing)
+            closest.append((routing, f"prompt {prompt.prompt_id}, routing flip"))
         if prompt.function is not None and prompt.function.reason:
             prompt.verdict, prompt.reason = "changed", "function check: " + prompt.function.reason
             function_failed.append(prompt.prompt_id)
@@ -603,7 +629,8 @@ def _decide(context: Context, prompts: list[PromptVerdict], function_line: str, 
             prompt.verdict, prompt.reason = "changed", "execution check: " + prompt.execution.reason
             execution_failed.append(prompt.prompt_id)
         elif prompt.routing is not None and prompt.routing.forced and not prompt.routing.near_tie:
-            prompt.verdict, prompt.reason = "changed", "execution check: " + prompt.routing.describe("golden", "candidate")
+            prompt.verdict = "changed"
+            prompt.reason = "execution check: " + prompt.routing.describe("golden", "candidate")
             execution_failed.append(prompt.prompt_id)
         elif prompt.verdict != "identical":
             prompt.reason = f"within the budgets (at {prompt.distance:.2f} of the closest)"

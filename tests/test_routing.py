@@ -53,8 +53,8 @@ def test_a_flip_needing_less_than_the_router_moved_before_is_a_near_tie():
 
 
 def test_forced_routing_judges_a_flip_by_the_sets_movement():
-    """Given the set's movement (B forced along A's routing), a flip is judged by it, not by the entries before it:
-    the same flip is a near-tie against a movement that covers it and no near-tie against one that does not."""
+    """Given an allowance (B forced along A's routing), a flip is judged by it, not by the entries before it: the
+    same flip is a near-tie against an allowance that covers it and no near-tie against one that does not."""
     other = EXPERTS.copy()
     other[0, 0] = [0, 5]  # the very first entry flips: nothing before it moved
     margins = MARGINS.copy()
@@ -63,7 +63,7 @@ def test_forced_routing_judges_a_flip_by_the_sets_movement():
     moved = margin_movement(EXPERTS, MARGINS, other, margins, 3)
     assert moved == pytest.approx(0.2)  # the flipped entry itself is not counted
     flip = routing_flip(EXPERTS, MARGINS, other, margins, 3, moved)
-    assert flip.forced and flip.near_tie and flip.moved == moved and "the set allows 0.2" in flip.describe()
+    assert flip.forced and flip.near_tie and flip.moved == moved and "the golden allows 0.2" in flip.describe()
     assert not routing_flip(EXPERTS, MARGINS, other, margins, 3, 0.05).near_tie
     later = other.copy()
     later[2, 1] = [1, 7]  # a second flip, needing more: forced, it is the one judged and reported
@@ -72,7 +72,7 @@ def test_forced_routing_judges_a_flip_by_the_sets_movement():
     assert (decisive.step, decisive.layer, decisive.flipped) == (2, 1, 2) and not decisive.near_tie
     assert decisive.needed == pytest.approx(MARGINS[2, 1] + 0.3)
     assert routing_flip(EXPERTS, MARGINS, later, margins, 3).step == 0  # not forced: the first flip
-    assert "not a near-tie: more than the set allows" in routing_flip(EXPERTS, MARGINS, other, margins, 3,
+    assert "not a near-tie: more than the golden allows" in routing_flip(EXPERTS, MARGINS, other, margins, 3,
                                                                      0.05).describe()
     assert margin_movement(EXPERTS, MARGINS, EXPERTS[:, :1], MARGINS[:, :1], 3) == 0.0  # another model: nothing
 
@@ -100,8 +100,8 @@ def test_verify_names_a_planted_routing_flip_with_its_router_margin(golden_facto
     routing = [cause for cause in verdict.causes if cause.startswith("routing:")]
     assert len(routing) == 1 and "routing flip at step" in routing[0] and "router margin" in routing[0], routing
     flips = [p.routing for p in verdict.prompts if p.routing is not None]
-    # forced along the golden's tokens and routing (same dtype, not the function config): judged by the set's
-    # movement, which the fault inflates; the function check (bit for bit here), not the flip, says changed
+    # forced along the golden's tokens and routing (same dtype, not the function config); the function check
+    # (bit for bit here) says changed
     assert all(f.forced for f in flips) and any("no longer reproduces" in c for c in verdict.causes), verdict.causes
     assert flips and all(f.layer == 1 for f in flips)  # layer 0 is untouched: only the faulted layer flips first
     assert all(f.experts_a != f.experts_b and f.margin_a >= 0 for f in flips)
@@ -174,7 +174,7 @@ def test_piecewise_compile_tipping_bfloat16_routing_ties_is_drift(golden_factory
     flips = [p["routing"] for p in verdict["prompts"] if p["routing"]]
     assert flips, "no routing flip on this machine: the case no longer exercises forced routing (pick another seed)"
     assert all(f["forced"] and f["near_tie"] for f in flips), flips
-    assert any(c.startswith("routing:") and "the set allows" in c and "not a near-tie" not in c
+    assert any(c.startswith("routing:") and "the golden allows" in c and "not a near-tie" not in c
                for c in verdict["causes"]), verdict["causes"]
 
 
@@ -206,7 +206,8 @@ def test_a_golden_whose_experts_are_not_the_models_is_refused_in_one_line(golden
         data = np.full(json.loads(shape), 99, dtype="<i2").tobytes()
         conn.execute("UPDATE arrays SET dtype = 'int16', encoding = 'raw', data = ?, digest = ? WHERE rowid = ?",
                      [data, hash_bytes(data), rowid])
-    conn.execute("UPDATE golden SET value = ? WHERE key = 'content_digest'", [content_digest(conn)])  # made, not damaged
+    digest = content_digest(conn)  # a golden made this way, not damaged on the way
+    conn.execute("UPDATE golden SET value = ? WHERE key = 'content_digest'", [digest])
     conn.close()
     code, verdict, err = verify(directory, "-O1")
     assert code == 2 and verdict is None, (code, err)

@@ -248,7 +248,7 @@ class Workspace:
                                           getattr(model, "routing_shape", None))  # MoE models only
         zeros = lambda *shape: torch.zeros(*shape, dtype=torch.int64, device=device)  # noqa: E731
         routing = spec.forced_routing is not None and getattr(model, "routing_shape", None) is not None
-        return cls(model.new_cache(batch, slots), buffers,
+        return cls(model.new_cache(batch, slots, routing), buffers,
                    torch.zeros(batch, slots, dtype=torch.bool, device=device), zeros(batch), zeros(batch), zeros(1),
                    zeros(1), zeros(batch), zeros(batch, steps) if spec.forced_tokens is not None else None, spec.top_k,
                    spec.temperature, spec.capture,

@@ -56,19 +56,20 @@ def layer_weights(mlp: torch.nn.Module, slot: int) -> MoEWeights | None:
 
 class RoutingState:
     """The last forward's routing of each row's last token, in every MoE layer; lives with the KV cache
-    (one per workspace), written by the forward, read by the step's capture. `forced` holds the experts the
-    next forward applies to each row's last token: -1 (free) unless the decode loop forces routing. Free and
-    forced runs take it alike, so they compile one graph: forced along its own routing, a run computes its
-    free bits (a graph without it fused other kernels, other bits, under torch.compile on the GPU)."""
+    (one per workspace), written by the forward, read by the step's capture. A workspace that forces routing
+    also holds `forced`: the experts the next forward applies to each row's last token (written by the decode
+    loop). Free workspaces have none, so a free run compiles the graph it always did (the same bits as before
+    forced routing existed); a forced run's graph differs, so under torch.compile a run forced along its own
+    routing may differ from its free run in the last bits (eagerly it is the same)."""
 
-    def __init__(self, batch: int, layers: int, top_k: int, device: torch.device):
+    def __init__(self, batch: int, layers: int, top_k: int, device: torch.device, forcing: bool = False):
         self.experts = torch.zeros((batch, layers, top_k), dtype=torch.int64, device=device)  # [B, L, k]
         self.margins = torch.zeros((batch, layers), dtype=torch.float32, device=device)  # [B, L]
-        self.forced = torch.full((batch, layers, top_k), -1, dtype=torch.int64, device=device)  # [B, L, k]
+        self.forced = torch.full((batch, layers, top_k), -1, dtype=torch.int64, device=device) if forcing else None
 
-    def forced_for(self, slot: int) -> torch.Tensor:
-        """[B, k]: the experts MoE layer `slot` applies to each row's last token (-1: its own choice)."""
-        return self.forced.select(1, slot)
+    def forced_for(self, slot: int) -> torch.Tensor | None:
+        """[B, k]: the experts MoE layer `slot` applies to each row's last token, or None (free routing)."""
+        return self.forced.select(1, slot) if self.forced is not None else None
 
     def record(self, slot: int, experts: torch.Tensor, margin: torch.Tensor) -> None:
         """experts [B, k], margin [B] of MoE layer `slot`."""

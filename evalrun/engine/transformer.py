@@ -242,10 +242,11 @@ class Transformer:
             found += [part for part in parts if isinstance(part, torch.Tensor)]
         return found
 
-    def new_cache(self, batch: int, slots: int) -> KVCache:
+    def new_cache(self, batch: int, slots: int, forced_routing: bool = False) -> KVCache:
+        """`forced_routing`: MoE models, the cache's routing state takes the experts each step must apply."""
         cache = KVCache(len(self.layers), batch, self.kv_heads, slots, self.head_dim, self.dtype, self.device)
         if self.routing_shape is not None:
-            cache.routing = moe.RoutingState(batch, *self.routing_shape, self.device)
+            cache.routing = moe.RoutingState(batch, *self.routing_shape, self.device, forced_routing)
         return cache
 
     # ------------------------------------------------------------ forward
