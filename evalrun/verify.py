@@ -441,7 +441,7 @@ def _check_routing(context: Context, golden_results: list[PromptResult], free: d
             problem = f"routing shape {ids.shape[1:]}, this model's {None if own is None else own.shape[1:]}"
         elif not np.issubdtype(ids.dtype, np.integer) or (ids.size and (ids.min() < 0 or (
                 experts is not None and ids.max() >= experts))):
-            problem = f"routing_experts of dtype {ids.dtype} outside this model's {experts} experts"
+            problem = f"routing_experts that are not integer ids of this model's {experts} experts (dtype {ids.dtype})"
         elif not all(np.issubdtype(m.dtype, np.floating) and np.all((m >= 0) & (m <= 1)) for m in margins):
             problem = "routing_margins that are not probability gaps in [0, 1]"
         if problem:

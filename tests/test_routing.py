@@ -190,26 +190,38 @@ def test_a_router_change_in_the_candidates_execution_alone_is_still_changed(gold
     assert [p.routing.forced for p in verdict.prompts if p.routing is not None] != []
 
 
-def test_a_golden_whose_experts_are_not_the_models_is_refused_in_one_line(golden_factory, ties_dir, verify, tmp_path):
-    """The golden's experts feed forced routing (goldens come from pull requests): an id past the model's experts
-    is one line and exit 2, not an index error inside the engine."""
+FORGED_ROUTING = {  # array name -> (dtype, what every value becomes)
+    "an expert past the model's": ("routing_experts", "<i2", 99),
+    "NaN ids of a float array": ("routing_experts", "<f8", np.nan),
+    "a margin that is no probability gap": ("routing_margins", "<f4", 5.0),
+}
+
+
+@pytest.mark.parametrize("forgery", list(FORGED_ROUTING))
+def test_a_golden_whose_routing_is_not_the_models_is_refused_in_one_line(golden_factory, ties_dir, verify, tmp_path,
+                                                                         forgery):
+    """The golden's routing feeds forced routing and its allowance (goldens come from pull requests): a made golden
+    (content digest recomputed) whose experts are not the model's, or whose margins are no probability gaps, is one
+    line and exit 2, not an index error inside the engine nor a widened allowance. Verified at another batch size:
+    other bits, no compile."""
     import shutil
     import sqlite3
 
     from evalrun.golden import content_digest
     from evalrun.hashing import hash_bytes
 
+    name, dtype, value = FORGED_ROUTING[forgery]
     directory = tmp_path / "forged"
     shutil.copytree(golden_factory(*BF16, model=str(ties_dir), tokens=16), directory)
     conn = sqlite3.connect(directory / "g.db", isolation_level=None)
-    for rowid, shape in conn.execute("SELECT rowid, shape FROM arrays WHERE name = 'routing_experts'").fetchall():
-        data = np.full(json.loads(shape), 99, dtype="<i2").tobytes()
-        conn.execute("UPDATE arrays SET dtype = 'int16', encoding = 'raw', data = ?, digest = ? WHERE rowid = ?",
-                     [data, hash_bytes(data), rowid])
+    for rowid, shape in conn.execute("SELECT rowid, shape FROM arrays WHERE name = ?", [name]).fetchall():
+        data = np.full(json.loads(shape), value, dtype=dtype).tobytes()
+        conn.execute("UPDATE arrays SET dtype = ?, encoding = 'raw', data = ?, digest = ? WHERE rowid = ?",
+                     [np.dtype(dtype).name, data, hash_bytes(data), rowid])
     digest = content_digest(conn)  # a golden made this way, not damaged on the way
     conn.execute("UPDATE golden SET value = ? WHERE key = 'content_digest'", [digest])
     conn.close()
-    code, verdict, err = verify(directory, "-O1")
+    code, verdict, err = verify(directory, "--batch-size", "2")
     assert code == 2 and verdict is None, (code, err)
     lines = err.strip().splitlines()
-    assert len(lines) == 1 and "routing_experts" in lines[0] and "--force" in lines[0], err
+    assert len(lines) == 1 and name in lines[0] and "--force" in lines[0], err
