@@ -1,12 +1,12 @@
 """False `changed` at MoE routing ties, before and after forced routing (stop 20). For each seed, a random tiny
-Qwen3-MoE checkpoint (32 experts, top-4: bfloat16 router ties are common), a bfloat16 -O0 golden on the smoke
+Qwen3-MoE checkpoint (32 experts, top-4: bfloat16 router ties are common), a bfloat16 (--dtype) -O0 golden on the smoke
 prompts (16 tokens), verified at each level given, twice in one process: as verify runs now (forced routing) and
 with forced routing switched off (verify's `Context.routing` answering None: the forced run then routes freely,
 as before stop 20). A legitimate change of bits should never say changed. Under forced routing each prompt's
 decisive flip is recorded as `flip_ratios`: the gap it needs / the golden's own router error against the oracle
 (rules.ROUTING_FLIP_MULTIPLIER is calibrated on their maximum).
 
-    python benchmarks/moe_forced_routing.py OUT.json --device cuda --seeds 0-9 --levels 1,2 [--forced-only]
+    python benchmarks/moe_forced_routing.py OUT.json --device cuda --seeds 0-9 --levels 1,2 [--forced-only] [--dtype D]
 """
 
 from __future__ import annotations
@@ -37,6 +37,7 @@ def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("out")
     parser.add_argument("--device", default="cpu")
+    parser.add_argument("--dtype", default="bfloat16")
     parser.add_argument("--seeds", default="0-9")
     parser.add_argument("--levels", default="1,2")
     parser.add_argument("--forced-only", action="store_true", help="skip the verification without forced routing")
@@ -47,7 +48,7 @@ def main() -> None:
         for seed in seeds(args.seeds):
             directory = moe_checkpoint(Path(folder) / f"moe{seed}", seed=seed, num_experts=32, num_experts_per_tok=4)
             config = build_config(None, {"model": str(directory), "prompts": "smoke", "max_new_tokens": 16,
-                                         "dtype": "bfloat16", "device": args.device, "opt_level": 0}, ())
+                                         "dtype": args.dtype, "device": args.device, "opt_level": 0}, ())
             create_golden("g", config, Path(folder) / f"g{seed}")
             golden = open_golden("g", Path(folder) / f"g{seed}")
             for level in [int(n) for n in args.levels.split(",")]:
@@ -60,8 +61,8 @@ def main() -> None:
                     rows.append({"seed": seed, "level": level, "verify": label, "verdict": verdict.verdict,
                                  "distance": round(verdict.distance, 3), "prompts_with_flips": len(flips),
                                  "near_ties": sum(f.near_tie for f in flips),
-                                 "flip_ratios": [round(f.needed * ROUTING_FLIP_MULTIPLIER / f.moved, 3) if f.moved else None
-                                                 for f in flips if f.forced]})
+                                 "flip_ratios": [round(f.needed * ROUTING_FLIP_MULTIPLIER / f.moved, 3)
+                                                 if f.moved else None for f in flips if f.forced]})
                     print(json.dumps(rows[-1]), flush=True)
                 verify_module.Context.routing = forced_routing
     summary = {}
@@ -76,7 +77,8 @@ def main() -> None:
         ratios = [r if r is not None else float("inf") for r in row["flip_ratios"]]
         entry["flips_judged"] += len(ratios)
         entry["max_flip_ratio"] = max([entry["max_flip_ratio"], *ratios])
-    Path(args.out).write_text(json.dumps({"device": args.device, "summary": summary, "rows": rows}, indent=1))
+    Path(args.out).write_text(json.dumps({"device": args.device, "dtype": args.dtype, "summary": summary, "rows": rows},
+                                         indent=1))
     print(json.dumps(summary, indent=1))
 
 
