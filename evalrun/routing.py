@@ -57,7 +57,7 @@ class RoutingFlip:
     @property
     def distance(self) -> float:
         """needed / moved: <= 1 is a near-tie (with non-negative margins); a large finite number when nothing moved."""
-        if self.margin_a < 0 or self.margin_b < 0:
+        if not (self.margin_a >= 0 and self.margin_b >= 0):  # negative or NaN
             return 1e9
         return self.needed / self.moved if self.moved > 0 else (0.0 if self.needed <= 0 else 1e9)
 
@@ -132,7 +132,11 @@ def routing_flip(experts_a: np.ndarray, margins_a: np.ndarray, experts_b: np.nda
     sets_a, agree, n = found
     ma, mb = margins_a[:n].reshape(-1).astype(np.float64), margins_b[:n].reshape(-1).astype(np.float64)
     forced = moved is not None
-    first = int(np.argmax(np.where(agree, -np.inf, ma + mb))) if forced else int(np.argmin(agree))
+    if forced:  # the decisive flip: a broken margin (negative, NaN) first, then the largest gap needed
+        broken = (ma < 0) | (mb < 0) | np.isnan(ma + mb)
+        first = int(np.argmax(np.where(agree, -np.inf, np.where(broken, np.inf, ma + mb))))
+    else:
+        first = int(np.argmin(agree))
     step, layer = divmod(first, experts_a.shape[1])
     if moved is None:
         before = np.abs(ma[:first] - mb[:first])  # every entry before the flip agrees

@@ -41,8 +41,8 @@ from .errors import ConfigError, GoldenError
 from .golden import ENVELOPE_ROLES, Golden, Hook, reference_config
 from .hashing import hash_value
 from .routing import RoutingFlip, has_routing, result_flip, result_movement
-from .rules import (EXECUTION_RULE, FUNCTION_RULE, ROUTING_FLIP_MULTIPLIER, Evidence, Judgement, aggregate, judge,
-                    judge_set, rule_for, step_errors, typical)
+from .rules import (EXECUTION_RULE, FUNCTION_RULE, ROUTING_FLIP_FLOOR, ROUTING_FLIP_MULTIPLIER, Evidence, Judgement,
+                    aggregate, judge, judge_set, rule_for, step_errors, typical)
 from .runner import Prepared, Probes, Run, execute, prepare, steps_for
 from .store import PromptResult
 
@@ -226,6 +226,7 @@ def _gate(golden: Golden, candidate: Prepared, golden_results: list[PromptResult
                     f"the tokenizer differs ({tokenizer_note(golden, candidate) or 'its hash'}); verify where the "
                     "golden's tokenizer is, or re-create the golden", ["tokenizer"])
     _check_token_ranges(golden, golden_results, candidate.loaded.vocab_size)
+    _check_routing_ranges(golden, golden_results, getattr(candidate.loaded.model.config, "num_experts", None))
     for result in golden_results:
         wanted = steps_for(candidate.prompt_set, result.prompt_index, candidate.config)
         if wanted > len(result.arrays["tokens"]):
@@ -245,6 +246,32 @@ def _check_token_ranges(golden: Golden, golden_results: list[PromptResult], voca
                     raise GoldenError(f"golden {golden.path}: the {role} run's {name} for prompt {result.prompt_id!r} "
                                       f"fall outside the model's {vocab} vocabulary ids; re-create it with "
                                       f"`evalrun golden create {golden.name} --force`")
+
+
+def _check_routing_ranges(golden: Golden, golden_results: list[PromptResult], experts: int | None) -> None:
+    """The golden's routing feeds forced routing (the pinned experts) and its allowance (pinned and oracle margins):
+    integer ids of this model's experts, the oracle's routing of the pinned run's shape, margins that are
+    probability gaps in [0, 1]. Checked for every prompt before anything runs, on every rank and shard judge."""
+    oracle = {r.prompt_index: r for r in golden.results("oracle")}
+    for result in golden_results:
+        arrays, theirs = result.arrays, oracle.get(result.prompt_index)
+        if not has_routing(arrays):
+            continue
+        ids = arrays["routing_experts"]
+        problem = ""
+        if not np.issubdtype(ids.dtype, np.integer) or (ids.size and (ids.min() < 0 or (
+                experts is not None and ids.max() >= experts))):
+            problem = f"routing_experts that are not integer ids of this model's {experts} experts (dtype {ids.dtype})"
+        elif theirs is not None and has_routing(theirs.arrays) and (
+                theirs.arrays["routing_experts"].shape[1:] != ids.shape[1:]):
+            problem = "an oracle routing of another shape than the pinned run's"
+        elif not all(np.issubdtype(m.dtype, np.floating) and np.all((m >= 0) & (m <= 1)) for m in
+                     [arrays["routing_margins"]] + ([theirs.arrays["routing_margins"]] if theirs is not None
+                                                    and has_routing(theirs.arrays) else [])):
+            problem = "routing_margins that are not probability gaps in [0, 1]"
+        if problem:
+            raise GoldenError(f"golden {golden.path}: prompt {result.prompt_id!r} has {problem}; re-create it "
+                              f"with `evalrun golden create {golden.name} --force`")
 
 
 def tokenizer_note(golden: Golden, candidate: Prepared) -> str:
@@ -411,7 +438,7 @@ def _forced_results(context: Context, free: Run, prompts: list[PromptVerdict],
     results = free.by_index()
     routing = context.routing()
     if routing is not None:
-        _check_routing(context, golden_results, results)
+        _check_routing_shape(context, golden_results, results)
     diverged = {r.prompt_index for r, p in zip(golden_results, prompts)
                 if p.first_divergent_step >= 0 or (routing is not None and p.verdict != "identical"
                                                    and result_flip(r.arrays, results[r.prompt_index].arrays,
@@ -426,26 +453,15 @@ def _forced_results(context: Context, free: Run, prompts: list[PromptVerdict],
     return results
 
 
-def _check_routing(context: Context, golden_results: list[PromptResult], free: dict[int, PromptResult]) -> None:
-    """The golden's routing feeds forced routing and its allowance: the pinned run's experts must be integer ids of
-    this model's experts in the candidate's own routing shape [N, MoE layers, k], and the pinned and oracle runs'
-    margins probability gaps (finite, in [0, 1]) of that shape (a damaged or hand-made golden gets one line, not
-    a crash or a widened allowance)."""
-    experts = getattr(context.candidate.loaded.model.config, "num_experts", None)
+def _check_routing_shape(context: Context, golden_results: list[PromptResult],
+                         free: dict[int, PromptResult]) -> None:
+    """The golden's experts must have the candidate's own routing shape [N, MoE layers, k] to be forced (their
+    values were checked before anything ran: _check_routing_ranges)."""
     for result in golden_results:
         ids, own = result.arrays["routing_experts"], free[result.prompt_index].arrays.get("routing_experts")
-        oracle = context.oracle_by_index(result.prompt_index).arrays
-        margins = [result.arrays["routing_margins"], oracle["routing_margins"]]
-        problem = ""
-        if own is None or ids.shape[1:] != own.shape[1:] or oracle["routing_experts"].shape[1:] != own.shape[1:]:
-            problem = f"routing shape {ids.shape[1:]}, this model's {None if own is None else own.shape[1:]}"
-        elif not np.issubdtype(ids.dtype, np.integer) or (ids.size and (ids.min() < 0 or (
-                experts is not None and ids.max() >= experts))):
-            problem = f"routing_experts that are not integer ids of this model's {experts} experts (dtype {ids.dtype})"
-        elif not all(np.issubdtype(m.dtype, np.floating) and np.all((m >= 0) & (m <= 1)) for m in margins):
-            problem = "routing_margins that are not probability gaps in [0, 1]"
-        if problem:
-            raise GoldenError(f"golden {context.golden.path}: prompt {result.prompt_id!r} has {problem}; re-create it "
+        if own is None or ids.shape[1:] != own.shape[1:]:
+            raise GoldenError(f"golden {context.golden.path}: prompt {result.prompt_id!r} has routing of shape "
+                              f"{ids.shape[1:]}, this model's {None if own is None else own.shape[1:]}; re-create it "
                               f"with `evalrun golden create {context.golden.name} --force`")
 
 
@@ -467,8 +483,8 @@ def _routing_flips(context: Context, forced: dict[int, PromptResult], prompts: l
     ties = sum(p.routing.near_tie for p in flipped)
     if moved is None:
         shown, which = min(flipped, key=lambda p: (p.routing.step, p.routing.layer)), "first"
-    else:  # forced: each prompt's decisive flip; the one nearest the decision
-        shown, which = max(flipped, key=lambda p: p.routing.needed), "the largest gap"
+    else:  # forced: each prompt's decisive flip; the one furthest from a near-tie
+        shown, which = max(flipped, key=lambda p: p.routing.distance), "the furthest from a tie"
     context.causes.append(f"routing: experts chosen differently in {len(flipped)} of {len(prompts)} prompts "
                           f"({ties} at near-ties); {which} in prompt {shown.prompt_id!r}: "
                           f"{shown.routing.describe('golden', 'candidate')}")
@@ -478,10 +494,11 @@ def _routing_allowance(context: Context) -> float:
     """The router-probability gap a flip under forced routing may need and still be a near-tie: the golden's own
     router error (the largest margin movement of its pinned run against the float64 oracle, where both chose the
     same experts, before their first flip) x rules.ROUTING_FLIP_MULTIPLIER. The golden sets it, not the candidate:
-    a candidate whose router reports wild margins cannot widen it."""
+    a candidate whose router reports wild margins cannot widen it. Plus rules.ROUTING_FLIP_FLOOR, so that a golden
+    whose pinned run is its oracle's bit for bit (float64) still allows rounding."""
     return ROUTING_FLIP_MULTIPLIER * max(
         result_movement(g.arrays, context.oracle_by_index(g.prompt_index).arrays, context.steps[g.prompt_index],
-                        until_flip=True) for g in context.golden_results)
+                        until_flip=True) for g in context.golden_results) + ROUTING_FLIP_FLOOR
 
 
 def _run_forced(context: Context, config: EffectiveConfig, phase: str,

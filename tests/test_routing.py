@@ -72,6 +72,10 @@ def test_forced_routing_judges_a_flip_by_the_sets_movement():
     assert (decisive.step, decisive.layer, decisive.flipped) == (2, 1, 2) and not decisive.near_tie
     assert decisive.needed == pytest.approx(MARGINS[2, 1] + 0.3)
     assert routing_flip(EXPERTS, MARGINS, later, margins, 3).step == 0  # not forced: the first flip
+    broken = margins.copy()
+    broken[0, 0] = -0.3  # a margin no router reports: that flip decides, whatever it needs, and is no near-tie
+    flip = routing_flip(EXPERTS, MARGINS, later, broken, 3, 1.0)
+    assert (flip.step, flip.layer) == (0, 0) and not flip.near_tie and flip.distance > 1
     assert "not a near-tie: more than the golden allows" in routing_flip(EXPERTS, MARGINS, other, margins, 3,
                                                                      0.05).describe()
     assert margin_movement(EXPERTS, MARGINS, EXPERTS[:, :1], MARGINS[:, :1], 3) == 0.0  # another model: nothing
