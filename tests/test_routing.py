@@ -229,3 +229,34 @@ def test_a_golden_whose_routing_is_not_the_models_is_refused_in_one_line(golden_
     assert code == 2 and verdict is None, (code, err)
     lines = err.strip().splitlines()
     assert len(lines) == 1 and name in lines[0] and "--force" in lines[0], err
+
+
+def test_a_router_that_chooses_wrong_experts_is_changed_though_forced_logits_are_right(golden_factory, ties_dir,
+                                                                                      monkeypatch):
+    """Forced routing applies the golden's experts, so a candidate whose router computes the right probabilities
+    but chooses the wrong experts would compute the golden's logits along them: the flips alone must say so. Its
+    runs here report the next expert over (id + 1 mod E) as their own choice, with their true margins: every flip
+    needs the golden's whole margin, far past its router error, and the verdict is changed by the routing
+    judgement."""
+    import dataclasses
+
+    from evalrun import verify as verify_module
+
+    real_execute = verify_module.execute
+
+    def misrouting(prepared, *args, **kwargs):
+        run = real_execute(prepared, *args, **kwargs)
+        if prepared.config.dtype != "bfloat16":  # the candidate's runs only (the function run is float32)
+            return run
+        wrong = [dataclasses.replace(r, arrays={**r.arrays, "routing_experts": (r.arrays["routing_experts"] + 1) % 32})
+                 for r in run.results]
+        return dataclasses.replace(run, results=wrong)
+
+    monkeypatch.setattr(verify_module, "execute", misrouting)
+    golden = open_golden("g", golden_factory(*BF16, model=str(ties_dir), tokens=16))
+    verdict = verify_golden(golden, candidate_config(golden, None, {"batch_size": 2}, ()))
+    assert verdict.verdict == "changed", verdict.causes
+    judged = [p for p in verdict.prompts if p.routing is not None]
+    assert judged and all(p.routing.forced and not p.routing.near_tie for p in judged)
+    assert any(p.reason.startswith("execution check: routing flip") for p in verdict.prompts), verdict.causes
+    assert verdict.distance > 1 and "routing flip" in verdict.closest
