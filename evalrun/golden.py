@@ -221,7 +221,15 @@ def results_problem(role: str, results: list[PromptResult], pinned: list[PromptR
         if sorted(by_index) != sorted(r.prompt_index for r in results) or any(
                 len(r.arrays["tokens"]) != len(by_index[r.prompt_index].arrays["tokens"]) for r in results):
             return "does not cover the pinned run's prompts and steps"
+        if any(routing_layout(r) != routing_layout(by_index[r.prompt_index]) for r in results):
+            return "has another routing (MoE layers, experts per token) than the pinned run"
     return ""
+
+
+def routing_layout(result: PromptResult) -> tuple[int, ...] | None:
+    """(MoE layers, experts per token) of a result's routing, None when it has none."""
+    experts = result.arrays.get("routing_experts")
+    return None if experts is None else tuple(experts.shape[1:])
 
 
 def recreate_hint(name: str) -> str:

@@ -84,14 +84,11 @@ class RoutingFlip:
         """This flip with the oracle's router margin and experts at its step and layer (unchanged if the oracle
         holds no routing there). A margin near 0 says the model itself sits at a tie: whichever experts a run
         chose there, its implementation's rounding or tie-breaking chose them."""
-        if not has_routing(oracle):
-            return self
-        experts, margins = oracle["routing_experts"], oracle["routing_margins"]
-        if experts.ndim != 3 or margins.shape != experts.shape[:2] or not (self.step < len(experts)
-                                                                           and self.layer < experts.shape[1]):
-            return self  # no routing there (a shorter or damaged oracle)
-        return dataclasses.replace(self, oracle_margin=float(margins[self.step, self.layer]),
-                                   oracle_experts=np.sort(experts[self.step, self.layer]).tolist())
+        if not has_routing(oracle) or oracle["routing_experts"].shape[0] <= self.step:
+            return self  # (a golden's oracle has the pinned run's routing shape: golden.results_problem)
+        experts = np.sort(oracle["routing_experts"][self.step, self.layer]).tolist()
+        return dataclasses.replace(self, oracle_margin=float(oracle["routing_margins"][self.step, self.layer]),
+                                   oracle_experts=experts)
 
 
 def has_routing(arrays: Mapping[str, np.ndarray]) -> bool:
@@ -166,14 +163,21 @@ def result_movement(a: Mapping[str, np.ndarray], b: Mapping[str, np.ndarray], st
                            steps, until_flip)
 
 
-def shape_problem(arrays: Mapping[str, np.ndarray], steps: int) -> bool:
-    """True when routing arrays are present but inconsistent: one without the other, or shapes that
-    are not [steps, L, k] and [steps, L]."""
+def problem(arrays: Mapping[str, np.ndarray], steps: int) -> str:
+    """What is wrong with a result's routing arrays ('' when nothing, or when it has none): one without the
+    other, shapes that are not [steps, L, k] and [steps, L], experts that are not non-negative integer ids,
+    margins that are not probability gaps in [0, 1] (what verify's forced routing and its allowance read)."""
     present = [name in arrays for name in ARRAYS]
     if not any(present):
-        return False
+        return ""
     if not all(present):
-        return True
+        return "routing arrays of inconsistent shapes"
     experts, margins = arrays["routing_experts"], arrays["routing_margins"]
-    return not (experts.ndim == 3 and experts.shape[0] == steps and margins.shape == experts.shape[:2]
-                and experts.shape[2] > 0)
+    if not (experts.ndim == 3 and experts.shape[0] == steps and margins.shape == experts.shape[:2]
+            and experts.shape[2] > 0):
+        return "routing arrays of inconsistent shapes"
+    if not np.issubdtype(experts.dtype, np.integer) or (experts.size and experts.min() < 0):
+        return f"routing_experts that are not expert ids (dtype {experts.dtype})"
+    if not (np.issubdtype(margins.dtype, np.floating) and np.all((margins >= 0) & (margins <= 1))):
+        return "routing_margins that are not probability gaps in [0, 1]"
+    return ""

@@ -105,8 +105,10 @@ def result_problem(result: "PromptResult", probed: bool = False) -> str:
     if probed:
         fine = fine and arrays["probe_ids"].ndim == 2 and arrays["probe_ids"].shape[0] == steps \
             and arrays["probe_ids"].shape == arrays["probe_values"].shape and arrays["probe_ids"].shape[1] > 0
-    fine = fine and not routing.shape_problem(arrays, steps)
-    return "" if fine else f"has arrays of inconsistent shapes for prompt {result.prompt_id!r}"
+    if not fine:
+        return f"has arrays of inconsistent shapes for prompt {result.prompt_id!r}"
+    wrong = routing.problem(arrays, steps)
+    return f"has {wrong} for prompt {result.prompt_id!r}" if wrong else ""
 
 
 @dataclass

@@ -225,8 +225,8 @@ def _gate(golden: Golden, candidate: Prepared, golden_results: list[PromptResult
             return ("incomparable", f"prompt {result.prompt_id!r} encodes to other token ids than in the golden: "
                     f"the tokenizer differs ({tokenizer_note(golden, candidate) or 'its hash'}); verify where the "
                     "golden's tokenizer is, or re-create the golden", ["tokenizer"])
-    _check_token_ranges(golden, golden_results, candidate.loaded.vocab_size)
-    _check_routing_ranges(golden, golden_results, getattr(candidate.loaded.model.config, "num_experts", None))
+    _check_id_ranges(golden, golden_results, candidate.loaded.vocab_size,
+                     getattr(candidate.loaded.model.config, "num_experts", None))
     for result in golden_results:
         wanted = steps_for(candidate.prompt_set, result.prompt_index, candidate.config)
         if wanted > len(result.arrays["tokens"]):
@@ -236,42 +236,20 @@ def _gate(golden: Golden, candidate: Prepared, golden_results: list[PromptResult
     return None
 
 
-def _check_token_ranges(golden: Golden, golden_results: list[PromptResult], vocab: int) -> None:
-    """The golden's tokens and probe ids feed the candidate's engine: every one must be a vocabulary id."""
+def _check_id_ranges(golden: Golden, golden_results: list[PromptResult], vocab: int, experts: int | None) -> None:
+    """The golden's ids feed the candidate's engine: tokens and probe ids must be vocabulary ids, the pinned run's
+    experts (forced routing) the model's experts. (Their dtypes, signs and shapes: store.result_problem.)"""
+    bounds = {"tokens": (vocab, "vocabulary ids"), "probe_ids": (vocab, "vocabulary ids")}
+    if experts is not None:
+        bounds["routing_experts"] = (experts, "experts")
     for role, results in (("pinned", golden_results), ("oracle", golden.results("oracle"))):
         for result in results:
-            for name in ("tokens", "probe_ids"):
+            for name, (bound, unit) in bounds.items():
                 ids = result.arrays.get(name)
-                if ids is not None and ids.size and (ids.min() < 0 or ids.max() >= vocab):
+                if ids is not None and ids.size and (ids.min() < 0 or ids.max() >= bound):
                     raise GoldenError(f"golden {golden.path}: the {role} run's {name} for prompt {result.prompt_id!r} "
-                                      f"fall outside the model's {vocab} vocabulary ids; re-create it with "
+                                      f"fall outside the model's {bound} {unit}; re-create it with "
                                       f"`evalrun golden create {golden.name} --force`")
-
-
-def _check_routing_ranges(golden: Golden, golden_results: list[PromptResult], experts: int | None) -> None:
-    """The golden's routing feeds forced routing (the pinned experts) and its allowance (pinned and oracle margins):
-    integer ids of this model's experts, the oracle's routing of the pinned run's shape, margins that are
-    probability gaps in [0, 1]. Checked for every prompt before anything runs, on every rank and shard judge."""
-    oracle = {r.prompt_index: r for r in golden.results("oracle")}
-    for result in golden_results:
-        arrays, theirs = result.arrays, oracle.get(result.prompt_index)
-        if not has_routing(arrays):
-            continue
-        ids = arrays["routing_experts"]
-        problem = ""
-        if not np.issubdtype(ids.dtype, np.integer) or (ids.size and (ids.min() < 0 or (
-                experts is not None and ids.max() >= experts))):
-            problem = f"routing_experts that are not integer ids of this model's {experts} experts (dtype {ids.dtype})"
-        elif theirs is not None and has_routing(theirs.arrays) and (
-                theirs.arrays["routing_experts"].shape[1:] != ids.shape[1:]):
-            problem = "an oracle routing of another shape than the pinned run's"
-        elif not all(np.issubdtype(m.dtype, np.floating) and np.all((m >= 0) & (m <= 1)) for m in
-                     [arrays["routing_margins"]] + ([theirs.arrays["routing_margins"]] if theirs is not None
-                                                    and has_routing(theirs.arrays) else [])):
-            problem = "routing_margins that are not probability gaps in [0, 1]"
-        if problem:
-            raise GoldenError(f"golden {golden.path}: prompt {result.prompt_id!r} has {problem}; re-create it "
-                              f"with `evalrun golden create {golden.name} --force`")
 
 
 def tokenizer_note(golden: Golden, candidate: Prepared) -> str:
@@ -456,7 +434,7 @@ def _forced_results(context: Context, free: Run, prompts: list[PromptVerdict],
 def _check_routing_shape(context: Context, golden_results: list[PromptResult],
                          free: dict[int, PromptResult]) -> None:
     """The golden's experts must have the candidate's own routing shape [N, MoE layers, k] to be forced (their
-    values were checked before anything ran: _check_routing_ranges)."""
+    values were checked before anything ran: store.result_problem, _check_id_ranges)."""
     for result in golden_results:
         ids, own = result.arrays["routing_experts"], free[result.prompt_index].arrays.get("routing_experts")
         if own is None or ids.shape[1:] != own.shape[1:]:
