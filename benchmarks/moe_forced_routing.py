@@ -1,12 +1,17 @@
 """False `changed` at MoE routing ties, before and after forced routing (stop 20). For each seed, a random tiny
-Qwen3-MoE checkpoint (32 experts, top-4: bfloat16 router ties are common), a bfloat16 (--dtype) -O0 golden on the smoke
-prompts (16 tokens), verified at each level given, twice in one process: as verify runs now (forced routing) and
-with forced routing switched off (verify's `Context.routing` answering None: the forced run then routes freely,
-as before stop 20). A legitimate change of bits should never say changed. Under forced routing each prompt's
-decisive flip is recorded as `flip_ratios`: the gap it needs / the golden's own router error against the oracle
-(rules.ROUTING_FLIP_MULTIPLIER is calibrated on their maximum).
+Qwen3-MoE checkpoint (--experts 32, --top-k 4, --layers 2 by default: bfloat16 router ties are common), a bfloat16
+(--dtype) -O0 golden on the smoke prompts (16 tokens), verified at each level given, twice in one process: as verify
+runs now (forced routing) and with forced routing switched off (verify's `Context.routing` answering None: the
+forced run then routes freely, as before stop 20). A legitimate change of bits should never say changed. Under
+forced routing each prompt's decisive flip is recorded as `flip_ratios`: the gap it needs / the golden's own router
+error against the oracle (rules.ROUTING_FLIP_MULTIPLIER is calibrated on their maximum).
+
+--golden-routing free makes the golden as before stop 21: its oracle, envelope and function runs route freely, and
+verify measures its router error before the first flip only (the default, pinned: they follow the pinned run's
+routing, and the error is measured at every entry).
 
     python benchmarks/moe_forced_routing.py OUT.json --device cuda --seeds 0-9 --levels 1,2 [--forced-only] [--dtype D]
+        [--experts 128 --top-k 8 --layers 24] [--golden-routing free|pinned]
 """
 
 from __future__ import annotations
@@ -20,6 +25,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests"))
 
+from evalrun import golden as golden_module  # noqa: E402
 from evalrun import verify as verify_module  # noqa: E402
 from evalrun.config import build_config  # noqa: E402
 from evalrun.golden import create_golden, open_golden  # noqa: E402
@@ -41,19 +47,28 @@ def main() -> None:
     parser.add_argument("--seeds", default="0-9")
     parser.add_argument("--levels", default="1,2")
     parser.add_argument("--forced-only", action="store_true", help="skip the verification without forced routing")
+    parser.add_argument("--experts", type=int, default=32)
+    parser.add_argument("--top-k", type=int, default=4)
+    parser.add_argument("--layers", type=int, default=2, help="decoder layers (a real Qwen3-MoE has 48)")
+    parser.add_argument("--max-new-tokens", type=int, default=16)
+    parser.add_argument("--golden-routing", choices=("pinned", "free"), default="pinned")
     args = parser.parse_args()
+    if args.golden_routing == "free":
+        golden_module.pinned_routing = lambda pinned: None
     forced_routing = verify_module.Context.routing
     rows = []
     with tempfile.TemporaryDirectory() as folder:
         for seed in seeds(args.seeds):
-            directory = moe_checkpoint(Path(folder) / f"moe{seed}", seed=seed, num_experts=32, num_experts_per_tok=4)
-            config = build_config(None, {"model": str(directory), "prompts": "smoke", "max_new_tokens": 16,
+            directory = moe_checkpoint(Path(folder) / f"moe{seed}", seed=seed, num_experts=args.experts,
+                                       num_experts_per_tok=args.top_k, num_hidden_layers=args.layers)
+            config = build_config(None, {"model": str(directory), "prompts": "smoke",
+                                         "max_new_tokens": args.max_new_tokens,
                                          "dtype": args.dtype, "device": args.device, "opt_level": 0}, ())
             create_golden("g", config, Path(folder) / f"g{seed}")
             golden = open_golden("g", Path(folder) / f"g{seed}")
             for level in [int(n) for n in args.levels.split(",")]:
                 candidate = candidate_config(golden, None, {"opt_level": level}, ())
-                variants = [("forced routing", forced_routing), ("free routing (before)", lambda self: None)]
+                variants = [("forced routing", forced_routing), ("free routing (before)", lambda self, config=None: None)]
                 for label, routing in variants[:1] if args.forced_only else variants:
                     verify_module.Context.routing = routing
                     verdict = verify_golden(golden, candidate)
@@ -77,7 +92,9 @@ def main() -> None:
         ratios = [r if r is not None else float("inf") for r in row["flip_ratios"]]
         entry["flips_judged"] += len(ratios)
         entry["max_flip_ratio"] = max([entry["max_flip_ratio"], *ratios])
-    Path(args.out).write_text(json.dumps({"device": args.device, "dtype": args.dtype, "summary": summary, "rows": rows},
+    Path(args.out).write_text(json.dumps({"device": args.device, "dtype": args.dtype, "experts": args.experts,
+                                         "top_k": args.top_k, "layers": args.layers,
+                                         "golden_routing": args.golden_routing, "summary": summary, "rows": rows},
                                          indent=1))
     print(json.dumps(summary, indent=1))
 

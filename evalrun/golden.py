@@ -8,7 +8,10 @@ A golden file is a store (same schema as `store/evalrun.db`) holding these runs,
   envelope:reference  oracle's ids: the pinned config, and the reference (O0, eager, deterministic, same dtype)
   function            float32, eager, deterministic, TF32 off, forced and probed likewise: what the
                       function check holds a candidate environment's float32 run against
-Roles with the same config share one run. A `golden` table holds the format version, the roles, the
+Roles with the same config share one run. Mixture-of-experts models: every run but pinned also follows the
+pinned run's routing (its experts at each step's token, in every MoE layer: forced routing), so all of a
+golden's runs share one discrete path, and the table says so (`routing`: "pinned"); a run's stored routing
+is still the experts its own router chose. A `golden` table holds the format version, the roles, the
 requested config and a digest of the whole content, so an edited or damaged file is refused. The
 digest is an unkeyed checksum, not a signature: anyone can edit a golden and recompute it, so every
 value read from one is validated as untrusted input.
@@ -35,6 +38,7 @@ from . import __version__, distributed
 from .config import (DECODE_LEVER_DEFAULTS, INDUCTOR_DEFAULTS, CompilationMode, CUDAGraphMode, EffectiveConfig,
                      RunConfig, resolve)
 from .errors import ConfigError, GoldenError, OutputError, StoreError
+from .routing import has_routing
 from .runner import Prepared, Probes, Run, execute, prepare, record
 from .store import RUN_JSON_COLUMNS, PromptResult, Store, result_problem
 
@@ -52,6 +56,7 @@ MAX_DECODED_ARRAY_BYTES = 1 << 26  # one array decoded: 64 MiB (a probe array of
 MAX_DECODED_RUN_BYTES = 1 << 28  # all arrays of one run decoded: 256 MiB
 # The memory bound these give: a golden is read within about 1 GiB of resident memory (the fuzz suite's
 # bound, tests/test_fuzz.py), whatever a forged file claims.
+ROUTING_FOLLOWED = "pinned"  # the golden table's `routing`: every run followed the pinned run's routing (MoE)
 ENVELOPE_ROLES = ("envelope:pinned", "envelope:reference")
 REQUIRED_ROLES = ("pinned", "oracle", *ENVELOPE_ROLES, "function")
 Hook = Callable[[Prepared], None]  # called on every model a golden operation loads (tests, calibration)
@@ -177,6 +182,12 @@ class Golden:
     @property
     def pinned(self):
         return self.record("pinned")
+
+    @property
+    def routing_followed(self) -> bool:
+        """Every run of this golden followed the pinned run's routing (an MoE golden made by this evalrun; older
+        ones' runs routed freely)."""
+        return self.meta.get("routing") == ROUTING_FOLLOWED
 
     def config(self, role: str = "pinned") -> EffectiveConfig:
         try:
@@ -310,6 +321,9 @@ def _check_meta(name: str, path: Path, meta: dict[str, Any]) -> None:
         raise GoldenError(f"golden {path} lacks the runs {', '.join(REQUIRED_ROLES)}; {recreate_hint(name)}")
     if not isinstance(meta.get("requested_config"), dict) or not isinstance(meta.get("created_at"), str):
         raise GoldenError(f"golden {path} lacks its requested config; {recreate_hint(name)}")
+    if meta.get("routing", ROUTING_FOLLOWED) != ROUTING_FOLLOWED:
+        raise GoldenError(f"golden {path} says its runs followed the routing {meta['routing']!r}; this evalrun knows "
+                          f"only {ROUTING_FOLLOWED!r}; {recreate_hint(name)}")
 
 
 def list_goldens(directory: str | Path = DEFAULT_DIR) -> list[dict[str, Any]]:
@@ -339,8 +353,18 @@ class CreatedRuns:
     meta: dict[str, Any] = field(default_factory=dict)  # more keys for the golden table (a server golden's)
 
 
-def _forced_probed(prepared: Prepared, tokens: dict[int, np.ndarray], probes: Probes, progress, role: str) -> Run:
-    return execute(prepared, forced=tokens, probes=probes, progress=_tick(progress, role, prepared), timed=False)
+def _forced_probed(prepared: Prepared, tokens: dict[int, np.ndarray], probes: Probes, progress, role: str,
+                   routing: dict[int, np.ndarray] | None) -> Run:
+    return execute(prepared, forced=tokens, probes=probes, progress=_tick(progress, role, prepared), timed=False,
+                   routing=routing)
+
+
+def pinned_routing(pinned: Run) -> dict[int, np.ndarray] | None:
+    """The pinned run's experts per prompt index, [N, L, k], that the golden's other runs follow (None: a dense
+    model, or one whose engine records no routing)."""
+    if not all(has_routing(r.arrays) for r in pinned.results):
+        return None
+    return {r.prompt_index: r.arrays["routing_experts"] for r in pinned.results}
 
 
 def make_runs(config: RunConfig, progress=None, hook: Hook | None = None) -> CreatedRuns:
@@ -353,6 +377,7 @@ def make_runs(config: RunConfig, progress=None, hook: Hook | None = None) -> Cre
     runs = {"pinned": execute(pinned, progress=_tick(progress, "pinned", pinned))}
     seconds["pinned_s"] = time.perf_counter() - started
     tokens = {r.prompt_index: r.arrays["tokens"] for r in runs["pinned"].results}
+    routing = pinned_routing(runs["pinned"])
     started = time.perf_counter()
     oracle = _prepared(oracle_config(pinned.config, pinned.header["model"]["parameters"]), pinned, hook)
     vocab = pinned.loaded.vocab_size
@@ -360,7 +385,7 @@ def make_runs(config: RunConfig, progress=None, hook: Hook | None = None) -> Cre
     sample = sample_ids(vocab, PROBE_SAMPLE)
     blank = {i: np.concatenate([np.zeros((len(t), own), np.int64), np.tile(sample, (len(t), 1))], axis=1)
              for i, t in tokens.items()}
-    runs["oracle"] = _forced_probed(oracle, tokens, Probes(blank, own_topk=own), progress, "oracle")
+    runs["oracle"] = _forced_probed(oracle, tokens, Probes(blank, own_topk=own), progress, "oracle", routing)
     del oracle  # float64 weights: free them before the envelope's models load (8B: 64 GB)
     seconds["oracle_s"] = time.perf_counter() - started
     probes = Probes({r.prompt_index: r.arrays["probe_ids"] for r in runs["oracle"].results})
@@ -372,10 +397,10 @@ def make_runs(config: RunConfig, progress=None, hook: Hook | None = None) -> Cre
         key = member.compute_hash()
         if key not in done:
             prepared = pinned if key == pinned.config.compute_hash() else _prepared(member, pinned, hook)
-            done[key] = _forced_probed(prepared, tokens, probes, progress, role)
+            done[key] = _forced_probed(prepared, tokens, probes, progress, role, routing)
         runs[role] = done[key]
     seconds["envelope_s"] = time.perf_counter() - started
-    return CreatedRuns(runs, seconds)
+    return CreatedRuns(runs, seconds, {"routing": ROUTING_FOLLOWED} if routing is not None else {})
 
 
 def _prepared(config: EffectiveConfig, like: Prepared, hook: Hook | None) -> Prepared:

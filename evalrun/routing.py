@@ -15,9 +15,11 @@ the router moved anywhere before it is not explained by that movement.
 
 When run B was forced along run A's routing (and tokens), every flip is comparable and verify judges them
 all, through the one that needs the most, against an allowance it passes in as `moved`: the golden's own router
-error (`margin_movement` of its pinned run against the float64 oracle) x rules.ROUTING_FLIP_MULTIPLIER. A flip
-that is no near-tie is a routing change, not drift. A negative margin (no router reports one) is never a
-near-tie.
+error against the float64 oracle x rules.ROUTING_FLIP_MULTIPLIER. A golden whose oracle followed the pinned run's
+routing measures that error at every entry (`router_error`: margin movements and the needs of its own flips); an
+older golden's oracle routed freely, so only its entries before their first flip compare (`margin_movement`,
+until_flip). A flip that is no near-tie is a routing change, not drift. A negative margin (no router reports
+one) is never a near-tie.
 
 Shapes: N decode steps, L MoE layers, k experts per token.
 """
@@ -118,6 +120,20 @@ def margin_movement(experts_a: np.ndarray, margins_a: np.ndarray, experts_b: np.
     return float(moved.max()) if moved.size else 0.0
 
 
+def router_error(experts_a: np.ndarray, margins_a: np.ndarray, experts_b: np.ndarray, margins_b: np.ndarray,
+                 steps: int) -> float:
+    """How far run B's router probabilities moved from run A's, bounded below at every (step, layer) entry of their
+    first `steps` steps, when B followed A's routing (so that every entry has the same discrete inputs): where
+    both chose the same experts |margin_a - margin_b|, where they did not margin_a + margin_b (a flip's `needed`);
+    the largest of those (0.0 for other shapes)."""
+    found = _agreement(experts_a, experts_b, steps)
+    if found is None:
+        return 0.0
+    _, agree, n = found
+    ma, mb = margins_a[:n].reshape(-1).astype(np.float64), margins_b[:n].reshape(-1).astype(np.float64)
+    return float(np.where(agree, np.abs(ma - mb), ma + mb).max())
+
+
 def routing_flip(experts_a: np.ndarray, margins_a: np.ndarray, experts_b: np.ndarray, margins_b: np.ndarray,
                  steps: int, moved: float | None = None) -> RoutingFlip | None:
     """experts [N, L, k], margins [N, L] of two runs over the same inputs for their first `steps` steps ->
@@ -161,6 +177,13 @@ def result_movement(a: Mapping[str, np.ndarray], b: Mapping[str, np.ndarray], st
         return 0.0
     return margin_movement(a["routing_experts"], a["routing_margins"], b["routing_experts"], b["routing_margins"],
                            steps, until_flip)
+
+
+def result_router_error(a: Mapping[str, np.ndarray], b: Mapping[str, np.ndarray], steps: int) -> float:
+    """router_error between two prompt results' arrays (0.0 for dense models)."""
+    if not (has_routing(a) and has_routing(b)):
+        return 0.0
+    return router_error(a["routing_experts"], a["routing_margins"], b["routing_experts"], b["routing_margins"], steps)
 
 
 def problem(arrays: Mapping[str, np.ndarray], steps: int) -> str:

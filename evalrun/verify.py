@@ -6,13 +6,14 @@
 2. The candidate runs free, probed at the golden's ids. Every digest and token equal -> identical,
    with no other run (the cheap path).
 3. Forced decoding: the batches holding a prompt whose tokens left the golden's path run again, fed
-   the golden's tokens (the other prompts' free runs already followed it). MoE models, when the candidate
-   runs evalrun's engine in the golden's dtype and is not the function config: forced routing too. A prompt
-   whose experts left the golden's anywhere runs again along the golden's tokens and routing, so that a
-   routing flip at a tie is judged by itself, not by the logits of the other path it opens. A flip is drift
-   when it is a near-tie (routing.py: the router-probability gap it needs is within the golden's own router
-   error against the oracle, x rules.ROUTING_FLIP_MULTIPLIER); a flip that is no near-tie fails the execution
-   check.
+   the golden's tokens (the other prompts' free runs already followed it). MoE models under evalrun's
+   engine, in the golden's dtype: forced routing too (`Context.routing`; and the function config's run, when
+   every run of the golden followed its pinned run's routing: a golden that says `routing: pinned`). A
+   prompt whose experts left the golden's anywhere runs again along the golden's tokens and routing, so
+   that a routing flip at a tie is judged by itself, not by the logits of the other path it opens. A flip is
+   drift when it is a near-tie (routing.py: the router-probability gap it needs is within the golden's own
+   router error against the oracle, x rules.ROUTING_FLIP_MULTIPLIER); a flip that is no near-tie fails the
+   execution check.
 4. Function check (is it the same model?): the candidate environment runs the golden's function
    config (float32, eager, deterministic, TF32 off) forced and probed. In the golden's own
    environment it must reproduce the golden's function run bit for bit; elsewhere its error against
@@ -40,7 +41,7 @@ from .config import DECODE_LEVER_DEFAULTS, EffectiveConfig, RunConfig, build_con
 from .errors import ConfigError, GoldenError
 from .golden import ENVELOPE_ROLES, Golden, Hook, reference_config
 from .hashing import hash_value
-from .routing import RoutingFlip, has_routing, result_flip, result_movement
+from .routing import RoutingFlip, has_routing, result_flip, result_movement, result_router_error
 from .rules import (EXECUTION_RULE, FUNCTION_RULE, ROUTING_FLIP_FLOOR, ROUTING_FLIP_MULTIPLIER, Evidence, Judgement,
                     aggregate, judge, judge_set, rule_for, step_errors, typical)
 from .runner import Prepared, Probes, Run, execute, prepare, steps_for
@@ -171,17 +172,20 @@ class Context:
     def tokens(self) -> dict[int, np.ndarray]:
         return {r.prompt_index: r.arrays["tokens"] for r in self.golden_results}
 
-    def routing(self) -> dict[int, np.ndarray] | None:
-        """The golden's experts per prompt index, [N, L, k], when the candidate's forced runs follow them: an MoE
-        golden (with its oracle's routing, which calibrates the flips), evalrun's engine, the golden's dtype (the
-        envelope members share its routing path), and not the function config (its forced run must reproduce the
-        golden's function run, whose routing was its own)."""
-        config = self.candidate.config
-        if (not all(has_routing(r.arrays) for r in self.golden_results + self.oracle) or config.engine != "evalrun"
-                or config.dtype != self.golden.config("pinned").dtype
-                or config.compute_hash() == _function_config(self).compute_hash()):
+    def routing(self, config: EffectiveConfig | None = None) -> dict[int, np.ndarray] | None:
+        """The golden's experts per prompt index, [N, L, k], when the forced runs of `config` (default: the
+        candidate's) follow them: an MoE golden (with its oracle's routing, which calibrates the flips), evalrun's
+        engine, and the golden's dtype (the flips are judged by the router error of that dtype). The function
+        config: when the golden's runs all followed the pinned routing (`Golden.routing_followed`: its function
+        run did too), never in an older golden (its function run's routing was its own)."""
+        config = config or self.candidate.config
+        if not all(has_routing(r.arrays) for r in self.golden_results + self.oracle) or config.engine != "evalrun":
             return None
-        return {r.prompt_index: r.arrays["routing_experts"] for r in self.golden_results}
+        if config.compute_hash() == _function_config(self).compute_hash():
+            followed = self.golden.routing_followed
+        else:
+            followed = config.dtype == self.golden.config("pinned").dtype
+        return {r.prompt_index: r.arrays["routing_experts"] for r in self.golden_results} if followed else None
 
     def probes(self) -> Probes:
         return Probes({r.prompt_index: r.arrays["probe_ids"] for r in self.oracle})
@@ -466,17 +470,32 @@ def _routing_flips(context: Context, forced: dict[int, PromptResult], prompts: l
     context.causes.append(f"routing: experts chosen differently in {len(flipped)} of {len(prompts)} prompts "
                           f"({ties} at near-ties); {which} in prompt {shown.prompt_id!r}: "
                           f"{shown.routing.describe('golden', 'candidate')}")
+    if moved is not None and ties < len(flipped) and not context.golden.routing_followed:
+        context.causes.append("routing: this golden's oracle routed freely (made before evalrun measured the router "
+                              "error along the pinned routing), so its allowance saw only the entries before their "
+                              "first flip; re-create it with `evalrun golden create "
+                              f"{context.golden.name} --force` for the allowance along the whole path")
 
 
 def _routing_allowance(context: Context) -> float:
     """The router-probability gap a flip under forced routing may need and still be a near-tie: the golden's own
-    router error (the largest margin movement of its pinned run against the float64 oracle, where both chose the
-    same experts, before their first flip) x rules.ROUTING_FLIP_MULTIPLIER. The golden sets it, not the candidate:
-    a candidate whose router reports wild margins cannot widen it. Plus rules.ROUTING_FLIP_FLOOR, so that a golden
-    whose pinned run is its oracle's bit for bit (float64) still allows rounding."""
-    return ROUTING_FLIP_MULTIPLIER * max(
-        result_movement(g.arrays, context.oracle_by_index(g.prompt_index).arrays, context.steps[g.prompt_index],
-                        until_flip=True) for g in context.golden_results) + ROUTING_FLIP_FLOOR
+    router error against the float64 oracle x rules.ROUTING_FLIP_MULTIPLIER. The golden sets it, not the
+    candidate: a candidate whose router reports wild margins cannot widen it. Plus rules.ROUTING_FLIP_FLOOR, so
+    that a golden whose pinned run is its oracle's bit for bit (float64) still allows rounding.
+
+    The error, the largest over prompts: where the oracle followed the pinned routing, `router_error` at every
+    (step, layer) entry; in an older golden, whose oracle routed freely, the margin movement before their first
+    flip only (after it the two see different inputs). A model with many MoE layers and experts flips against
+    its oracle within its first few entries, so that older measure saw too little of the router's error (with
+    128 experts, top-8 and 24 layers: 2 to 4 entries of 384, and false `changed` on 4 of 9 random checkpoints at
+    -O1 on the CPU, 12 of 20 verifications on the H200)."""
+    if context.golden.routing_followed:
+        errors = [result_router_error(g.arrays, context.oracle_by_index(g.prompt_index).arrays,
+                                      context.steps[g.prompt_index]) for g in context.golden_results]
+    else:
+        errors = [result_movement(g.arrays, context.oracle_by_index(g.prompt_index).arrays,
+                                  context.steps[g.prompt_index], until_flip=True) for g in context.golden_results]
+    return ROUTING_FLIP_MULTIPLIER * max(errors) + ROUTING_FLIP_FLOOR
 
 
 def _run_forced(context: Context, config: EffectiveConfig, phase: str,
@@ -485,7 +504,8 @@ def _run_forced(context: Context, config: EffectiveConfig, phase: str,
     if context.hook:
         context.hook(prepared)
     return context.ran(phase, execute(prepared, forced=context.tokens(), probes=context.probes(), only=only,
-                                      progress=context.tick(phase, prepared), timed=False)).by_index()
+                                      progress=context.tick(phase, prepared), timed=False,
+                                      routing=context.routing(config))).by_index()
 
 
 def _function_config(context: Context) -> EffectiveConfig:

@@ -11,7 +11,7 @@ import pytest
 from evalrun.config import build_config
 from evalrun.engine.faults import Fault, fault_hook, plant
 from evalrun.golden import open_golden
-from evalrun.routing import margin_movement, routing_flip
+from evalrun.routing import margin_movement, router_error, routing_flip
 from evalrun.runner import execute_run, prepare
 from evalrun.store import Store
 from evalrun.verify import candidate_config, verify_golden
@@ -79,6 +79,20 @@ def test_forced_routing_judges_a_flip_by_the_sets_movement():
     assert "not a near-tie: more than the golden allows" in routing_flip(EXPERTS, MARGINS, other, margins, 3,
                                                                      0.05).describe()
     assert margin_movement(EXPERTS, MARGINS, EXPERTS[:, :1], MARGINS[:, :1], 3) == 0.0  # another model: nothing
+
+
+def test_router_error_counts_every_entry_of_runs_along_one_routing():
+    """Along one routing (B forced along A's), every entry compares: agreeing entries by their margin movement,
+    flipped ones by the gap their flip needs. The measure before the first flip sees only what precedes it."""
+    other, margins = EXPERTS.copy(), MARGINS.copy()
+    other[0, 1] = [2, 5]  # the second entry flips, needing 0.20 + 0.01
+    margins[0, 1] = 0.01
+    margins[2, 1] += 0.03  # a later agreeing entry moved 0.03
+    assert router_error(EXPERTS, MARGINS, other, margins, 3) == pytest.approx(0.21)
+    assert router_error(EXPERTS, MARGINS, EXPERTS, margins, 3) == pytest.approx(0.19)  # no flip: movements only
+    assert margin_movement(EXPERTS, MARGINS, other, margins, 3, until_flip=True) == 0.0  # only entry 0, unmoved
+    assert router_error(EXPERTS, MARGINS, other, margins, 1) == pytest.approx(0.21)
+    assert router_error(EXPERTS, MARGINS, EXPERTS[:, :1], MARGINS[:, :1], 3) == 0.0  # another model: nothing
 
 
 # ---------------------------------------------------------------- planted flips, end to end
@@ -182,6 +196,35 @@ def test_piecewise_compile_tipping_bfloat16_routing_ties_is_drift(golden_factory
                for c in verdict["causes"]), verdict["causes"]
 
 
+SCALE = dict(seed=4, num_experts=128, num_experts_per_tok=8, num_hidden_layers=24)  # Qwen3-30B-A3B's routing
+
+
+def test_tipped_ties_of_a_model_with_many_experts_and_layers_are_drift(tmp_path, monkeypatch):
+    """128 experts, top-8, 24 MoE layers (Qwen3-MoE's routing at half its depth), bfloat16: the pinned run flips
+    against its float64 oracle within its first few (step, layer) entries, and -O1 tips a tenth of them. A golden
+    whose oracle routed freely could measure its router error only before that first flip (2-4 entries of 384):
+    the tipped ties needed 4-7x that, and verify said changed (measured on 4 of 9 such checkpoints). Its runs now
+    follow the pinned routing, the error is measured at every entry, and the same verification is drift. An older
+    golden is still judged the old way, and its verdict says how to re-create it."""
+    from evalrun import golden as golden_module
+    from evalrun.golden import create_golden
+
+    directory = moe_checkpoint(tmp_path / "moe", **SCALE)
+    config = build_config(None, {"model": str(directory), "prompts": "smoke", "max_new_tokens": 12,
+                                 "dtype": "bfloat16", "device": "cpu", "opt_level": 0}, ())
+    golden = create_golden("g", config, tmp_path)
+    verdict = verify_golden(golden, candidate_config(golden, None, {"opt_level": 1}, ()))
+    flips = [p.routing for p in verdict.prompts if p.routing is not None]
+    assert verdict.verdict == "drift", verdict.causes
+    assert len(flips) == 3 and all(f.forced and f.near_tie and f.flipped > 10 for f in flips), flips
+    monkeypatch.setattr(golden_module, "pinned_routing", lambda pinned: None)  # a golden made before stop 21
+    older = create_golden("older", config, tmp_path)
+    assert not older.routing_followed
+    verdict = verify_golden(older, candidate_config(older, None, {"opt_level": 1}, ()))
+    assert verdict.verdict == "changed", verdict.causes
+    assert any("re-create it with `evalrun golden create older --force`" in c for c in verdict.causes)
+
+
 def test_a_router_change_in_the_candidates_execution_alone_is_still_changed(golden_factory, ties_dir):
     """Forced routing must not hide a routing change: expert 0's router logit doubled in the candidate's
     execution only (the function check passes) still fails the execution check."""
@@ -192,6 +235,50 @@ def test_a_router_change_in_the_candidates_execution_alone_is_still_changed(gold
     assert verdict.verdict == "changed", verdict.causes
     assert any(c.startswith("execution check failed") for c in verdict.causes), verdict.causes
     assert [p.routing.forced for p in verdict.prompts if p.routing is not None] != []
+
+
+def test_every_run_of_an_moe_golden_follows_its_pinned_routing(golden_factory, ties_dir):
+    """Oracle, envelope and function runs follow the pinned run's routing as well as its tokens, so the oracle's
+    router error is measured at every entry, and the table says so: the oracle config run again along the pinned
+    tokens and routing reproduces the stored oracle bit for bit; routing freely it does not (the float64 router
+    chooses other experts at bfloat16's ties). A dense golden says nothing of routing."""
+    from evalrun.runner import Probes, execute
+
+    golden = open_golden("g", golden_factory(*BF16, model=str(ties_dir), tokens=16))
+    assert golden.routing_followed and golden.meta["routing"] == "pinned"
+    pinned = {r.prompt_index: r for r in golden.results("pinned")}
+    tokens = {i: r.arrays["tokens"] for i, r in pinned.items()}
+    routing = {i: r.arrays["routing_experts"] for i, r in pinned.items()}
+    probes = Probes({r.prompt_index: r.arrays["probe_ids"] for r in golden.results("oracle")})
+    prepared = prepare(golden.config("oracle"))
+    for role in ("oracle", "function"):
+        along = execute(prepare(golden.config(role), reuse=prepared), forced=tokens, probes=probes, timed=False,
+                        routing=routing).by_index()
+        assert all(np.array_equal(along[r.prompt_index].arrays["probe_values"], r.arrays["probe_values"])
+                   for r in golden.results(role)), role
+    free = execute(prepared, forced=tokens, probes=probes, timed=False).by_index()
+    assert not all(np.array_equal(free[r.prompt_index].arrays["probe_values"], r.arrays["probe_values"])
+                   for r in golden.results("oracle"))
+    assert not open_golden("g", golden_factory()).routing_followed and "routing" not in open_golden(
+        "g", golden_factory()).meta
+
+
+def test_a_golden_that_claims_another_routing_is_refused_in_one_line(golden_factory, ties_dir, verify, tmp_path):
+    import shutil
+    import sqlite3
+
+    from evalrun.golden import content_digest
+
+    directory = tmp_path / "forged"
+    shutil.copytree(golden_factory(*BF16, model=str(ties_dir), tokens=16), directory)
+    conn = sqlite3.connect(directory / "g.db", isolation_level=None)
+    conn.execute("UPDATE golden SET value = ? WHERE key = 'routing'", [json.dumps("free")])
+    conn.execute("UPDATE golden SET value = ? WHERE key = 'content_digest'", [content_digest(conn)])
+    conn.close()
+    code, verdict, err = verify(directory, "--batch-size", "2")
+    assert code == 2 and verdict is None, (code, err)
+    lines = err.strip().splitlines()
+    assert len(lines) == 1 and "routing 'free'" in lines[0] and "--force" in lines[0], err
 
 
 FORGED_ROUTING = {  # array name -> (dtype, what every value becomes)
