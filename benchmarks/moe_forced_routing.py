@@ -11,7 +11,7 @@ verify measures its router error before the first flip only (the default, pinned
 routing, and the error is measured at every entry).
 
     python benchmarks/moe_forced_routing.py OUT.json --device cuda --seeds 0-9 --levels 1,2 [--forced-only] [--dtype D]
-        [--experts 128 --top-k 8 --layers 24] [--golden-routing free|pinned]
+        [--experts 128 --top-k 8 --layers 24 | --model random:qwen3-moe --seeds 0] [--golden-routing free|pinned]
 """
 
 from __future__ import annotations
@@ -52,15 +52,21 @@ def main() -> None:
     parser.add_argument("--layers", type=int, default=2, help="decoder layers (a real Qwen3-MoE has 48)")
     parser.add_argument("--max-new-tokens", type=int, default=16)
     parser.add_argument("--golden-routing", choices=("pinned", "free"), default="pinned")
+    parser.add_argument("--model", help="this model instead of random checkpoints (random:qwen3-moe on the H200: "
+                                        "Qwen3-30B-A3B's layer shape); --seeds 0 then")
     args = parser.parse_args()
     if args.golden_routing == "free":
         golden_module.pinned_routing = lambda pinned: None
     forced_routing = verify_module.Context.routing
+
+    def candidate_free(context, config=None):  # the candidate's runs route freely (the golden's other configs do not)
+        return None if config is None or config is context.candidate.config else forced_routing(context, config)
+
     rows = []
     with tempfile.TemporaryDirectory() as folder:
         for seed in seeds(args.seeds):
-            directory = moe_checkpoint(Path(folder) / f"moe{seed}", seed=seed, num_experts=args.experts,
-                                       num_experts_per_tok=args.top_k, num_hidden_layers=args.layers)
+            directory = args.model or moe_checkpoint(Path(folder) / f"moe{seed}", seed=seed, num_experts=args.experts,
+                                                     num_experts_per_tok=args.top_k, num_hidden_layers=args.layers)
             config = build_config(None, {"model": str(directory), "prompts": "smoke",
                                          "max_new_tokens": args.max_new_tokens,
                                          "dtype": args.dtype, "device": args.device, "opt_level": 0}, ())
@@ -68,7 +74,7 @@ def main() -> None:
             golden = open_golden("g", Path(folder) / f"g{seed}")
             for level in [int(n) for n in args.levels.split(",")]:
                 candidate = candidate_config(golden, None, {"opt_level": level}, ())
-                variants = [("forced routing", forced_routing), ("free routing (before)", lambda self, config=None: None)]
+                variants = [("forced routing", forced_routing), ("free routing (before)", candidate_free)]
                 for label, routing in variants[:1] if args.forced_only else variants:
                     verify_module.Context.routing = routing
                     verdict = verify_golden(golden, candidate)
@@ -77,7 +83,9 @@ def main() -> None:
                                  "distance": round(verdict.distance, 3), "prompts_with_flips": len(flips),
                                  "near_ties": sum(f.near_tie for f in flips),
                                  "flip_ratios": [round(f.needed * ROUTING_FLIP_MULTIPLIER / f.moved, 3)
-                                                 if f.moved else None for f in flips if f.forced]})
+                                                 if f.moved else None for f in flips if f.forced],
+                                 "entries_flipped": [f"{f.flipped}/{f.compared}" for f in flips],
+                                 "verify_s": round(verdict.timings.get("total_s", 0.0), 1)})
                     print(json.dumps(rows[-1]), flush=True)
                 verify_module.Context.routing = forced_routing
     summary = {}
@@ -94,7 +102,8 @@ def main() -> None:
         entry["max_flip_ratio"] = max([entry["max_flip_ratio"], *ratios])
     Path(args.out).write_text(json.dumps({"device": args.device, "dtype": args.dtype, "experts": args.experts,
                                          "top_k": args.top_k, "layers": args.layers,
-                                         "golden_routing": args.golden_routing, "summary": summary, "rows": rows},
+                                         "golden_routing": args.golden_routing, "model": args.model,
+                                         "summary": summary, "rows": rows},
                                          indent=1))
     print(json.dumps(summary, indent=1))
 

@@ -123,7 +123,8 @@ def margin_movement(experts_a: np.ndarray, margins_a: np.ndarray, experts_b: np.
 def router_error(experts_a: np.ndarray, margins_a: np.ndarray, experts_b: np.ndarray, margins_b: np.ndarray,
                  steps: int) -> float:
     """How far run B's router probabilities moved from run A's, bounded below at every (step, layer) entry of their
-    first `steps` steps, when B followed A's routing (so that every entry has the same discrete inputs): where
+    first `steps` steps, when B followed A's routing (so that every entry has the same discrete inputs, but for
+    the prefill's tokens before the last, whose routing nothing forces: a flip there moves later entries): where
     both chose the same experts |margin_a - margin_b|, where they did not margin_a + margin_b (a flip's `needed`);
     the largest of those (0.0 for other shapes)."""
     found = _agreement(experts_a, experts_b, steps)

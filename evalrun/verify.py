@@ -7,8 +7,9 @@
    with no other run (the cheap path).
 3. Forced decoding: the batches holding a prompt whose tokens left the golden's path run again, fed
    the golden's tokens (the other prompts' free runs already followed it). MoE models under evalrun's
-   engine, in the golden's dtype: forced routing too (`Context.routing`; and the function config's run, when
-   every run of the golden followed its pinned run's routing: a golden that says `routing: pinned`). A
+   engine: forced routing too (`Context.routing`: every run here, whatever its dtype, when every run of the
+   golden followed its pinned run's routing, a golden that says `routing: pinned`; in an older golden only the
+   candidate in the golden's dtype). A
    prompt whose experts left the golden's anywhere runs again along the golden's tokens and routing, so
    that a routing flip at a tie is judged by itself, not by the logits of the other path it opens. A flip is
    drift when it is a near-tie (routing.py: the router-probability gap it needs is within the golden's own
@@ -174,18 +175,19 @@ class Context:
 
     def routing(self, config: EffectiveConfig | None = None) -> dict[int, np.ndarray] | None:
         """The golden's experts per prompt index, [N, L, k], when the forced runs of `config` (default: the
-        candidate's) follow them: an MoE golden (with its oracle's routing, which calibrates the flips), evalrun's
-        engine, and the golden's dtype (the flips are judged by the router error of that dtype). The function
-        config: when the golden's runs all followed the pinned routing (`Golden.routing_followed`: its function
-        run did too), never in an older golden (its function run's routing was its own)."""
+        candidate's) follow them: an MoE golden (with its oracle's routing, which calibrates the flips) and
+        evalrun's engine. When every run of the golden followed its pinned routing (`Golden.routing_followed`),
+        every such run here does too, whatever its dtype: the candidate's, the function config's, the reference
+        run here, so that each is compared with an oracle and envelope along the same experts. An older golden's
+        runs routed freely: only the candidate in the golden's dtype (its envelope members share the pinned path
+        there), never the function config (its run must reproduce the golden's function run, routed freely)."""
         config = config or self.candidate.config
         if not all(has_routing(r.arrays) for r in self.golden_results + self.oracle) or config.engine != "evalrun":
             return None
-        if config.compute_hash() == _function_config(self).compute_hash():
-            followed = self.golden.routing_followed
-        else:
-            followed = config.dtype == self.golden.config("pinned").dtype
-        return {r.prompt_index: r.arrays["routing_experts"] for r in self.golden_results} if followed else None
+        if not self.golden.routing_followed and (config.dtype != self.golden.config("pinned").dtype or
+                                                 config.compute_hash() == _function_config(self).compute_hash()):
+            return None
+        return {r.prompt_index: r.arrays["routing_experts"] for r in self.golden_results}
 
     def probes(self) -> Probes:
         return Probes({r.prompt_index: r.arrays["probe_ids"] for r in self.oracle})
@@ -231,6 +233,7 @@ def _gate(golden: Golden, candidate: Prepared, golden_results: list[PromptResult
                     "golden's tokenizer is, or re-create the golden", ["tokenizer"])
     _check_id_ranges(golden, golden_results, candidate.loaded.vocab_size,
                      getattr(candidate.loaded.model.config, "num_experts", None))
+    _check_routing_layout(golden, golden_results, candidate)
     for result in golden_results:
         wanted = steps_for(candidate.prompt_set, result.prompt_index, candidate.config)
         if wanted > len(result.arrays["tokens"]):
@@ -254,6 +257,22 @@ def _check_id_ranges(golden: Golden, golden_results: list[PromptResult], vocab: 
                     raise GoldenError(f"golden {golden.path}: the {role} run's {name} for prompt {result.prompt_id!r} "
                                       f"fall outside the model's {bound} {unit}; re-create it with "
                                       f"`evalrun golden create {golden.name} --force`")
+
+
+def _check_routing_layout(golden: Golden, golden_results: list[PromptResult], candidate: Prepared) -> None:
+    """The golden's experts feed forced routing (the candidate's runs, the function run, the reference here): each
+    step's must have this model's routing shape [MoE layers, k]. (Their values: _check_id_ranges; the oracle's
+    shape is the pinned run's: golden.results_problem.)"""
+    from .engine.moe import routing_layout
+
+    if not any(has_routing(r.arrays) for r in golden_results):
+        return
+    layout = routing_layout(candidate.loaded.model)
+    for result in golden_results:
+        shape = tuple(result.arrays["routing_experts"].shape[1:])
+        if shape != layout:
+            raise GoldenError(f"golden {golden.path}: prompt {result.prompt_id!r} has routing of shape {shape}, this "
+                              f"model's {layout}; re-create it with `evalrun golden create {golden.name} --force`")
 
 
 def tokenizer_note(golden: Golden, candidate: Prepared) -> str:
@@ -372,10 +391,10 @@ def judge_runs(context: Context, runs: VerifyRuns, function_check: str = "auto")
     composition = batch_composition_cause(context.config_diff, context.env_diff, context.golden_results, results)
     if composition:
         context.causes.append(composition)
-    _routing_flips(context, runs.forced, prompts)
+    envelope_names, members = _envelope(context, runs.envelope)
+    _routing_flips(context, runs.forced, prompts, members)
     function_line, function_reports, function_set = _function_check(context, runs.forced, runs.function,
                                                                      function_check)
-    envelope_names, members = _envelope(context, runs.envelope)
     execution = _execution_check(context, runs.forced, members, prompts)
     return _decide(context, prompts, function_line, function_reports, function_set, envelope_names, execution)
 
@@ -419,12 +438,9 @@ def _forced_results(context: Context, free: Run, prompts: list[PromptVerdict],
     path, a forced re-run of the batches where they did not (`prompts` are `golden_results`' verdicts)."""
     results = free.by_index()
     routing = context.routing()
-    if routing is not None:
-        _check_routing_shape(context, golden_results, results)
     diverged = {r.prompt_index for r, p in zip(golden_results, prompts)
                 if p.first_divergent_step >= 0 or (routing is not None and p.verdict != "identical"
-                                                   and result_flip(r.arrays, results[r.prompt_index].arrays,
-                                                                   context.steps[r.prompt_index]) is not None)}
+                                                   and _left_routing(r, results[r.prompt_index]))}
     if diverged:
         started = time.perf_counter()
         rerun = context.ran("forced", execute(context.candidate, forced=context.tokens(), probes=context.probes(),
@@ -435,24 +451,20 @@ def _forced_results(context: Context, free: Run, prompts: list[PromptVerdict],
     return results
 
 
-def _check_routing_shape(context: Context, golden_results: list[PromptResult],
-                         free: dict[int, PromptResult]) -> None:
-    """The golden's experts must have the candidate's own routing shape [N, MoE layers, k] to be forced (their
-    values were checked before anything ran: store.result_problem, _check_id_ranges)."""
-    for result in golden_results:
-        ids, own = result.arrays["routing_experts"], free[result.prompt_index].arrays.get("routing_experts")
-        if own is None or ids.shape[1:] != own.shape[1:]:
-            raise GoldenError(f"golden {context.golden.path}: prompt {result.prompt_id!r} has routing of shape "
-                              f"{ids.shape[1:]}, this model's {None if own is None else own.shape[1:]}; re-create it "
-                              f"with `evalrun golden create {context.golden.name} --force`")
+def _left_routing(golden_run: PromptResult, free: PromptResult) -> bool:
+    """The free run applied other experts than the golden's somewhere, or the same ones in another order (the
+    engine sums a token's experts in the order routed, so a forced run along the golden's differs in the bits)."""
+    ids, own = golden_run.arrays["routing_experts"], free.arrays.get("routing_experts")
+    return own is None or not np.array_equal(ids, own[:len(ids)])
 
 
-def _routing_flips(context: Context, forced: dict[int, PromptResult], prompts: list[PromptVerdict]) -> None:
+def _routing_flips(context: Context, forced: dict[int, PromptResult], prompts: list[PromptVerdict],
+                   members: list[dict[int, PromptResult]]) -> None:
     """MoE models: each prompt's first routing flip (golden vs the candidate along the golden's tokens, so
     every step has the same input), and one cause naming the first flip and whether it was a near-tie. Under
     forced routing every flip is judged against the golden's own router error (`_routing_allowance`), and each
     prompt reports its decisive flip."""
-    moved = _routing_allowance(context) if context.routing() is not None else None
+    moved = _routing_allowance(context, members) if context.routing() is not None else None
     for golden_run, prompt in zip(context.golden_results, prompts):
         if prompt.verdict != "identical":
             flip = result_flip(golden_run.arrays, forced[golden_run.prompt_index].arrays,
@@ -477,21 +489,26 @@ def _routing_flips(context: Context, forced: dict[int, PromptResult], prompts: l
                               f"{context.golden.name} --force` for the allowance along the whole path")
 
 
-def _routing_allowance(context: Context) -> float:
-    """The router-probability gap a flip under forced routing may need and still be a near-tie: the golden's own
-    router error against the float64 oracle x rules.ROUTING_FLIP_MULTIPLIER. The golden sets it, not the
+def _routing_allowance(context: Context, members: list[dict[int, PromptResult]]) -> float:
+    """The router-probability gap a flip under forced routing may need and still be a near-tie: the router error
+    against the float64 oracle of the golden's pinned run and of the known-good implementations of the
+    candidate's dtype (`members`, the execution check's envelope) x rules.ROUTING_FLIP_MULTIPLIER. A flip of the
+    candidate against the pinned run needs about both runs' errors, so both dtypes count: a bfloat16 candidate
+    of a float32 golden is allowed bfloat16's error. The golden and known-good implementations set it, not the
     candidate: a candidate whose router reports wild margins cannot widen it. Plus rules.ROUTING_FLIP_FLOOR, so
     that a golden whose pinned run is its oracle's bit for bit (float64) still allows rounding.
 
-    The error, the largest over prompts: where the oracle followed the pinned routing, `router_error` at every
-    (step, layer) entry; in an older golden, whose oracle routed freely, the margin movement before their first
-    flip only (after it the two see different inputs). A model with many MoE layers and experts flips against
-    its oracle within its first few entries, so that older measure saw too little of the router's error (with
-    128 experts, top-8 and 24 layers: 2 to 4 entries of 384, and false `changed` on 4 of 9 random checkpoints at
-    -O1 on the CPU, 12 of 20 verifications on the H200)."""
+    The error, the largest over prompts: where the oracle and the members followed the pinned routing,
+    `router_error` at every (step, layer) entry; in an older golden, whose runs routed freely, the pinned run's
+    margin movement before its first flip against the oracle only (after it the two see different inputs). A
+    model with many MoE layers and experts flips against its oracle within its first few entries, so that older
+    measure saw too little of the router's error (with 128 experts, top-8 and 24 layers: 2 to 4 entries of 384,
+    and false `changed` on 4 of 9 random checkpoints at -O1 on the CPU, 12 of 20 verifications on the H200)."""
     if context.golden.routing_followed:
-        errors = [result_router_error(g.arrays, context.oracle_by_index(g.prompt_index).arrays,
-                                      context.steps[g.prompt_index]) for g in context.golden_results]
+        errors = [result_router_error(run[g.prompt_index].arrays, context.oracle_by_index(g.prompt_index).arrays,
+                                      context.steps[g.prompt_index])
+                  for run in [{r.prompt_index: r for r in context.golden_results}, *members]
+                  for g in context.golden_results]
     else:
         errors = [result_movement(g.arrays, context.oracle_by_index(g.prompt_index).arrays,
                                   context.steps[g.prompt_index], until_flip=True) for g in context.golden_results]

@@ -263,6 +263,22 @@ def test_every_run_of_an_moe_golden_follows_its_pinned_routing(golden_factory, t
         "g", golden_factory()).meta
 
 
+@pytest.mark.parametrize("flags", [{"dtype": "float32"}, {"dtype": "float32", "deterministic": True}],
+                         ids=["float32", "the-function-config"])
+def test_a_candidate_in_another_dtype_follows_the_golden_routing_too(golden_factory, ties_dir, flags):
+    """The golden's oracle and envelope followed its bfloat16 pinned routing, so a float32 candidate must too:
+    routing freely, it took the float64 oracle's own experts where bfloat16 had not, and was compared with an
+    oracle along other experts (changed, at 29,605x its budget). The golden's function config in its own
+    environment must reproduce the golden's function run bit for bit: a prompt whose experts matched as sets
+    but not in order is re-run along the golden's order (the engine sums experts in the order routed)."""
+    golden = open_golden("g", golden_factory(*BF16, model=str(ties_dir), tokens=16))
+    verdict = verify_golden(golden, candidate_config(golden, None, flags, ()))
+    assert verdict.verdict == "drift" and verdict.distance < 1, verdict.causes
+    assert all(p.routing.forced for p in verdict.prompts if p.routing is not None)
+    if "deterministic" in flags:
+        assert verdict.function_check.startswith("reproduced the golden's float32 reference bit for bit")
+
+
 def test_a_golden_that_claims_another_routing_is_refused_in_one_line(golden_factory, ties_dir, verify, tmp_path):
     import shutil
     import sqlite3
@@ -316,6 +332,36 @@ def test_a_golden_whose_routing_is_not_the_models_is_refused_in_one_line(golden_
     assert code == 2 and verdict is None, (code, err)
     lines = err.strip().splitlines()
     assert len(lines) == 1 and name in lines[0] and "--force" in lines[0], err
+
+
+def test_a_golden_whose_routing_has_another_shape_is_refused_before_any_run_forces_it(golden_factory, ties_dir,
+                                                                                     verify, tmp_path):
+    """Routing of one MoE layer and one expert per token (every run's, so the golden is consistent in itself),
+    for a model of two layers and four: one line, exit 2, also for a float32 candidate, whose forced runs would
+    otherwise broadcast the forged experts over every slot."""
+    import shutil
+    import sqlite3
+
+    from evalrun.golden import content_digest
+    from evalrun.hashing import hash_bytes
+    from evalrun.store import decode_array_row
+
+    directory = tmp_path / "forged"
+    shutil.copytree(golden_factory(*BF16, model=str(ties_dir), tokens=16), directory)
+    conn = sqlite3.connect(directory / "g.db", isolation_level=None)
+    rows = conn.execute("SELECT rowid, name, dtype, shape, encoding, data FROM arrays WHERE name LIKE 'routing_%'")
+    for rowid, name, dtype, shape, encoding, data in rows.fetchall():
+        array = decode_array_row({"name": name, "dtype": dtype, "shape": shape, "encoding": encoding, "data": data})
+        cut = np.ascontiguousarray(array[:, :1, :1] if name == "routing_experts" else array[:, :1])
+        conn.execute("UPDATE arrays SET shape = ?, encoding = 'raw', data = ?, digest = ? WHERE rowid = ?",
+                     [json.dumps(list(cut.shape)), cut.tobytes(), hash_bytes(cut.tobytes()), rowid])
+    conn.execute("UPDATE golden SET value = ? WHERE key = 'content_digest'", [content_digest(conn)])
+    conn.close()
+    for options in (("--dtype", "float32"), ("--batch-size", "2")):
+        code, verdict, err = verify(directory, *options)
+        assert code == 2 and verdict is None, (options, code, err)
+        lines = err.strip().splitlines()
+        assert len(lines) == 1 and "routing of shape (1, 1), this model's (2, 4)" in lines[0], err
 
 
 def test_a_router_that_chooses_wrong_experts_is_changed_though_forced_logits_are_right(golden_factory, ties_dir,

@@ -54,6 +54,14 @@ def layer_weights(mlp: torch.nn.Module, slot: int) -> MoEWeights | None:
                       bool(router.norm_topk_prob), slot)
 
 
+def routing_layout(hf_model: torch.nn.Module) -> tuple[int, int] | None:
+    """(MoE layers, experts per token) of a transformers model: the shape [L, k] of each step's routing that the
+    engine captures and that forced routing applies; None for a dense model."""
+    moe = [w for w in (layer_weights(layer.mlp, slot) for slot, layer in enumerate(hf_model.model.layers))
+           if w is not None]
+    return (len(moe), moe[0].top_k) if moe else None
+
+
 class RoutingState:
     """The last forward's routing of each row's last token, in every MoE layer; lives with the KV cache
     (one per workspace), written by the forward, read by the step's capture. A workspace that forces routing
