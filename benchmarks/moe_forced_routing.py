@@ -12,6 +12,7 @@ routing, and the error is measured at every entry).
 
     python benchmarks/moe_forced_routing.py OUT.json --device cuda --seeds 0-9 --levels 1,2 [--forced-only] [--dtype D]
         [--experts 128 --top-k 8 --layers 24 | --model random:qwen3-moe --seeds 0] [--golden-routing free|pinned]
+        [--prompts default]
 """
 
 from __future__ import annotations
@@ -34,6 +35,9 @@ from evalrun.verify import candidate_config, verify_golden  # noqa: E402
 from test_moe import moe_checkpoint  # noqa: E402
 
 
+LONG = {"max_position_embeddings": 8192}  # the default set's long-context prompt (byte tokens) and its decode
+
+
 def seeds(text: str) -> list[int]:
     first, _, last = text.partition("-")
     return list(range(int(first), int(last or first) + 1))
@@ -51,6 +55,7 @@ def main() -> None:
     parser.add_argument("--top-k", type=int, default=4)
     parser.add_argument("--layers", type=int, default=2, help="decoder layers (a real Qwen3-MoE has 48)")
     parser.add_argument("--max-new-tokens", type=int, default=16)
+    parser.add_argument("--prompts", default="smoke", help="default: 17 prompts, one of about 7,000 byte tokens")
     parser.add_argument("--golden-routing", choices=("pinned", "free"), default="pinned")
     parser.add_argument("--model", help="this model instead of random checkpoints (random:qwen3-moe on the H200: "
                                         "Qwen3-30B-A3B's layer shape); --seeds 0 then")
@@ -66,8 +71,9 @@ def main() -> None:
     with tempfile.TemporaryDirectory() as folder:
         for seed in seeds(args.seeds):
             directory = args.model or moe_checkpoint(Path(folder) / f"moe{seed}", seed=seed, num_experts=args.experts,
-                                                     num_experts_per_tok=args.top_k, num_hidden_layers=args.layers)
-            config = build_config(None, {"model": str(directory), "prompts": "smoke",
+                                                     num_experts_per_tok=args.top_k, num_hidden_layers=args.layers,
+                                                     **({} if args.prompts == "smoke" else LONG))
+            config = build_config(None, {"model": str(directory), "prompts": args.prompts,
                                          "max_new_tokens": args.max_new_tokens,
                                          "dtype": args.dtype, "device": args.device, "opt_level": 0}, ())
             create_golden("g", config, Path(folder) / f"g{seed}")
@@ -103,6 +109,7 @@ def main() -> None:
     Path(args.out).write_text(json.dumps({"device": args.device, "dtype": args.dtype, "experts": args.experts,
                                          "top_k": args.top_k, "layers": args.layers,
                                          "golden_routing": args.golden_routing, "model": args.model,
+                                         "prompts": args.prompts,
                                          "summary": summary, "rows": rows},
                                          indent=1))
     print(json.dumps(summary, indent=1))

@@ -8,13 +8,13 @@
 3. Forced decoding: the batches holding a prompt whose tokens left the golden's path run again, fed
    the golden's tokens (the other prompts' free runs already followed it). MoE models under evalrun's
    engine: forced routing too (`Context.routing`: every run here, whatever its dtype, when every run of the
-   golden followed its pinned run's routing, a golden that says `routing: pinned`; in an older golden only the
-   candidate in the golden's dtype). A
+   golden followed its pinned run's routing, a golden that says `routing: pinned`; in an older golden only a
+   candidate in the golden's dtype that is not the function config). A
    prompt whose experts left the golden's anywhere runs again along the golden's tokens and routing, so
    that a routing flip at a tie is judged by itself, not by the logits of the other path it opens. A flip is
-   drift when it is a near-tie (routing.py: the router-probability gap it needs is within the golden's own
-   router error against the oracle, x rules.ROUTING_FLIP_MULTIPLIER); a flip that is no near-tie fails the
-   execution check.
+   drift when it is a near-tie (routing.py: the router-probability gap it needs is within the router error
+   against the oracle of the golden's pinned run and of the envelope of the candidate's dtype, x
+   rules.ROUTING_FLIP_MULTIPLIER); a flip that is no near-tie fails the execution check.
 4. Function check (is it the same model?): the candidate environment runs the golden's function
    config (float32, eager, deterministic, TF32 off) forced and probed. In the golden's own
    environment it must reproduce the golden's function run bit for bit; elsewhere its error against
@@ -40,7 +40,7 @@ import numpy as np
 from .compare import dict_diff, digest_mismatch_steps, environment_causes, first_divergence, worst_verdict
 from .config import DECODE_LEVER_DEFAULTS, EffectiveConfig, RunConfig, build_config
 from .errors import ConfigError, GoldenError
-from .golden import ENVELOPE_ROLES, Golden, Hook, reference_config
+from .golden import ENVELOPE_ROLES, Golden, Hook, reference_config, routing_layout
 from .hashing import hash_value
 from .routing import RoutingFlip, has_routing, result_flip, result_movement, result_router_error
 from .rules import (EXECUTION_RULE, FUNCTION_RULE, ROUTING_FLIP_FLOOR, ROUTING_FLIP_MULTIPLIER, Evidence, Judgement,
@@ -263,13 +263,13 @@ def _check_routing_layout(golden: Golden, golden_results: list[PromptResult], ca
     """The golden's experts feed forced routing (the candidate's runs, the function run, the reference here): each
     step's must have this model's routing shape [MoE layers, k]. (Their values: _check_id_ranges; the oracle's
     shape is the pinned run's: golden.results_problem.)"""
-    from .engine.moe import routing_layout
+    from .engine.moe import model_routing_layout
 
     if not any(has_routing(r.arrays) for r in golden_results):
         return
-    layout = routing_layout(candidate.loaded.model)
+    layout = model_routing_layout(candidate.loaded.model)
     for result in golden_results:
-        shape = tuple(result.arrays["routing_experts"].shape[1:])
+        shape = routing_layout(result)  # None where a prompt has no routing
         if shape != layout:
             raise GoldenError(f"golden {golden.path}: prompt {result.prompt_id!r} has routing of shape {shape}, this "
                               f"model's {layout}; re-create it with `evalrun golden create {golden.name} --force`")
@@ -495,7 +495,9 @@ def _routing_allowance(context: Context, members: list[dict[int, PromptResult]])
     candidate's dtype (`members`, the execution check's envelope) x rules.ROUTING_FLIP_MULTIPLIER. A flip of the
     candidate against the pinned run needs about both runs' errors, so both dtypes count: a bfloat16 candidate
     of a float32 golden is allowed bfloat16's error. The golden and known-good implementations set it, not the
-    candidate: a candidate whose router reports wild margins cannot widen it. Plus rules.ROUTING_FLIP_FLOOR, so
+    candidate: a candidate whose router reports wild margins cannot widen it. (Where the golden has no
+    implementation of the candidate's dtype, the reference config runs here, as the execution check's envelope;
+    a candidate that is that config is then its own envelope in both checks.) Plus rules.ROUTING_FLIP_FLOOR, so
     that a golden whose pinned run is its oracle's bit for bit (float64) still allows rounding.
 
     The error, the largest over prompts: where the oracle and the members followed the pinned routing,

@@ -334,11 +334,13 @@ def test_a_golden_whose_routing_is_not_the_models_is_refused_in_one_line(golden_
     assert len(lines) == 1 and name in lines[0] and "--force" in lines[0], err
 
 
+@pytest.mark.parametrize("forgery", ["one layer and one expert", "a prompt without routing"])
 def test_a_golden_whose_routing_has_another_shape_is_refused_before_any_run_forces_it(golden_factory, ties_dir,
-                                                                                     verify, tmp_path):
+                                                                                     verify, tmp_path, forgery):
     """Routing of one MoE layer and one expert per token (every run's, so the golden is consistent in itself),
     for a model of two layers and four: one line, exit 2, also for a float32 candidate, whose forced runs would
-    otherwise broadcast the forged experts over every slot."""
+    otherwise broadcast the forged experts over every slot. Likewise a golden whose first prompt has no routing
+    in any run (it was a KeyError, exit 3)."""
     import shutil
     import sqlite3
 
@@ -349,8 +351,10 @@ def test_a_golden_whose_routing_has_another_shape_is_refused_before_any_run_forc
     directory = tmp_path / "forged"
     shutil.copytree(golden_factory(*BF16, model=str(ties_dir), tokens=16), directory)
     conn = sqlite3.connect(directory / "g.db", isolation_level=None)
+    if forgery == "a prompt without routing":
+        conn.execute("DELETE FROM arrays WHERE name LIKE 'routing_%' AND prompt_index = 0")
     rows = conn.execute("SELECT rowid, name, dtype, shape, encoding, data FROM arrays WHERE name LIKE 'routing_%'")
-    for rowid, name, dtype, shape, encoding, data in rows.fetchall():
+    for rowid, name, dtype, shape, encoding, data in rows.fetchall() if forgery == "one layer and one expert" else []:
         array = decode_array_row({"name": name, "dtype": dtype, "shape": shape, "encoding": encoding, "data": data})
         cut = np.ascontiguousarray(array[:, :1, :1] if name == "routing_experts" else array[:, :1])
         conn.execute("UPDATE arrays SET shape = ?, encoding = 'raw', data = ?, digest = ? WHERE rowid = ?",
@@ -361,7 +365,8 @@ def test_a_golden_whose_routing_has_another_shape_is_refused_before_any_run_forc
         code, verdict, err = verify(directory, *options)
         assert code == 2 and verdict is None, (options, code, err)
         lines = err.strip().splitlines()
-        assert len(lines) == 1 and "routing of shape (1, 1), this model's (2, 4)" in lines[0], err
+        shape = "(1, 1)" if forgery == "one layer and one expert" else "None"
+        assert len(lines) == 1 and f"routing of shape {shape}, this model's (2, 4)" in lines[0], err
 
 
 def test_a_router_that_chooses_wrong_experts_is_changed_though_forced_logits_are_right(golden_factory, ties_dir,

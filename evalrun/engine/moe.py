@@ -54,12 +54,14 @@ def layer_weights(mlp: torch.nn.Module, slot: int) -> MoEWeights | None:
                       bool(router.norm_topk_prob), slot)
 
 
-def routing_layout(hf_model: torch.nn.Module) -> tuple[int, int] | None:
+def model_routing_layout(hf_model: torch.nn.Module) -> tuple[int, int] | None:
     """(MoE layers, experts per token) of a transformers model: the shape [L, k] of each step's routing that the
-    engine captures and that forced routing applies; None for a dense model."""
-    moe = [w for w in (layer_weights(layer.mlp, slot) for slot, layer in enumerate(hf_model.model.layers))
-           if w is not None]
-    return (len(moe), moe[0].top_k) if moe else None
+    engine captures and that forced routing applies; None for a dense model (or one laid out unlike the
+    decoder families the engine runs: it has no routing either)."""
+    layers = getattr(getattr(hf_model, "model", None), "layers", None) or []
+    moe = [mlp for mlp in (getattr(layer, "mlp", None) for layer in layers) if hasattr(mlp, "experts")]
+    top_k = getattr(getattr(moe[0], "gate", None), "top_k", None) if moe else None
+    return (len(moe), top_k) if isinstance(top_k, int) else None  # layer_weights reads the same fields
 
 
 class RoutingState:
