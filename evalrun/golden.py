@@ -12,10 +12,10 @@ Roles with the same config share one run. Mixture-of-experts models: every run b
 pinned run's routing (its experts at each step's token, in every MoE layer: forced routing), so all of a
 golden's runs share one discrete path (but for the routing of a prompt's tokens before its last, which no run
 forces), and the table says so (`routing`: "pinned"); a run's stored routing is still the experts its own
-router chose. A `golden` table holds the format version, the roles, the
-requested config and a digest of the whole content, so an edited or damaged file is refused. The
-digest is an unkeyed checksum, not a signature: anyone can edit a golden and recompute it, so every
-value read from one is validated as untrusted input.
+router chose. A `golden` table holds the format version, the roles, the requested config and a digest of
+the whole content, so an edited or damaged file is refused. The digest is an unkeyed checksum, not a
+signature: anyone can edit a golden and recompute it, so every value read from one is validated as
+untrusted input.
 """
 
 from __future__ import annotations

@@ -9,10 +9,10 @@
    the golden's tokens (the other prompts' free runs already followed it). MoE models under evalrun's
    engine: forced routing too (`Context.routing`: every run here, whatever its dtype, when every run of the
    golden followed its pinned run's routing, a golden that says `routing: pinned`; in an older golden only a
-   candidate in the golden's dtype that is not the function config). A
-   prompt whose experts left the golden's anywhere runs again along the golden's tokens and routing, so
-   that a routing flip at a tie is judged by itself, not by the logits of the other path it opens. A flip is
-   drift when it is a near-tie (routing.py: the router-probability gap it needs is within the router error
+   candidate in the golden's dtype that is not the function config). A prompt whose experts left the
+   golden's anywhere (or came in another order) runs again along the golden's tokens and routing, so that a
+   routing flip at a tie is judged by itself, not by the logits of the other path it opens. A flip is drift
+   when it is a near-tie (routing.py: the router-probability gap it needs is within the router error
    against the oracle of the golden's pinned run and of the envelope of the candidate's dtype, x
    rules.ROUTING_FLIP_MULTIPLIER); a flip that is no near-tie fails the execution check.
 4. Function check (is it the same model?): the candidate environment runs the golden's function
@@ -462,8 +462,8 @@ def _routing_flips(context: Context, forced: dict[int, PromptResult], prompts: l
                    members: list[dict[int, PromptResult]]) -> None:
     """MoE models: each prompt's first routing flip (golden vs the candidate along the golden's tokens, so
     every step has the same input), and one cause naming the first flip and whether it was a near-tie. Under
-    forced routing every flip is judged against the golden's own router error (`_routing_allowance`), and each
-    prompt reports its decisive flip."""
+    forced routing every flip is judged against the router error of the golden and of the envelope of the
+    candidate's dtype (`_routing_allowance`), and each prompt reports its decisive flip."""
     moved = _routing_allowance(context, members) if context.routing() is not None else None
     for golden_run, prompt in zip(context.golden_results, prompts):
         if prompt.verdict != "identical":
