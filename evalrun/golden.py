@@ -204,7 +204,7 @@ class Golden:
                 "device": pinned.config["device"], "dtype": pinned.config["dtype"],
                 "opt_level": pinned.config["opt_level"], "oracle_dtype": self.config("oracle").dtype,
                 "format": self.meta["format"], "bytes": self.path.stat().st_size,
-                "evalrun": str(self.meta.get("evalrun_version")),
+                "evalrun": str(self.meta.get("evalrun_version")), "routing": self.meta.get("routing"),
                 "create_seconds": create_seconds(self.meta.get("create_seconds"))}
 
 

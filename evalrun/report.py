@@ -183,9 +183,10 @@ def golden_json(golden, results: list[PromptResult]) -> dict[str, Any]:
 
 def golden_text(golden, results: list[PromptResult]) -> str:
     summary = golden.summary()
+    routing = ", every run along the pinned routing" if summary["routing"] else ""
     return "\n".join([f"golden {golden.name} ({summary['path']}, {summary['bytes']:,} bytes), format "
-                      f"{summary['format']}, oracle {summary['oracle_dtype']}, created {summary['created_at']} by "
-                      f"evalrun {summary['evalrun']}", run_record_text(golden.pinned, results)])
+                      f"{summary['format']}, oracle {summary['oracle_dtype']}{routing}, created {summary['created_at']} "
+                      f"by evalrun {summary['evalrun']}", run_record_text(golden.pinned, results)])
 
 
 BENCH_COLUMNS = [("config", "config"), ("compile s", "compile_s"), ("peak GiB", "peak_memory_gib"),

@@ -192,9 +192,16 @@ def _join_verify_runs(parts: list[dict[str, Run]]) -> VerifyRuns:
     return VerifyRuns(joined["free"] or {}, joined["forced"] or {}, joined["function"], joined["envelope"])
 
 
+# Which runs a verification makes, and how: shards stored under another scheme are not this verification's
+# (2: against a golden whose runs followed its pinned routing, every run follows it, whatever its dtype).
+SHARD_SCHEME = 2
+
+
 def _shard_key(golden: Golden, header: dict[str, Any]) -> str:
-    """Names one verification's shards: the golden (its pinned run), the candidate config and environment."""
-    return hash_value([golden.run_id("pinned"), header["config_hash"], header["environment_hash"]])[:16]
+    """Names one verification's shards: the golden (its pinned run), the candidate config and environment, and
+    the scheme of runs (an older evalrun's shards are missing shards here, not mixed in)."""
+    return hash_value([golden.run_id("pinned"), header["config_hash"], header["environment_hash"],
+                       SHARD_SCHEME])[:16]
 
 
 def verify_label(golden: Golden, header: dict[str, Any], phase: str) -> str:

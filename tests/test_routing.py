@@ -242,10 +242,12 @@ def test_every_run_of_an_moe_golden_follows_its_pinned_routing(golden_factory, t
     router error is measured at every entry, and the table says so: the oracle config run again along the pinned
     tokens and routing reproduces the stored oracle bit for bit; routing freely it does not (the float64 router
     chooses other experts at bfloat16's ties). A dense golden says nothing of routing."""
+    from evalrun.report import golden_text
     from evalrun.runner import Probes, execute
 
     golden = open_golden("g", golden_factory(*BF16, model=str(ties_dir), tokens=16))
-    assert golden.routing_followed and golden.meta["routing"] == "pinned"
+    assert golden.routing_followed and golden.meta["routing"] == "pinned" and golden.summary()["routing"] == "pinned"
+    assert "every run along the pinned routing" in golden_text(golden, golden.results("pinned"))  # `golden show`
     pinned = {r.prompt_index: r for r in golden.results("pinned")}
     tokens = {i: r.arrays["tokens"] for i, r in pinned.items()}
     routing = {i: r.arrays["routing_experts"] for i, r in pinned.items()}
@@ -259,8 +261,9 @@ def test_every_run_of_an_moe_golden_follows_its_pinned_routing(golden_factory, t
     free = execute(prepared, forced=tokens, probes=probes, timed=False).by_index()
     assert not all(np.array_equal(free[r.prompt_index].arrays["probe_values"], r.arrays["probe_values"])
                    for r in golden.results("oracle"))
-    assert not open_golden("g", golden_factory()).routing_followed and "routing" not in open_golden(
-        "g", golden_factory()).meta
+    dense = open_golden("g", golden_factory())
+    assert not dense.routing_followed and "routing" not in dense.meta and dense.summary()["routing"] is None
+    assert "pinned routing" not in golden_text(dense, dense.results("pinned"))
 
 
 @pytest.mark.parametrize("flags", [{"dtype": "float32"}, {"dtype": "float32", "deterministic": True}],
