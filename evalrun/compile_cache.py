@@ -26,7 +26,10 @@ CACHE_VARIABLES = ("TORCHINDUCTOR_CACHE_DIR", "TRITON_CACHE_DIR")
 
 
 def cache_folder() -> Path:
-    """EVALRUN_CACHE/compile/torch-<version>-triton-<version>: one folder per compiler build."""
+    """EVALRUN_CACHE/compile/torch-<version>-triton-<version>-cpu-<capability>: one folder per compiler build and
+    CPU instruction set. Inductor's keys miss the instruction set ATen runs with (ATEN_CPU_CAPABILITY): C++ code
+    compiled for one and loaded under another crashed the process (a bfloat16 MoE at -O1, compiled under AVX-512,
+    then run with ATEN_CPU_CAPABILITY=avx2: segmentation fault; tests/test_modes.py)."""
     import torch
 
     from .models import cache_root
@@ -37,7 +40,8 @@ def cache_folder() -> Path:
         triton_version = triton.__version__
     except ImportError:
         triton_version = "none"
-    name = re.sub(r"[^A-Za-z0-9_.+-]", "_", f"torch-{torch.__version__}-triton-{triton_version}")
+    capability = torch.backends.cpu.get_cpu_capability()
+    name = re.sub(r"[^A-Za-z0-9_.+-]", "_", f"torch-{torch.__version__}-triton-{triton_version}-cpu-{capability}")
     return cache_root() / "compile" / name
 
 

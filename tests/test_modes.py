@@ -206,6 +206,33 @@ def test_a_second_process_takes_compiled_graphs_from_evalruns_cache_with_the_sam
     assert runs[0]["logits_digest"] == runs[1]["logits_digest"]
 
 
+def test_a_compile_cache_is_kept_per_cpu_instruction_set(tmp_path):
+    """Inductor's cache keys miss ATEN_CPU_CAPABILITY: a bfloat16 -O1 run compiled with the machine's instruction
+    set, then the same command with ATEN_CPU_CAPABILITY=default sharing one Inductor folder, failed to compile
+    (exit 3; a bfloat16 MoE crashed with a segmentation fault under avx2). evalrun keeps a folder per
+    instruction set, so both run, each from its own folder."""
+    import os
+    import subprocess
+    import sys
+
+    import torch
+
+    if torch.backends.cpu.get_cpu_capability() == "DEFAULT":
+        pytest.skip("this CPU has no vector instruction set to differ from ATEN_CPU_CAPABILITY=default")
+    env = {key: value for key, value in os.environ.items()
+           if not key.startswith(("TORCHINDUCTOR", "TRITON", "ATEN_CPU_CAPABILITY"))}
+    env.update(EVALRUN_CACHE=str(tmp_path / "cache"), EVALRUN_STORE=str(tmp_path / "store.db"))
+    command = [sys.executable, "-m", "evalrun", "run", "--model", "random:tiny", "--prompts", "smoke", "--dtype",
+               "bfloat16", "--max-new-tokens", "3", "-O1", "--json", "--quiet"]
+    folders = []
+    for capability in (None, "default"):
+        done = subprocess.run(command, env={**env, **({"ATEN_CPU_CAPABILITY": capability} if capability else {})},
+                              capture_output=True, text=True, timeout=600)
+        assert done.returncode == 0, done.stderr[-2000:]
+        folders.append(json.loads(done.stdout)["evidence"]["compile_cache"]["folder"])
+    assert folders[0] != folders[1] and folders[1].endswith("-cpu-DEFAULT/inductor"), folders
+
+
 @pytest.mark.parametrize("device,graphs", [("cpu", "none")] + [
     pytest.param("cuda", graphs, marks=pytest.mark.gpu) for graphs in ("none", "full", "full-and-piecewise")])
 def test_the_kv_write_inside_the_piece_keeps_the_bits_and_runs_no_index_copy(device, graphs):
