@@ -2,8 +2,9 @@
 
 Inductor keeps compiled FX graphs and max-autotune's kernel choices on disk (`TORCHINDUCTOR_CACHE_DIR`,
 by default a per-user folder under /tmp that a reboot or a fresh CI runner loses), Triton its kernel
-binaries (`TRITON_CACHE_DIR`). evalrun points both at `EVALRUN_CACHE/compile/torch-V-triton-W/`
-unless the user set them, so a second `golden verify -O3` skips compiling and autotuning, and CI can
+binaries (`TRITON_CACHE_DIR`). evalrun points both at `EVALRUN_CACHE/compile/torch-V-triton-W-cpu-C/`
+unless the user set them (Inductor's own default folder, which it writes into the environment on first use,
+does not count as set), so a second `golden verify -O3` skips compiling and autotuning, and CI can
 cache one folder (examples/github-actions/evalrun.yml caches EVALRUN_CACHE).
 
 Can a cache change numerics unnoticed? Inductor's own keys cover the graph, the Inductor config and
@@ -45,14 +46,32 @@ def cache_folder() -> Path:
     return cache_root() / "compile" / name
 
 
+def inductor_default_folder() -> str:
+    """The folder Inductor falls back to, and writes into TORCHINDUCTOR_CACHE_DIR the first time it reads the
+    variable unset (torch._inductor.runtime.cache_dir_utils.cache_dir)."""
+    from torch._inductor.runtime.cache_dir_utils import default_cache_dir
+
+    return os.path.abspath(default_cache_dir())
+
+
+def chosen_by_user(variable: str) -> bool:
+    """Whether a cache variable names a folder somebody chose. Inductor's own default does not count: anything
+    compiled earlier in the process (a library user's torch.compile, a test, a Triton op's registration) has
+    written it into the environment, and that folder is shared by every CPU instruction set (cache_folder)."""
+    value = os.environ.get(variable)
+    if not value:
+        return False
+    return variable != "TORCHINDUCTOR_CACHE_DIR" or os.path.abspath(value) != inductor_default_folder()
+
+
 def use_evalrun_cache() -> dict[str, str]:
     """Point Inductor's and Triton's caches into evalrun's cache folder where the user has not chosen one;
-    returns the folders in effect. Before anything compiles (Inductor reads the variables when it first
-    writes)."""
+    returns the folders in effect. Before anything compiles: Inductor reads the variable each time it opens
+    its cache, so what compiles after this call reads and writes evalrun's folder."""
     folder = cache_folder()
     defaults = {"TORCHINDUCTOR_CACHE_DIR": folder / "inductor", "TRITON_CACHE_DIR": folder / "triton"}
     for variable, path in defaults.items():
-        if not os.environ.get(variable):
+        if not chosen_by_user(variable):
             path.mkdir(parents=True, exist_ok=True)
             os.environ[variable] = str(path)
     return {variable: os.environ[variable] for variable in CACHE_VARIABLES}

@@ -233,6 +233,39 @@ def test_a_compile_cache_is_kept_per_cpu_instruction_set(tmp_path):
     assert folders[0] != folders[1] and folders[1].endswith("-cpu-DEFAULT/inductor"), folders
 
 
+def test_a_library_user_who_compiled_first_still_gets_the_cache_of_the_instruction_set(tmp_path):
+    """A process that compiled something before evalrun's first run (a library user's torch.compile, a test) had
+    Inductor write its own default folder into TORCHINDUCTOR_CACHE_DIR, which evalrun took for the user's choice:
+    its runs then shared /tmp/torchinductor_<user> across CPU instruction sets (the crash above). That default
+    does not count as a choice; a folder the user names does."""
+    import os
+    import subprocess
+    import sys
+
+    script = """
+import json, os, sys, torch
+from torch._inductor.runtime.cache_dir_utils import default_cache_dir
+chosen = os.environ.get("TORCHINDUCTOR_CACHE_DIR")
+torch.compile(lambda x: x * 2)(torch.ones(3))  # unset, Inductor writes its default folder into the environment
+assert os.environ["TORCHINDUCTOR_CACHE_DIR"] == (chosen or os.path.abspath(default_cache_dir()))
+from evalrun.cli import main
+main(sys.argv[1:])
+"""
+    env = {key: value for key, value in os.environ.items() if not key.startswith(("TORCHINDUCTOR", "TRITON"))}
+    env.update(EVALRUN_CACHE=str(tmp_path / "cache"), EVALRUN_STORE=str(tmp_path / "store.db"))
+    command = [sys.executable, "-c", script, "run", "--model", "random:tiny", "--prompts", "smoke", "--max-new-tokens",
+               "2", "-O1", "--json", "--quiet"]
+    done = subprocess.run(command, env=env, capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, done.stderr[-2000:]
+    folder = json.loads(done.stdout)["evidence"]["compile_cache"]["folder"]
+    assert folder.startswith(str(tmp_path / "cache" / "compile")) and folder.endswith("/inductor"), folder
+    chosen = tmp_path / "mine"
+    done = subprocess.run(command, env={**env, "TORCHINDUCTOR_CACHE_DIR": str(chosen)}, capture_output=True,
+                          text=True, timeout=600)
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert json.loads(done.stdout)["evidence"]["compile_cache"]["folder"] == str(chosen)
+
+
 @pytest.mark.parametrize("device,graphs", [("cpu", "none")] + [
     pytest.param("cuda", graphs, marks=pytest.mark.gpu) for graphs in ("none", "full", "full-and-piecewise")])
 def test_the_kv_write_inside_the_piece_keeps_the_bits_and_runs_no_index_copy(device, graphs):

@@ -19,7 +19,7 @@ from torch._subclasses.fake_tensor import is_fake
 
 from ..config import TRITON_DTYPE_NAMES
 from ..errors import ConfigError
-from .triton_ops import INTERPRETED, refuse_unregistrable, registering
+from .triton_ops import INTERPRETED, refuse_unregistrable
 
 BLOCK_S = 64  # cache slots a program reads per step of its loop
 TARGET_CHUNKS = 16  # chunks per key/value head: enough programs to keep the SMs reading at batch 1
@@ -49,12 +49,11 @@ def prepare(kernel: str, device: torch.device | str) -> None:
 
     from . import attention_triton_kernel
 
-    with registering():
-        @triton_op("evalrun::split_kv_attention", mutates_args={})
-        def split_kv_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor,
-                               scale: float) -> torch.Tensor:
-            return attention_triton_kernel.launch(q, k, v, mask, scale, chunk_for(k.shape[2]), BLOCK_S, wrap_triton,
-                                                  arrivals=arrivals_for(q, k.shape[1]))
+    @triton_op("evalrun::split_kv_attention", mutates_args={})
+    def split_kv_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor,
+                           scale: float) -> torch.Tensor:
+        return attention_triton_kernel.launch(q, k, v, mask, scale, chunk_for(k.shape[2]), BLOCK_S, wrap_triton,
+                                              arrivals=arrivals_for(q, k.shape[1]))
 
     _OP["op"] = split_kv_attention
 

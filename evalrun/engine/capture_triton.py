@@ -23,7 +23,7 @@ from __future__ import annotations
 import torch
 
 from .capture import BITS_VIEW  # the logits dtypes the kernel reads
-from .triton_ops import INTERPRETED, can_register, registering
+from .triton_ops import INTERPRETED, can_register
 
 CHUNK = 1024  # elements of one row each program reads (tuned on the H200: benchmarks/capture_overhead.py)
 MAX_FUSED_TOP_K = 128  # larger top-k: the torch path (a program's bitonic top-k is sized by K)
@@ -52,10 +52,9 @@ def prepare(device: torch.device | str) -> None:
 
     from . import capture_triton_kernel
 
-    with registering():
-        @triton_op("evalrun::capture_chunks", mutates_args={})
-        def capture_chunks(logits: torch.Tensor, k_pow2: int) -> tuple[torch.Tensor, torch.Tensor]:
-            return capture_triton_kernel.launch(logits, k_pow2, CHUNK, wrap_triton)
+    @triton_op("evalrun::capture_chunks", mutates_args={})
+    def capture_chunks(logits: torch.Tensor, k_pow2: int) -> tuple[torch.Tensor, torch.Tensor]:
+        return capture_triton_kernel.launch(logits, k_pow2, CHUNK, wrap_triton)
 
     _OP["op"] = capture_chunks
 

@@ -28,7 +28,7 @@ import torch.nn.functional as F
 from ..config import GEMV_MAX_ROWS, TRITON_DTYPE_NAMES  # decode at batch <= 4; more rows: F.linear
 from ..errors import ConfigError
 from .gguf_blocks import BlockWeight, gemv
-from .triton_ops import INTERPRETED, refuse_unregistrable, registering
+from .triton_ops import INTERPRETED, refuse_unregistrable
 
 GEMV_MAX_WEIGHT = 1 << 25  # elements (64 MB in bf16): larger ones stay with cuBLAS, except long-row ones
 GEMV_DTYPES = tuple(getattr(torch, name) for name in TRITON_DTYPE_NAMES)
@@ -54,11 +54,10 @@ def prepare(kernel: str, device: torch.device | str) -> None:
 
     from . import linear_triton_kernel
 
-    with registering():
-        @triton_op("evalrun::gemv", mutates_args={})
-        def gemv(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor],  # noqa: UP045 (schema)
-                 residual: Optional[torch.Tensor]) -> torch.Tensor:  # noqa: UP045 (schema)
-            return linear_triton_kernel.launch(x, weight, bias, *blocks(x.shape[0], weight), wrap_triton, residual)
+    @triton_op("evalrun::gemv", mutates_args={})
+    def gemv(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor],  # noqa: UP045 (schema)
+             residual: Optional[torch.Tensor]) -> torch.Tensor:  # noqa: UP045 (schema)
+        return linear_triton_kernel.launch(x, weight, bias, *blocks(x.shape[0], weight), wrap_triton, residual)
 
     _OP["op"] = gemv
 

@@ -10,8 +10,6 @@ from __future__ import annotations
 
 import importlib.util
 import os
-from contextlib import contextmanager
-from typing import Iterator
 
 import torch
 
@@ -36,15 +34,3 @@ def refuse_unregistrable(knob: str, value: str, default: str, device: torch.devi
         raise ConfigError(f"{knob}={value} is a CUDA kernel; on CPU use {knob}={default}")
     if not can_register(device):
         raise ConfigError(f"{knob}={value} needs Triton, which this torch lacks; install triton, or use {knob}={default}")
-
-
-@contextmanager
-def registering() -> Iterator[None]:
-    """Around a `torch.library.triton_op` registration: registering makes Inductor settle its cache folder
-    into TORCHINDUCTOR_CACHE_DIR; where nobody had chosen one, the choice is left to evalrun's compile_cache."""
-    chosen = "TORCHINDUCTOR_CACHE_DIR" in os.environ
-    try:
-        yield
-    finally:
-        if not chosen:
-            os.environ.pop("TORCHINDUCTOR_CACHE_DIR", None)
