@@ -271,6 +271,23 @@ def test_shard_jobs_merged_give_the_unsharded_results_and_verdict(cli, tmp_path,
     assert code == 2 and "run the missing `golden verify --shard I/N` jobs" in err
 
 
+def test_shards_of_an_older_scheme_of_runs_are_missing_not_mixed_in(cli, tmp_path, golden_dir, monkeypatch):
+    """Shards an older evalrun stored (another SHARD_SCHEME: it made other runs, e.g. before every run of a routing
+    golden followed its pinned routing) are not this verification's: judged from them, the shards are missing."""
+    from evalrun import sharding
+
+    verify = ["golden", "verify", "tiny", *TINY, "--dir", str(golden_dir), "--json"]
+    monkeypatch.setattr(sharding, "SHARD_SCHEME", sharding.SHARD_SCHEME - 1)
+    for index in range(2):
+        assert cli(*verify, "--shard", f"{index}/2", "--store", str(tmp_path / f"verify{index}.db"))[0] == 0
+    merge_stores(tmp_path / "old.db", [tmp_path / "verify0.db", tmp_path / "verify1.db"])
+    code, out, _ = cli(*verify, "--store", str(tmp_path / "old.db"), "--from-shards")
+    assert code == 0 and json.loads(out)["verdict"] in ("identical", "drift")  # the older evalrun reads its own shards
+    monkeypatch.undo()
+    code, _, err = cli(*verify, "--store", str(tmp_path / "old.db"), "--from-shards")
+    assert code == 2 and "run the missing `golden verify --shard I/N` jobs" in err, err
+
+
 def test_merge_refuses_a_run_id_with_other_content(cli, tmp_path):
     assert cli("run", *TINY, "--store", str(tmp_path / "a.db"))[0] == 0
     merge_stores(tmp_path / "out.db", [tmp_path / "a.db"])
