@@ -24,7 +24,6 @@ and the engine's decode step under three modes with its kernel time by kind.
 from __future__ import annotations
 
 import argparse
-import functools
 import json
 import sys
 from collections import defaultdict
@@ -36,7 +35,7 @@ import torch.nn.functional as F
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from evalrun.engine import attention_triton, linear, linear_triton_kernel  # noqa: E402
+from evalrun.engine import attention_triton, linear  # noqa: E402
 from evalrun.engine.driver import generate_batch  # noqa: E402
 from evalrun.engine.generate import BatchSpec  # noqa: E402
 from evalrun.config import CompilationMode, CUDAGraphMode  # noqa: E402
@@ -210,12 +209,9 @@ def projections_report(report: dict, transformer: Transformer, gemv_grid: bool) 
     report["projections_triton_gemv"] = {name: projection_bandwidth([getattr(w, name) for w in layers], gemv)
                                          for name in ("qkv", "o", "gate_up", "down")}
     report["projections_triton_gemv"]["lm_head"] = projection_bandwidth([transformer.lm_head] * 2, gemv)
-    from evalrun.engine.linear_triton_kernel import launch
-
-    one_tile = lambda x, w: launch(x, w, None, *linear.blocks(1, w), prefetch=False)  # noqa: E731
-    report["projections_triton_gemv_one_tile"] = {name: projection_bandwidth([getattr(w, name) for w in layers], one_tile)
-                                                  for name in ("qkv", "o", "down")}
     if gemv_grid:
+        from evalrun.engine.linear_triton_kernel import launch
+
         report["gemv_grid"] = {
             name: {f"{bn}x{bk}x{warps}": projection_bandwidth(
                 [getattr(w, name) for w in layers], lambda x, w, c=(bn, bk, warps): launch(x, w, None, *c))["tb_per_s"]
@@ -264,7 +260,6 @@ def main() -> None:
     split_kv = gemv.with_attention_kernel("triton-split-kv")
     separate_residual = ((transformer_module, "RESIDUAL_IN_PROJECTION", False),)
     separate_combine = ((attention_triton, "COMBINE_IN_LAST_PROGRAM", False),)  # split-KV's second kernel (stop 19)
-    one_tile = ((linear_triton_kernel, "launch", functools.partial(linear_triton_kernel.launch, prefetch=False)),)
     rows = [(None, "", gemv, {}, ()),
             ("split-kv", " +triton-split-kv", split_kv, {}, ()),
             ("residual", ", residual add separate", gemv, {}, separate_residual),
@@ -274,9 +269,7 @@ def main() -> None:
             ("levers", " +split-kv +combo", split_kv, combo, ()),
             ("levers-combine-kernel", " +split-kv +combo, split-KV's chunks combined by a second kernel", split_kv,
              combo, separate_combine),
-            ("levers-o3", " +split-kv +combo, -O3's Inductor options", split_kv, o3, ()),
-            ("levers-one-tile", " +split-kv +combo, the GEMV with one tile in flight (before stop 22)", split_kv, combo,
-             one_tile)]
+            ("levers-o3", " +split-kv +combo, -O3's Inductor options", split_kv, o3, ())]
     for name, label, forward, options, flags in rows:
         if name in skip:
             continue
@@ -301,11 +294,9 @@ def main() -> None:
           f"({report['weights_read_per_step_gb']:.2f} GB read per step)")
     for name, row in report.get("projections", {}).items():
         lt, tg = report["projections_cublaslt"].get(name), report["projections_triton_gemv"][name]
-        one = report["projections_triton_gemv_one_tile"].get(name)
         print(f"  {name:8s} {str(row['shape']):16s} {row['us']:8.1f} us  {row['tb_per_s']:.2f} TB/s"
               + (f"   cublaslt {lt['us']:8.1f} us  {lt['tb_per_s']:.2f} TB/s" if lt else "")
-              + f"   linear_kernel=triton-gemv {tg['us']:8.1f} us  {tg['tb_per_s']:.2f} TB/s"
-              + (f" (one tile in flight {one['us']:.1f} us  {one['tb_per_s']:.2f} TB/s)" if one else ""))
+              + f"   linear_kernel=triton-gemv {tg['us']:8.1f} us  {tg['tb_per_s']:.2f} TB/s")
     for name, grid in report.get("gemv_grid", {}).items():
         best = max(grid, key=grid.get)
         print(f"  gemv grid {name:8s} best {best} {grid[best]:.2f} TB/s  ("

@@ -17,37 +17,23 @@ import triton.language as tl
 
 
 @triton.jit
-def _tile(w_rows, x_rows, outs, ms, ks, rows, n, k: tl.constexpr, EVEN: tl.constexpr):
-    """The weight tile [BN, BK] and input tile [R, BK] at columns `ks`."""
-    if EVEN:  # n and k multiples of the blocks: unmasked, vectorised weight loads
-        w = tl.load(w_rows + ks[None, :])
-    else:
-        w = tl.load(w_rows + ks[None, :], mask=(outs[:, None] < n) & (ks[None, :] < k), other=0.0)
-    x = tl.load(x_rows + ks[None, :], mask=(ms[:, None] < rows) & (ks[None, :] < k), other=0.0)
-    return w, x
-
-
-@triton.jit
 def gemv_kernel(x_ptr, w_ptr, bias_ptr, residual_ptr, y_ptr, rows, n, x_stride, w_stride, y_stride,
                 k: tl.constexpr, HAS_BIAS: tl.constexpr, HAS_RESIDUAL: tl.constexpr, EVEN: tl.constexpr,
-                ROWS_POW2: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, PREFETCH: tl.constexpr):
+                ROWS_POW2: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
     outs = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)  # [BN]
     ms = tl.arange(0, ROWS_POW2)  # [R]
     lanes = tl.arange(0, BLOCK_K)  # [BK]
     w_rows = w_ptr + outs.to(tl.int64)[:, None] * w_stride  # [BN, 1]
     x_rows = x_ptr + ms[:, None] * x_stride  # [R, 1]
     acc = tl.zeros((ROWS_POW2, BLOCK_N, BLOCK_K), dtype=tl.float32)
-    if PREFETCH:  # the next tile's loads issued before this tile's products: two tiles in flight per program
-        w, x = _tile(w_rows, x_rows, outs, ms, lanes, rows, n, k, EVEN)  # [BN, BK], [R, BK]
-        for start in range(BLOCK_K, k, BLOCK_K):
-            w_next, x_next = _tile(w_rows, x_rows, outs, ms, start + lanes, rows, n, k, EVEN)
-            acc += x.to(tl.float32)[:, None, :] * w.to(tl.float32)[None, :, :]
-            w, x = w_next, x_next
+    for start in range(0, k, BLOCK_K):
+        ks = start + lanes
+        if EVEN:  # n and k multiples of the blocks: unmasked, vectorised weight loads
+            w = tl.load(w_rows + ks[None, :])  # [BN, BK]
+        else:
+            w = tl.load(w_rows + ks[None, :], mask=(outs[:, None] < n) & (ks[None, :] < k), other=0.0)
+        x = tl.load(x_rows + ks[None, :], mask=(ms[:, None] < rows) & (ks[None, :] < k), other=0.0)  # [R, BK]
         acc += x.to(tl.float32)[:, None, :] * w.to(tl.float32)[None, :, :]
-    else:  # one tile in flight: each program waits for a tile's loads before it asks for the next
-        for start in range(0, k, BLOCK_K):
-            w, x = _tile(w_rows, x_rows, outs, ms, start + lanes, rows, n, k, EVEN)
-            acc += x.to(tl.float32)[:, None, :] * w.to(tl.float32)[None, :, :]
     y = tl.sum(acc, axis=2)  # [R, BN]
     if HAS_BIAS:
         y += tl.load(bias_ptr + outs, mask=outs < n, other=0.0).to(tl.float32)[None, :]
@@ -60,8 +46,7 @@ def gemv_kernel(x_ptr, w_ptr, bias_ptr, residual_ptr, y_ptr, rows, n, x_stride, 
 
 
 def launch(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, block_n: int, block_k: int,
-           num_warps: int, wrap=lambda kernel: kernel, residual: torch.Tensor | None = None,
-           prefetch: bool = True) -> torch.Tensor:
+           num_warps: int, wrap=lambda kernel: kernel, residual: torch.Tensor | None = None) -> torch.Tensor:
     """x [M, K] (rows contiguous), weight [N, K] (rows contiguous), bias [N] or None, residual [M, N] (contiguous)
     or None -> y [M, N]."""
     rows, k = x.shape
@@ -71,6 +56,5 @@ def launch(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, blo
     wrap(gemv_kernel)[(triton.cdiv(n, block_n),)](
         x, weight, x if bias is None else bias, x if residual is None else residual, y, rows, n, x.stride(0),
         weight.stride(0), y.stride(0), k, HAS_BIAS=bias is not None, HAS_RESIDUAL=residual is not None, EVEN=even,
-        ROWS_POW2=triton.next_power_of_2(rows), BLOCK_N=block_n, BLOCK_K=block_k, PREFETCH=prefetch,
-        num_warps=num_warps)
+        ROWS_POW2=triton.next_power_of_2(rows), BLOCK_N=block_n, BLOCK_K=block_k, num_warps=num_warps)
     return y
