@@ -19,23 +19,14 @@ import triton.language as tl
 @triton.jit
 def gemv_kernel(x_ptr, w_ptr, bias_ptr, residual_ptr, y_ptr, rows, n, x_stride, w_stride, y_stride,
                 k: tl.constexpr, HAS_BIAS: tl.constexpr, HAS_RESIDUAL: tl.constexpr, EVEN: tl.constexpr,
-                ROWS_POW2: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, PDL: tl.constexpr):
-    if PDL:  # programmatic dependent launch: the next kernel may launch now
-        tl.extra.cuda.gdc_launch_dependents()
+                ROWS_POW2: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
     outs = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)  # [BN]
     ms = tl.arange(0, ROWS_POW2)  # [R]
     lanes = tl.arange(0, BLOCK_K)  # [BK]
     w_rows = w_ptr + outs.to(tl.int64)[:, None] * w_stride  # [BN, 1]
     x_rows = x_ptr + ms[:, None] * x_stride  # [R, 1]
     acc = tl.zeros((ROWS_POW2, BLOCK_N, BLOCK_K), dtype=tl.float32)
-    if PDL == 2:  # the first weight tile asked for before waiting on the kernel before (the weights are not its output)
-        w = tl.load(w_rows + lanes[None, :], mask=(outs[:, None] < n) & (lanes[None, :] < k), other=0.0)
-        tl.extra.cuda.gdc_wait()
-        x = tl.load(x_rows + lanes[None, :], mask=(ms[:, None] < rows) & (lanes[None, :] < k), other=0.0)
-        acc += x.to(tl.float32)[:, None, :] * w.to(tl.float32)[None, :, :]
-    elif PDL:
-        tl.extra.cuda.gdc_wait()
-    for start in range(BLOCK_K if PDL == 2 else 0, k, BLOCK_K):
+    for start in range(0, k, BLOCK_K):
         ks = start + lanes
         if EVEN:  # n and k multiples of the blocks: unmasked, vectorised weight loads
             w = tl.load(w_rows + ks[None, :])  # [BN, BK]
@@ -55,7 +46,7 @@ def gemv_kernel(x_ptr, w_ptr, bias_ptr, residual_ptr, y_ptr, rows, n, x_stride, 
 
 
 def launch(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, block_n: int, block_k: int,
-           num_warps: int, wrap=lambda kernel: kernel, residual: torch.Tensor | None = None, pdl: int = 0) -> torch.Tensor:
+           num_warps: int, wrap=lambda kernel: kernel, residual: torch.Tensor | None = None) -> torch.Tensor:
     """x [M, K] (rows contiguous), weight [N, K] (rows contiguous), bias [N] or None, residual [M, N] (contiguous)
     or None -> y [M, N]."""
     rows, k = x.shape
@@ -65,6 +56,5 @@ def launch(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, blo
     wrap(gemv_kernel)[(triton.cdiv(n, block_n),)](
         x, weight, x if bias is None else bias, x if residual is None else residual, y, rows, n, x.stride(0),
         weight.stride(0), y.stride(0), k, HAS_BIAS=bias is not None, HAS_RESIDUAL=residual is not None, EVEN=even,
-        ROWS_POW2=triton.next_power_of_2(rows), BLOCK_N=block_n, BLOCK_K=block_k, num_warps=num_warps,
-        PDL=pdl, **({"launch_pdl": True} if pdl else {}))
+        ROWS_POW2=triton.next_power_of_2(rows), BLOCK_N=block_n, BLOCK_K=block_k, num_warps=num_warps)
     return y
