@@ -15,7 +15,8 @@ and the engine's decode step under three modes with its kernel time by kind.
    pre-attention piece), with the MLP's residual added by its own kernel (before the GEMV's epilogue
    took it), with attention by the split-KV kernel (`attention_kernel=triton-split-kv`), with Inductor's
    combo kernels, and those levers together: as they are, with split-KV's chunks combined by a second kernel
-   (before stop 19), and with -O3's Inductor options (max-autotune, coordinate descent), side by side.
+   (before stop 19), with -O3's Inductor options (max-autotune, coordinate descent), and with the greedy token
+   by its own argmax instead of the fused capture's top-1 (before stop 22), side by side.
    Each row also gives the time to first token of four more batches and one profiled prefill: host wall
    time against the GPU's kernel time (is the prefill bound by the host?) and its longest kernels.
    `--skip` leaves parts out.
@@ -36,6 +37,7 @@ import torch.nn.functional as F
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from evalrun.engine import attention_triton, linear  # noqa: E402
+from evalrun.engine import generate as generate_module  # noqa: E402
 from evalrun.engine.driver import generate_batch  # noqa: E402
 from evalrun.engine.generate import BatchSpec  # noqa: E402
 from evalrun.config import CompilationMode, CUDAGraphMode  # noqa: E402
@@ -136,7 +138,7 @@ def profile_decode(mode: ExecutionMode, workspace, steps: int) -> tuple[dict[str
             kinds[kind_of(event.name)]["ms"] += ms
             names[event.name[:90]][0] += 1 / steps
             names[event.name[:90]][1] += ms
-    top = sorted(names.items(), key=lambda item: -item[1][0])[:15]
+    top = sorted(names.items(), key=lambda item: -item[1][0])[:30]
     return dict(kinds), [{"kernel": name, "per_step": round(n, 1), "ms": round(ms, 4)} for name, (n, ms) in top]
 
 
@@ -180,6 +182,7 @@ def measure_decode(transformer: Transformer, compilation: str, graphs: str, prom
     row = {"mode": f"{compilation}/{graphs}", "step_p50_ms": float(np.median(output.step_ms[1:])),
            "ttft_ms": float(output.step_ms[0]), "ttft_ms_next": ttfts,
            "digests_hash": hash_bytes(output.digests.astype("<i8").tobytes()),  # rows of equal bits: equal hashes
+           "tokens_hash": hash_bytes(output.tokens.astype("<i8").tobytes()),
            "prefill": profile_prefill(mode, transformer, prompt)}
     workspace = next(iter(mode.workspaces.values()), mode.last_workspace)
     kinds, top = profile_decode(mode, workspace, 8)
@@ -228,7 +231,7 @@ def main() -> None:
     parser.add_argument("--skip", default="", help="comma-separated parts to leave out: projections, eager "
                         "(the eager and graphless steps), split-kv (the step with the split-KV attention), residual, "
                         "kv-write (the step with the MLP's residual add, or the KV write, separate), pdl-inductor, combo, "
-                        "levers, levers-combine-kernel, levers-o3")
+                        "levers, levers-combine-kernel, levers-o3, levers-argmax")
     args = parser.parse_args()
     skip = set(args.skip.split(","))
     loaded = load_model(args.model, "cuda", args.dtype)
@@ -260,6 +263,7 @@ def main() -> None:
     split_kv = gemv.with_attention_kernel("triton-split-kv")
     separate_residual = ((transformer_module, "RESIDUAL_IN_PROJECTION", False),)
     separate_combine = ((attention_triton, "COMBINE_IN_LAST_PROGRAM", False),)  # split-KV's second kernel (stop 19)
+    own_argmax = ((generate_module, "GREEDY_FROM_CAPTURE", False),)  # the greedy token by argmax (before stop 22)
     rows = [(None, "", gemv, {}, ()),
             ("split-kv", " +triton-split-kv", split_kv, {}, ()),
             ("residual", ", residual add separate", gemv, {}, separate_residual),
@@ -269,7 +273,9 @@ def main() -> None:
             ("levers", " +split-kv +combo", split_kv, combo, ()),
             ("levers-combine-kernel", " +split-kv +combo, split-KV's chunks combined by a second kernel", split_kv,
              combo, separate_combine),
-            ("levers-o3", " +split-kv +combo, -O3's Inductor options", split_kv, o3, ())]
+            ("levers-o3", " +split-kv +combo, -O3's Inductor options", split_kv, o3, ()),
+            ("levers-argmax", " +split-kv +combo, the greedy token by its own argmax (before stop 22)", split_kv, combo,
+             own_argmax)]
     for name, label, forward, options, flags in rows:
         if name in skip:
             continue
@@ -305,7 +311,7 @@ def main() -> None:
         kinds = "  ".join(f"{k} {v['kernels']:.0f}x {v['ms']:.3f} ms" for k, v in sorted(row["by_kind"].items()))
         print(f"  {row['mode']:62s} step {row['step_p50_ms']:.3f} ms ({1000 / row['step_p50_ms']:.1f} tok/s)  "
               f"{row['kernels_per_step']:.0f} kernels  idle {row['idle_share']:.0%}  {kinds}  "
-              f"digests {row['digests_hash'][:12]}")
+              f"digests {row['digests_hash'][:12]} tokens {row['tokens_hash'][:12]}")
         prefill = row["prefill"]
         print(f"      TTFT {row['ttft_ms']:.1f} ms, then " + ", ".join(f"{t:.1f}" for t in row["ttft_ms_next"])
               + f"; one prefill: {prefill['wall_ms_profiled']:.1f} ms on the host (profiled), "

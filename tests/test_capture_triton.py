@@ -144,7 +144,9 @@ def test_gpu_fused_capture_matches_torch_eager_compiled_and_graphed(dtype):
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 @pytest.mark.parametrize("level", ["0", "2"])
 def test_gpu_runs_store_the_same_digests_with_either_capture(level):
-    """An -O0 and an -O2 run on the GPU: the fused kernel and the torch capture store the same digests."""
+    """An -O0 and an -O2 run on the GPU: the fused kernel and the torch capture store the same digests and tokens
+    (with the fused kernel a greedy step takes its token from the kernel's top-1, with the torch capture from
+    argmax)."""
     from evalrun.config import RunConfig
     from evalrun.engine import generate
     from evalrun.runner import execute_run
@@ -166,9 +168,43 @@ def test_gpu_runs_store_the_same_digests_with_either_capture(level):
         finally:
             generate.fused_capture_supported, generate.fused_capture = original_choice, original_kernel
         torch._dynamo.reset()
-        return [r.logits_digest for r in run.results], run.evidence["capture_kernel"], len(calls)
+        return ([(r.logits_digest, r.tokens_digest) for r in run.results], run.evidence["capture_kernel"],
+                len(calls))
 
     fused, kernel, fused_calls = digests(True)
     plain, _, plain_calls = digests(False)
     assert kernel == "triton-fused" and fused_calls > 0 and plain_calls == 0
     assert fused == plain
+
+
+@gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32, torch.float64])
+def test_gpu_a_greedy_token_from_the_fused_capture_is_argmaxs_choice(dtype):
+    """A greedy step captured by the fused kernel takes the kernel's top-1 as its token instead of reading the logits
+    again for argmax: the same choice at exact ties (the lower id), at NaN (the first), at -0.0 beside 0.0, at
+    +inf and on a row of -inf. float64 logits keep argmax: two of them may share a float32 key."""
+    from evalrun.engine import generate
+    from evalrun.engine.capture_triton import prepare
+
+    prepare("cuda")
+    vocab = 128256
+    logits = torch.randn(8, vocab, device="cuda", dtype=torch.float64) * 3
+    logits[1, [5000, 70000, 90000]] = 50.0  # an exact tie: the lowest id
+    logits[2, [100000, 7]] = float("nan")  # two NaNs: the first
+    logits[3] = -torch.rand(vocab, device="cuda", dtype=torch.float64) - 1
+    logits[3, [900, 30]] = -0.0
+    logits[3, 2000] = 0.0
+    logits[4, [60000, 129]] = float("inf")
+    logits[5] = float("-inf")
+    logits[6] = -torch.rand(vocab, device="cuda", dtype=torch.float64) - 1
+    logits[6, 50], logits[6, 100] = 1.0, 1.0 + 2.0 ** -40  # in float64 100 is larger; in float32 both are 1.0
+    logits = logits.to(dtype)
+    steps, top_k = 2, 8
+    spec = generate.BatchSpec(prompts=[[1]] * 8, steps=steps, pad_id=0, top_k=top_k)
+    buffers = generate.CaptureBuffers.allocate(8, steps, vocab, spec, dtype, torch.device("cuda"))
+    step, seeds = torch.zeros(1, dtype=torch.int64, device="cuda"), torch.zeros(8, dtype=torch.int64, device="cuda")
+    token = generate.capture_step(logits, step, buffers, top_k, 0.0, seeds)
+    assert torch.equal(token, logits.argmax(dim=-1)), (token, logits.argmax(dim=-1))
+    assert token[1] == 5000 and token[2] == 7 and token[3] == 30 and token[4] == 129 and token[5] == 0
+    assert token[6] == (100 if dtype == torch.float64 else 50)  # float64: argmax's; the kernel's top-1 would be 50
