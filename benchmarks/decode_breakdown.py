@@ -16,7 +16,8 @@ and the engine's decode step under three modes with its kernel time by kind.
    took it), with attention by the split-KV kernel (`attention_kernel=triton-split-kv`), with Inductor's
    combo kernels, and those levers together: as they are, with split-KV's chunks combined by a second kernel
    (before stop 19), with -O3's Inductor options (max-autotune, coordinate descent), and with the greedy token
-   by its own argmax instead of the fused capture's top-1 (before stop 22), side by side.
+   by its own argmax instead of the fused capture's top-1, with the capture's chunks merged by torch ops instead
+   of its merge kernel, and with both (before stop 22), side by side.
    Each row also gives the time to first token of four more batches and one profiled prefill: host wall
    time against the GPU's kernel time (is the prefill bound by the host?) and its longest kernels.
    `--skip` leaves parts out.
@@ -36,7 +37,7 @@ import torch.nn.functional as F
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from evalrun.engine import attention_triton, linear  # noqa: E402
+from evalrun.engine import attention_triton, capture_triton, linear  # noqa: E402
 from evalrun.engine import generate as generate_module  # noqa: E402
 from evalrun.engine.driver import generate_batch  # noqa: E402
 from evalrun.engine.generate import BatchSpec  # noqa: E402
@@ -231,7 +232,7 @@ def main() -> None:
     parser.add_argument("--skip", default="", help="comma-separated parts to leave out: projections, eager "
                         "(the eager and graphless steps), split-kv (the step with the split-KV attention), residual, "
                         "kv-write (the step with the MLP's residual add, or the KV write, separate), pdl-inductor, combo, "
-                        "levers, levers-combine-kernel, levers-o3, levers-argmax")
+                        "levers, levers-combine-kernel, levers-o3, levers-argmax, levers-torch-merge, levers-both")
     args = parser.parse_args()
     skip = set(args.skip.split(","))
     loaded = load_model(args.model, "cuda", args.dtype)
@@ -264,6 +265,7 @@ def main() -> None:
     separate_residual = ((transformer_module, "RESIDUAL_IN_PROJECTION", False),)
     separate_combine = ((attention_triton, "COMBINE_IN_LAST_PROGRAM", False),)  # split-KV's second kernel (stop 19)
     own_argmax = ((generate_module, "GREEDY_FROM_CAPTURE", False),)  # the greedy token by argmax (before stop 22)
+    torch_merge = ((capture_triton, "MERGE_IN_KERNEL", False),)  # the capture's chunks merged by torch ops (before 22)
     rows = [(None, "", gemv, {}, ()),
             ("split-kv", " +triton-split-kv", split_kv, {}, ()),
             ("residual", ", residual add separate", gemv, {}, separate_residual),
@@ -275,7 +277,11 @@ def main() -> None:
              combo, separate_combine),
             ("levers-o3", " +split-kv +combo, -O3's Inductor options", split_kv, o3, ()),
             ("levers-argmax", " +split-kv +combo, the greedy token by its own argmax (before stop 22)", split_kv, combo,
-             own_argmax)]
+             own_argmax),
+            ("levers-torch-merge", " +split-kv +combo, the capture's chunks merged by torch ops (before stop 22)",
+             split_kv, combo, torch_merge),
+            ("levers-both", " +split-kv +combo, argmax and the torch merge (before stop 22)", split_kv, combo,
+             own_argmax + torch_merge)]
     for name, label, forward, options, flags in rows:
         if name in skip:
             continue

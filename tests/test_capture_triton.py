@@ -23,11 +23,19 @@ import torch
 from evalrun.engine import capture_triton
 from evalrun.engine.capture import logits_digest
 
+def bits(tensor):
+    return (tensor.view(torch.int32) if tensor.dtype == torch.float32 else tensor).tolist()
+
 def case(name, logits, top_k):
     digest, ids, values, margin = capture_triton.fused_capture(logits, top_k)
+    capture_triton.MERGE_IN_KERNEL = False  # the torch ops' merge
+    torch_merge = capture_triton.fused_capture(logits, top_k)
+    capture_triton.MERGE_IN_KERNEL = True
+    same_merge = [bits(a) for a in (digest, ids, values, margin)] == [bits(b) for b in torch_merge]
     return {"name": name, "logits": logits.double().tolist(), "bits": logits.view({2: torch.int16, 4: torch.int32, 8: torch.int64}[logits.element_size()]).tolist(),
             "dtype": str(logits.dtype), "top_k": top_k, "digest": digest.tolist(), "torch_digest": logits_digest(logits).tolist(),
-            "ids": ids.tolist(), "values": values.tolist(), "margin": margin.tolist()}
+            "ids": ids.tolist(), "values": values.tolist(), "margin": margin.tolist(), "margin_bits": bits(margin),
+            "same_merge": same_merge}
 
 g = torch.Generator().manual_seed(7)
 cases = []
@@ -96,6 +104,15 @@ def test_fused_topk_values_equal_torch_topk_where_there_are_no_ties(interpreted)
         logits = torch.tensor(case["logits"], dtype=torch.float32)
         ids, values, margin = topk_sketch(logits, case["top_k"])
         assert ids.tolist() == case["ids"] and values.tolist() == case["values"] and margin.tolist() == case["margin"]
+
+
+def test_the_merge_kernel_gives_the_torch_merges_bits(interpreted):
+    """The chunks' candidates merged by one Triton program per row: digest, ids, values and margin bit for bit
+    those of the torch ops' merge, the margin's sign of zero included (-0.0 first, 0.0 second: -0.0)."""
+    assert all(case["same_merge"] for case in interpreted["cases"]), [c["name"] for c in interpreted["cases"]
+                                                                      if not c["same_merge"]]
+    signed = next(case for case in interpreted["cases"] if case["name"] == "signed-zeros")
+    assert signed["margin_bits"] == [-2 ** 31]  # -0.0
 
 
 def test_ties_go_to_the_lower_index_and_nan_ranks_first(interpreted):

@@ -3,9 +3,10 @@
 `capture.py` computes the same three things with torch ops (the CPU and reference implementation):
 the digest reads the logits once, the top-k a second time. Here each program reads one chunk of one
 row once and writes (a) the chunk's two digest lane sums and (b) the chunk's `K` largest elements as
-packed keys; a few small torch ops then add the partial sums (wrapping int64: the digest is a sum, so
-it is bit-identical to `capture.logits_digest` whatever the chunking) and take the top-k of the
-candidates. The merge reads `chunks x K` keys and gathers the `k` winning logits, not the row.
+packed keys; a second kernel, one program per row, then adds the partial sums (wrapping int64: the digest is
+a sum, so it is bit-identical to `capture.logits_digest` whatever the chunking) and takes the top-k of the
+candidates (torch ops do this where the candidates are too many for one program). The merge reads
+`chunks x K` keys and gathers the `k` winning logits, not the row.
 
 Packed key (int64): the float32 value's bits made order-preserving as a signed int32, in the high
 half; `2^32 - 1 - index` in the low half. Keys are distinct, so the order is total: larger value
@@ -27,6 +28,10 @@ from .triton_ops import INTERPRETED, can_register
 
 CHUNK = 1024  # elements of one row each program reads (tuned on the H200: benchmarks/capture_overhead.py)
 MAX_FUSED_TOP_K = 128  # larger top-k: the torch path (a program's bitonic top-k is sized by K)
+# The chunks' candidates one merge program sorts (Llama-3's vocabulary at top-k 32: 126 chunks x 32); more: torch's
+# topk merges them. The merge kernel replaced seven kernels of torch ops, about 30 us of an 8B decode step (stop 22).
+MAX_MERGED_CANDIDATES = 4096
+MERGE_IN_KERNEL = True  # False: the torch merge (before stop 22), for benchmarks/decode_breakdown.py beside
 _LOW32 = (1 << 32) - 1
 _OP: dict = {}  # "op": the registered torch op, once prepare() ran on a CUDA device with Triton
 
@@ -56,7 +61,12 @@ def prepare(device: torch.device | str) -> None:
     def capture_chunks(logits: torch.Tensor, k_pow2: int) -> tuple[torch.Tensor, torch.Tensor]:
         return capture_triton_kernel.launch(logits, k_pow2, CHUNK, wrap_triton)
 
-    _OP["op"] = capture_chunks
+    @triton_op("evalrun::capture_merge", mutates_args={})
+    def capture_merge(logits: torch.Tensor, digest_parts: torch.Tensor, keys: torch.Tensor,
+                      top_k: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+        return capture_triton_kernel.launch_merge(logits, digest_parts, keys, top_k, wrap_triton)
+
+    _OP["op"], _OP["merge"] = capture_chunks, capture_merge
 
 
 def fused_capture(logits: torch.Tensor, top_k: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -68,11 +78,14 @@ def fused_capture(logits: torch.Tensor, top_k: int) -> tuple[torch.Tensor, torch
     k_pow2 = max(2, 1 << (top_k - 1).bit_length())
     logits = logits if logits.stride(-1) == 1 else logits.contiguous()
     if INTERPRETED:
-        from .capture_triton_kernel import launch
+        from .capture_triton_kernel import launch, launch_merge
 
-        partial_digests, keys = launch(logits, k_pow2, CHUNK)
+        partial_digests, keys = launch(logits, k_pow2, CHUNK)  # [B, C, 2], [B, C, k_pow2]
     else:
-        partial_digests, keys = _OP["op"](logits, k_pow2)  # [B, C, 2], [B, C, k_pow2]
+        partial_digests, keys = _OP["op"](logits, k_pow2)
+        launch_merge = _OP["merge"]
+    if MERGE_IN_KERNEL and keys.shape[1] * k_pow2 <= MAX_MERGED_CANDIDATES:
+        return launch_merge(logits, partial_digests, keys, top_k)
     digest = partial_digests.sum(dim=1)  # [B, 2], wrapping int64
     best = torch.topk(keys.flatten(1), top_k, dim=-1).values  # [B, K] distinct keys, largest first
     ids = _LOW32 - (best & _LOW32)  # [B, K]

@@ -1,4 +1,5 @@
-"""The Triton kernel of the fused capture (see capture_triton.py): one program per (row, chunk).
+"""The Triton kernels of the fused capture (see capture_triton.py): one program per (row, chunk), then one per row
+merging its chunks.
 
 Imported only where it runs (capture_triton.prepare on a CUDA device, or under TRITON_INTERPRET=1):
 importing Triton costs a CPU-only command a second it never needs.
@@ -74,3 +75,46 @@ def launch(logits: torch.Tensor, k_pow2: int, chunk: int, wrap=lambda kernel: ke
     wrap(capture_chunk_kernel)[(rows, chunks)](logits, vocab, logits.stride(0), digests, keys, chunks,
                                                BITS=BITS_VIEW[logits.dtype].itemsize * 8, CHUNK_SIZE=chunk, K=k_pow2)
     return digests, keys
+
+
+@triton.jit
+def merge_kernel(logits_ptr, vocab, row_stride, digest_parts_ptr, keys_ptr, chunks, top_k, digest_ptr, ids_ptr,
+                 values_ptr, margin_ptr, CHUNKS_POW2: tl.constexpr, CANDIDATES_POW2: tl.constexpr, K: tl.constexpr):
+    """One program per row: the chunks' digest sums added (wrapping int64, so any order gives the same bits), the
+    top-k of their candidate keys (distinct, so one order), those ids' logits and the margin between the first two:
+    what capture_triton's torch merge computes, in one kernel instead of seven."""
+    row = tl.program_id(0)
+    c = tl.arange(0, CHUNKS_POW2)
+    parts = digest_parts_ptr + (row * chunks + c) * 2  # [C]
+    tl.store(digest_ptr + row * 2, tl.sum(tl.load(parts, mask=c < chunks, other=0), axis=0))
+    tl.store(digest_ptr + row * 2 + 1, tl.sum(tl.load(parts + 1, mask=c < chunks, other=0), axis=0))
+    j = tl.arange(0, CANDIDATES_POW2)
+    keys = tl.load(keys_ptr + row * chunks * K + j, mask=j < chunks * K, other=-9223372036854775807 - 1)  # [C*K]
+    best = tl.topk(keys, K)  # [K], largest first
+    ids = 4294967295 - (best & 4294967295)
+    logits_row = logits_ptr + row.to(tl.int64) * row_stride
+    values = tl.load(logits_row + ids, mask=ids < vocab, other=0.0).to(tl.float32)  # [K]
+    r = tl.arange(0, K)
+    tl.store(ids_ptr + row * top_k + r, ids, mask=r < top_k)
+    tl.store(values_ptr + row * top_k + r, values, mask=r < top_k)
+    first = tl.max(keys, axis=0)  # the first two ids again as scalars (integer maxima: exact), for the margin
+    second = tl.max(tl.where(keys == first, -9223372036854775807 - 1, keys), axis=0)
+    value_1 = tl.load(logits_row + (4294967295 - (first & 4294967295))).to(tl.float32)
+    value_2 = tl.load(logits_row + (4294967295 - (second & 4294967295))).to(tl.float32)
+    tl.store(margin_ptr + row, value_1 - value_2)
+
+
+def launch_merge(logits: torch.Tensor, digest_parts: torch.Tensor, keys: torch.Tensor, top_k: int,
+                 wrap=lambda kernel: kernel) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """logits [B, V], partial digests [B, C, 2], candidate keys [B, C, K] -> digest [B, 2] int64, ids [B, top_k]
+    int64, values [B, top_k] float32, margin [B] float32."""
+    rows, chunks, k_pow2 = keys.shape
+    device = logits.device
+    digest = torch.empty(rows, 2, dtype=torch.int64, device=device)
+    ids = torch.empty(rows, top_k, dtype=torch.int64, device=device)
+    values = torch.empty(rows, top_k, dtype=torch.float32, device=device)
+    margin = torch.empty(rows, dtype=torch.float32, device=device)
+    wrap(merge_kernel)[(rows,)](logits, logits.shape[1], logits.stride(0), digest_parts, keys, chunks, top_k, digest,
+                                ids, values, margin, CHUNKS_POW2=triton.next_power_of_2(chunks),
+                                CANDIDATES_POW2=triton.next_power_of_2(chunks * k_pow2), K=k_pow2)
+    return digest, ids, values, margin
