@@ -55,13 +55,18 @@ def inductor_default_folder() -> str:
 
 
 def chosen_by_user(variable: str) -> bool:
-    """Whether a cache variable names a folder somebody chose. Inductor's own default does not count: anything
-    compiled earlier in the process (a library user's torch.compile, a test, a Triton op's registration) has
-    written it into the environment, and that folder is shared by every CPU instruction set (cache_folder)."""
+    """Whether a cache variable names a folder somebody chose. Inductor's own defaults do not count: anything
+    compiled earlier in the process (a library user's torch.compile, a test) has written them into the
+    environment (TORCHINDUCTOR_CACHE_DIR on first use; TRITON_CACHE_DIR as <that folder>/triton/<device> when
+    Inductor builds a Triton kernel), and that folder is shared by every CPU instruction set (cache_folder)."""
     value = os.environ.get(variable)
     if not value:
         return False
-    return variable != "TORCHINDUCTOR_CACHE_DIR" or os.path.abspath(value) != inductor_default_folder()
+    default = inductor_default_folder()
+    if variable == "TORCHINDUCTOR_CACHE_DIR":
+        return os.path.abspath(value) != default
+    parent, device = os.path.split(os.path.abspath(value))
+    return not (variable == "TRITON_CACHE_DIR" and device.isdigit() and parent == os.path.join(default, "triton"))
 
 
 def use_evalrun_cache() -> dict[str, str]:

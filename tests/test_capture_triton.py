@@ -197,7 +197,7 @@ def test_gpu_runs_store_the_same_digests_with_either_capture(level):
 @gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32, torch.float64])
-def test_gpu_a_greedy_token_from_the_fused_capture_is_argmaxs_choice(dtype):
+def test_gpu_a_greedy_token_from_the_fused_capture_is_argmaxs_choice(dtype, monkeypatch):
     """A greedy step captured by the fused kernel takes the kernel's top-1 as its token instead of reading the logits
     again for argmax: the same choice at exact ties (the lower id), at NaN (the first), at -0.0 beside 0.0, at
     +inf and on a row of -inf. float64 logits keep argmax: two of them may share a float32 key."""
@@ -221,7 +221,50 @@ def test_gpu_a_greedy_token_from_the_fused_capture_is_argmaxs_choice(dtype):
     spec = generate.BatchSpec(prompts=[[1]] * 8, steps=steps, pad_id=0, top_k=top_k)
     buffers = generate.CaptureBuffers.allocate(8, steps, vocab, spec, dtype, torch.device("cuda"))
     step, seeds = torch.zeros(1, dtype=torch.int64, device="cuda"), torch.zeros(8, dtype=torch.int64, device="cuda")
+    chosen = []
+    real_choose = generate.choose_token
+    monkeypatch.setattr(generate, "choose_token", lambda *args: chosen.append(1) or real_choose(*args))
     token = generate.capture_step(logits, step, buffers, top_k, 0.0, seeds)
+    assert chosen == ([1] if dtype == torch.float64 else [])  # the kernel's top-1, not argmax, but for float64
     assert torch.equal(token, logits.argmax(dim=-1)), (token, logits.argmax(dim=-1))
     assert token[1] == 5000 and token[2] == 7 and token[3] == 30 and token[4] == 129 and token[5] == 0
     assert token[6] == (100 if dtype == torch.float64 else 50)  # float64: argmax's; the kernel's top-1 would be 50
+
+
+@gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_gpu_the_merge_kernel_gives_the_torch_merges_bits(dtype, monkeypatch):
+    """Compiled on the GPU, eagerly and under torch.compile: the merge kernel's digest, ids, values and margins are
+    the torch merge's bits at Llama-3's vocabulary, with ties, NaN and signed zeros, at top-k 3, 8 and 32 (126 x 32 =
+    4,096 candidates: the most one program merges); at 64 the torch merge runs."""
+    from evalrun.engine import capture_triton
+
+    capture_triton.prepare("cuda")
+    logits = (torch.randn(4, 128256, device="cuda") * 3)
+    logits[1, [5, 90000, 128000]] = 40.0
+    logits[2, [77, 1000]] = float("nan")
+    logits[3] = -torch.rand(128256, device="cuda") - 1
+    logits[3, [64, 3]] = -0.0
+    logits[3, 2048] = 0.0
+    logits = logits.to(dtype)
+    merges = []
+    real_merge = capture_triton._OP["merge"]
+    monkeypatch.setitem(capture_triton._OP, "merge", lambda *args: merges.append(1) or real_merge(*args))
+
+    def bits(outputs):
+        return [t.view(torch.int32) if t.dtype == torch.float32 else t for t in outputs]
+
+    for top_k, merged_in_kernel in ((3, True), (8, True), (32, True), (64, False)):
+        for run in (lambda x: capture_triton.fused_capture(x, top_k),
+                    torch.compile(lambda x: capture_triton.fused_capture(x, top_k), fullgraph=True)):
+            torch._dynamo.reset()
+            merges.clear()
+            kernel = bits(run(logits))
+            assert bool(merges) == merged_in_kernel, (top_k, merges)  # the kernel merged them (eagerly or traced)
+            monkeypatch.setattr(capture_triton, "MERGE_IN_KERNEL", False)
+            torch._dynamo.reset()
+            reference = bits(run(logits))
+            monkeypatch.setattr(capture_triton, "MERGE_IN_KERNEL", True)
+            assert all(torch.equal(a, b) for a, b in zip(kernel, reference)), top_k
+        assert torch.equal(capture_triton.fused_capture(logits, top_k)[1][:, 0], logits.argmax(dim=-1))

@@ -1,6 +1,7 @@
 """Execution modes on CPU: every compilation mode with real torch.compile, evidence, fallbacks."""
 
 import json
+import os
 
 import pytest
 
@@ -264,6 +265,23 @@ main(sys.argv[1:])
                           text=True, timeout=600)
     assert done.returncode == 0, done.stderr[-2000:]
     assert json.loads(done.stdout)["evidence"]["compile_cache"]["folder"] == str(chosen)
+
+
+def test_inductors_default_folders_are_no_choice_and_a_named_folder_is(tmp_path, monkeypatch):
+    """Inductor writes its defaults into the environment (TORCHINDUCTOR_CACHE_DIR on first use, TRITON_CACHE_DIR as
+    <that>/triton/<device> when it builds a Triton kernel on a GPU): evalrun replaces them with its folders; folders
+    the user names stay."""
+    from evalrun.compile_cache import cache_folder, inductor_default_folder, use_evalrun_cache
+
+    monkeypatch.setenv("EVALRUN_CACHE", str(tmp_path / "cache"))
+    monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", inductor_default_folder())
+    monkeypatch.setenv("TRITON_CACHE_DIR", os.path.join(inductor_default_folder(), "triton", "0"))
+    assert use_evalrun_cache() == {"TORCHINDUCTOR_CACHE_DIR": str(cache_folder() / "inductor"),
+                                   "TRITON_CACHE_DIR": str(cache_folder() / "triton")}
+    mine = {"TORCHINDUCTOR_CACHE_DIR": str(tmp_path / "inductor"), "TRITON_CACHE_DIR": str(tmp_path / "triton" / "0")}
+    for variable, folder in mine.items():
+        monkeypatch.setenv(variable, folder)
+    assert use_evalrun_cache() == mine
 
 
 @pytest.mark.parametrize("device,graphs", [("cpu", "none")] + [

@@ -99,8 +99,9 @@ def merge_kernel(logits_ptr, vocab, row_stride, digest_parts_ptr, keys_ptr, chun
     tl.store(values_ptr + row * top_k + r, values, mask=r < top_k)
     first = tl.max(keys, axis=0)  # the first two ids again as scalars (integer maxima: exact), for the margin
     second = tl.max(tl.where(keys == first, -9223372036854775807 - 1, keys), axis=0)
-    value_1 = tl.load(logits_row + (4294967295 - (first & 4294967295))).to(tl.float32)
-    value_2 = tl.load(logits_row + (4294967295 - (second & 4294967295))).to(tl.float32)
+    id_1, id_2 = 4294967295 - (first & 4294967295), 4294967295 - (second & 4294967295)
+    value_1 = tl.load(logits_row + id_1, mask=id_1 < vocab, other=0.0).to(tl.float32)  # masked: a padding key
+    value_2 = tl.load(logits_row + id_2, mask=id_2 < vocab, other=0.0).to(tl.float32)
     tl.store(margin_ptr + row, value_1 - value_2)
 
 
