@@ -190,7 +190,8 @@ def capture_step(logits: torch.Tensor, step: torch.Tensor, buffers: CaptureBuffe
     `capture=False` only chooses and records the token: the baseline the capture-overhead
     benchmark compares against. A greedy step captured by the fused kernel takes its token from the kernel's
     top-1 (the largest value, the lowest id among equal ones, NaN above all: argmax's choice; float64 logits
-    excepted, whose float32 keys may tie), so the logits are not read a second time (an argmax over Llama-3's 128,256 logits: about 35 us, 0.8% of an 8B step).
+    excepted, whose float32 keys may tie), so the logits are not read a second time (an argmax over Llama-3's
+    128,256 logits: about 35 us, 0.8% of an 8B step).
     """
     fused = capture and fused_capture_supported(logits, top_k)
     if fused:  # CUDA: one Triton kernel, one read of the logits
