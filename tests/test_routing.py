@@ -142,6 +142,17 @@ def test_routing_flips_of_a_dtype_change_are_near_ties_and_the_verdict_is_drift(
     assert all(f.oracle_margin is not None and f.oracle_margin <= f.moved for f in flips), [f.describe() for f in flips]
 
 
+def test_a_candidate_that_captures_no_routing_is_told_so_in_the_causes(golden_factory, moe_dir):
+    """--engine transformers captures no expert choices: it neither follows the golden's routing nor shows a flip, so
+    the verdict rests on the logits alone, and the causes say so instead of staying silent about routing."""
+    golden = open_golden("g", golden_factory(model=str(moe_dir), tokens=STEPS))
+    verdict = verify_golden(golden, candidate_config(golden, None, {"engine": "transformers"}, ()))
+    assert verdict.verdict == "drift", verdict.causes  # another engine: other bits, never the golden's
+    unseen = [c for c in verdict.causes if c.startswith("routing: not compared")]
+    assert len(unseen) == 1 and "engine transformers captures no expert choices" in unseen[0], verdict.causes
+    assert all(p.routing is None for p in verdict.prompts)
+
+
 def test_diff_names_a_planted_routing_flip(cli, moe_dir, store_path):
     config = build_config(None, {"model": str(moe_dir), "prompts": "smoke", "max_new_tokens": STEPS}, ())
     store = Store(store_path)
