@@ -18,8 +18,8 @@ all, through the one that needs the most, against an allowance it passes in as `
 the float64 oracle of the golden's pinned run (and of the envelope of the candidate's dtype) x
 rules.ROUTING_FLIP_MULTIPLIER. A golden whose oracle followed the pinned run's routing measures that error at
 every entry (`router_error`: margin movements and the needs of its own flips); an older golden's oracle routed
-freely, so only its entries before their first flip compare (`margin_movement`, until_flip). A flip that is no near-tie is a routing change, not drift. A negative margin (no router reports
-one) is never a near-tie.
+freely, so only its entries before their first flip compare (`margin_movement`, until_flip). A flip that is no
+near-tie is a routing change, not drift. A negative margin (no router reports one) is never a near-tie.
 
 Shapes: N decode steps, L MoE layers, k experts per token.
 """

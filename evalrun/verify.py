@@ -465,18 +465,18 @@ def _routing_flips(context: Context, forced: dict[int, PromptResult], prompts: l
     forced routing every flip is judged against the router error of the golden and of the envelope of the
     candidate's dtype (`_routing_allowance`), and each prompt reports its decisive flip."""
     moved = _routing_allowance(context, members) if context.routing() is not None else None
-    unseen = [p for golden_run, p in zip(context.golden_results, prompts) if p.verdict != "identical"
-              and has_routing(golden_run.arrays) and not has_routing(forced[golden_run.prompt_index].arrays)]
-    if unseen:  # e.g. --engine transformers: it captures no routing, so it can neither follow the golden's nor show it
-        context.causes.append(f"routing: not compared in {len(unseen)} of {len(prompts)} prompts: engine "
-                              f"{context.candidate.config.engine} captures no expert choices, so the verdict rests on "
-                              "the logits alone (evalrun's engine follows the golden's routing and judges its flips)")
+    unseen = 0  # prompts the golden routed whose candidate captured no routing
     for golden_run, prompt in zip(context.golden_results, prompts):
         if prompt.verdict != "identical":
-            flip = result_flip(golden_run.arrays, forced[golden_run.prompt_index].arrays,
-                               context.steps[golden_run.prompt_index], moved)
+            candidate = forced[golden_run.prompt_index].arrays
+            unseen += has_routing(golden_run.arrays) and not has_routing(candidate)
+            flip = result_flip(golden_run.arrays, candidate, context.steps[golden_run.prompt_index], moved)
             oracle = context.oracle_by_index(golden_run.prompt_index).arrays
             prompt.routing = flip.with_oracle(oracle) if flip is not None else None
+    if unseen:  # e.g. --engine transformers: it captures no routing, so it can neither follow the golden's nor show it
+        context.causes.append(f"routing: not compared in {unseen} of {len(prompts)} prompts: engine "
+                              f"{context.candidate.config.engine} captures no expert choices, so the verdict rests on "
+                              "the logits alone (evalrun's engine follows the golden's routing and judges its flips)")
     flipped = [p for p in prompts if p.routing is not None]
     if not flipped:
         return

@@ -187,7 +187,6 @@ def test_more_shapes_than_dynamos_default_recompile_limit(cli, tiny_args, write_
 def test_a_second_process_takes_compiled_graphs_from_evalruns_cache_with_the_same_bits(tmp_path):
     """Inductor's caches live under EVALRUN_CACHE; the first process compiles (misses), the second hits,
     each run's evidence says which, and the logits are the same bits."""
-    import os
     import subprocess
     import sys
 
@@ -212,7 +211,6 @@ def test_a_compile_cache_is_kept_per_cpu_instruction_set(tmp_path):
     set, then the same command with ATEN_CPU_CAPABILITY=default sharing one Inductor folder, failed to compile
     (exit 3; a bfloat16 MoE crashed with a segmentation fault under avx2). evalrun keeps a folder per
     instruction set, so both run, each from its own folder."""
-    import os
     import subprocess
     import sys
 
@@ -239,7 +237,6 @@ def test_a_library_user_who_compiled_first_still_gets_the_cache_of_the_instructi
     Inductor write its own default folder into TORCHINDUCTOR_CACHE_DIR, which evalrun took for the user's choice:
     its runs then shared /tmp/torchinductor_<user> across CPU instruction sets (the crash above). That default
     does not count as a choice; a folder the user names does."""
-    import os
     import subprocess
     import sys
 
