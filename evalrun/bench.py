@@ -168,7 +168,7 @@ def table_rows(rows: list[BenchRow]) -> list[dict[str, Any]]:
             entry.update(compile_s=timings.get("compile_s"), peak_memory_gib=timings["peak_memory"]["bytes"] / 2**30,
                          ttft_ms=timings["ttft_ms"]["p50"], first_request_ms=timings["ttft_ms"]["first_request"],
                          tokens_per_s=timings["tokens_per_s"], p50_ms=latency["p50_ms"], p95_ms=latency["p95_ms"],
-                         p99_ms=latency["p99_ms"])
+                         p99_ms=latency["p99_ms"], outside_steps_ms=timings.get("outside_steps_s", 0.0) * 1000)
             if "logits_digest" in row.result and reference:
                 entry["identical_to_first"] = row.result["logits_digest"] == reference["logits_digest"]
                 entry["fallbacks"] = row.result["evidence"]["fallbacks"]

@@ -18,9 +18,9 @@ import torch
 from . import distributed
 from .compile_cache import cache_counters, cache_evidence, use_evalrun_cache
 from .config import EffectiveConfig, RunConfig, is_server_engine, keep_logits_steps, resolve, validate
-from .engine.engines import Engine, build_engine, check_model
+from .engine.engines import Engine, build_engine, check_model, submit
 from .engine.capture_triton import capture_kernel
-from .engine.generate import BatchOutput, BatchSpec
+from .engine.generate import BatchOutput, BatchSpec, PendingBatch
 from .engine.timing import latency_summary, peak_memory_bytes, reset_peak_memory
 from .errors import ConfigError, FallbackError
 from .fingerprint import apply_numerics_flags, baseline_backend_flags, environment, environment_hash
@@ -30,6 +30,11 @@ from .prompts import PromptSet, load_prompt_set
 from .store import PromptResult, Store
 
 Progress = Callable[[int], None]
+# True: once the device has finished a batch, the runner enqueues the next one, then makes the finished one's results
+# (copy out, step clock readout, text, hashes) while the device computes (stop 23). The next batch still starts on an
+# idle device, so its TTFT means what it meant. False: each batch's results before the next is enqueued (before stop
+# 23), for benchmarks/outside_steps.py beside
+OVERLAP_BATCHES = True
 
 
 @dataclass
@@ -233,10 +238,14 @@ def _timings(prepared: Prepared, outputs: list[BatchOutput], warmup_seconds: flo
     cold_ttft_ms = float(ttft[0]) if cold_ttft_ms is None else cold_ttft_ms
     decode = np.concatenate([output.step_ms[1:] for output in outputs])
     generated = sum(output.tokens.size for output in outputs)
+    clocked = sum(float(output.step_ms.sum()) for output in outputs) / 1000  # prefills and decode steps, clocked
     return {
         "load_s": prepared.load_seconds, "compile_s": compile_seconds, "warmup_s": warmup_seconds,
         "ttft_ms": {"mean": float(ttft.mean()), "p50": float(np.median(ttft)), "first_request": cold_ttft_ms},
         "step_latency": latency_summary(decode), "generate_s": generate_seconds,
+        # generate_s the step clock did not see: each batch's setup, its copy to the host, its results (tokens/s
+        # counts it; the step latencies do not)
+        "outside_steps_s": max(0.0, generate_seconds - clocked),
         "tokens_per_s": generated / generate_seconds if generate_seconds > 0 else 0.0,
         "tokens_generated": int(generated), "peak_memory": peak_memory_bytes(device),
     }
@@ -290,14 +299,30 @@ def execute(prepared: Prepared, forced: dict[int, np.ndarray] | None = None, pro
     reset_peak_memory(device)
     mode.start_measuring()
     results, outputs = [], []
-    started = time.perf_counter()
-    for number, indices in zip(chosen, batches):
-        output = mode.generate(batch_spec(prepared, indices, forced, probes, routing))
+
+    def collect(number: int, indices: list[int], pending: PendingBatch) -> None:
+        output = pending.result()
         outputs.append(output)
         batch_results = to_results(prepared, number, indices, output)
-        results += batch_results if kept[number] is None else [batch_results[kept[number]]]
+        results.extend(batch_results if kept[number] is None else [batch_results[kept[number]]])
         if progress:
             progress(len(indices) if kept[number] is None else 1)
+
+    started = time.perf_counter()
+    waiting = None  # the batch enqueued last: its results are made once the next one is enqueued
+    for number, indices in zip(chosen, batches):
+        spec = batch_spec(prepared, indices, forced, probes, routing)
+        if waiting:  # the next batch starts on an idle device, as it would alone: its TTFT means what it did
+            waiting[2].wait()
+        pending = submit(mode, spec)
+        if waiting:
+            collect(*waiting)
+        waiting = (number, indices, pending)
+        if not OVERLAP_BATCHES:
+            collect(*waiting)
+            waiting = None
+    if waiting:
+        collect(*waiting)
     generate_seconds = time.perf_counter() - started
     evidence = {"engine": config.engine, **mode.evidence()}
     evidence["config_adjustments"] = list(config.adjustments)

@@ -56,7 +56,31 @@ nan[0, 1050] = float("nan")
 cases.append(case("nan", nan, 2))
 wide = torch.randn(2, 3, 1100, generator=g)[:, -1, :]  # not contiguous: rows 3*1100 apart
 cases.append(case("strided-rows", wide, 4))
-print(json.dumps({"chunk": capture_triton.CHUNK, "cases": cases}))
+
+def at_step(logits, top_k, write_token):  # the merge into [B, 3, ...] buffers at step 1 against fused_capture's
+    rows = logits.shape[0]
+    filled = lambda *shape, kind=torch.int64: torch.full(shape, -7, dtype=kind)
+    buffers = [filled(rows, 3, 2), filled(rows, 3, top_k), filled(rows, 3, top_k, kind=torch.float32),
+               filled(rows, 3, kind=torch.float32), filled(rows, 3)]
+    next_token = filled(rows)
+    step = torch.tensor([1])
+    written = capture_triton.fused_capture_at_step(logits, step, *buffers, next_token if write_token else None)
+    digest, ids, values, margin = capture_triton.fused_capture(logits, top_k)
+    at_1 = [bits(b[:, 1]) for b in buffers]
+    want = [bits(digest), bits(ids), bits(values), bits(margin), ids[:, 0].tolist() if write_token else [-7] * rows]
+    others = all(bool((b[:, [0, 2]] == -7).all()) for b in buffers)
+    return {"written": written, "same": at_1 == want, "others_untouched": others,
+            "next_token": next_token.tolist(), "top1": ids[:, 0].tolist()}
+
+steps = [at_step(wide, 4, True), at_step(ties.to(torch.bfloat16), 6, False), at_step(nan, 2, True)]
+# a step past the buffers' end (a one-step workspace asked for step 1) writes nothing there, nor beyond: views of a
+# larger tensor, so what lies past each buffer can be read back
+backing = [torch.full((2, 2, 2), -7), torch.full((2, 2, 4), -7), torch.full((2, 2, 4), -7.0), torch.full((2, 2), -7.0),
+           torch.full((2, 2), -7)]
+one_step = [t[:, :1] for t in backing]
+written = capture_triton.fused_capture_at_step(wide, torch.tensor([1]), *one_step, torch.full((2,), -7))
+past_end = {"written": written, "untouched": all(bool((t == -7).all()) for t in backing)}
+print(json.dumps({"chunk": capture_triton.CHUNK, "cases": cases, "at_step": steps, "past_end": past_end}))
 """
 
 
@@ -115,6 +139,18 @@ def test_the_merge_kernel_gives_the_torch_merges_bits(interpreted):
     assert signed["margin_bits"] == [-2 ** 31]  # -0.0
 
 
+def test_the_merge_writes_a_step_into_the_capture_buffers_itself(interpreted):
+    """fused_capture_at_step: the merge kernel writes the digest, ids, values, margin (and, asked, the top-1 as the
+    step's token and the next input) into [B, N, ...] buffers at the step a device tensor holds: the bits of
+    fused_capture, and no other step touched."""
+    for case in interpreted["at_step"]:
+        assert case["written"] and case["same"] and case["others_untouched"], case
+    with_token = [case for case in interpreted["at_step"] if case["next_token"] != [-7] * len(case["top1"])]
+    assert len(with_token) == 2 and all(case["next_token"] == case["top1"] for case in with_token)
+    # a step past the buffers' end: the merge runs (laid out as asked) but stores nothing in or past them
+    assert interpreted["past_end"] == {"written": True, "untouched": True}
+
+
 def test_ties_go_to_the_lower_index_and_nan_ranks_first(interpreted):
     by_name = {case["name"]: case for case in interpreted["cases"]}
     assert by_name["ties"]["ids"][0][:4] == [3, 40, 1200, 1499]
@@ -169,28 +205,31 @@ def test_gpu_runs_store_the_same_digests_with_either_capture(level):
     from evalrun.runner import execute_run
 
     def digests(fused: bool) -> tuple[list[str], str, int]:
-        original_choice, original_kernel = generate.fused_capture_supported, generate.fused_capture
+        originals = generate.fused_capture_supported, generate.fused_capture, generate.fused_capture_at_step
         calls = []
 
-        def counted(*args):  # runs in eager steps and while Dynamo traces compiled ones
-            calls.append(1)
-            return original_kernel(*args)
+        def counted(kernel):
+            def call(*args):
+                calls.append(kernel.__name__)
+                return kernel(*args)
+            return call
 
-        generate.fused_capture = counted
+        generate.fused_capture, generate.fused_capture_at_step = counted(originals[1]), counted(originals[2])
         if not fused:
             generate.fused_capture_supported = lambda logits, top_k: False
         try:
             run = execute_run(RunConfig(model="random:tiny", device="cuda", dtype="bfloat16", prompts="smoke",
                                         max_new_tokens=8, opt_level=int(level)), None)
         finally:
-            generate.fused_capture_supported, generate.fused_capture = original_choice, original_kernel
+            generate.fused_capture_supported, generate.fused_capture, generate.fused_capture_at_step = originals
         torch._dynamo.reset()
         return ([(r.logits_digest, r.tokens_digest) for r in run.results], run.evidence["capture_kernel"],
-                len(calls))
+                calls)
 
     fused, kernel, fused_calls = digests(True)
     plain, _, plain_calls = digests(False)
-    assert kernel == "triton-fused" and fused_calls > 0 and plain_calls == 0
+    assert kernel == "triton-fused" and fused_calls and set(fused_calls) == {"fused_capture_at_step"}
+    assert plain_calls == []
     assert fused == plain
 
 
@@ -268,3 +307,54 @@ def test_gpu_the_merge_kernel_gives_the_torch_merges_bits(dtype, monkeypatch):
             monkeypatch.setattr(capture_triton, "MERGE_IN_KERNEL", True)
             assert all(torch.equal(a, b) for a, b in zip(kernel, reference)), top_k
         assert torch.equal(capture_triton.fused_capture(logits, top_k)[1][:, 0], logits.argmax(dim=-1))
+
+
+@gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.parametrize("dtype,temperature", [(torch.bfloat16, 0.0), (torch.float32, 0.0), (torch.bfloat16, 0.7),
+                                               (torch.float64, 0.0)])
+def test_gpu_a_step_captured_into_the_buffers_by_the_merge_kernel_has_the_copies_bits(dtype, temperature, monkeypatch):
+    """Four steps of capture_step replayed from one CUDA graph (the step counter advancing on the device): the merge
+    kernel writing the buffers and the next token itself gives, bit for bit, what the merge's outputs copied in by
+    index copies gave (MERGE_INTO_BUFFERS off) -- greedy (the token from the kernel), sampled and float64 (the token
+    from choose_token)."""
+    from evalrun.engine import capture_triton, generate
+
+    capture_triton.prepare("cuda")
+    rows, steps, vocab, top_k = 3, 4, 128256, 8
+    logits = [(torch.randn(rows, vocab, device="cuda") * 3).to(dtype) for _ in range(steps)]
+    logits[1][0, [11, 99000]] = 30.0  # an exact tie at one step
+
+    def replayed(into_buffers: bool) -> list[torch.Tensor]:
+        monkeypatch.setattr(capture_triton, "MERGE_INTO_BUFFERS", into_buffers)
+        spec = generate.BatchSpec(prompts=[[1]] * rows, steps=steps, pad_id=0, top_k=top_k)
+        buffers = generate.CaptureBuffers.allocate(rows, steps, vocab, spec, dtype, torch.device("cuda"))
+        static, step = torch.empty_like(logits[0]), torch.zeros(1, dtype=torch.int64, device="cuda")
+        seeds = torch.arange(rows, dtype=torch.int64, device="cuda")
+        next_token = torch.full((rows,), -1, dtype=torch.int64, device="cuda")
+        tokens = []
+
+        def one_step():
+            generate.capture_step(static, step, buffers, top_k, temperature, seeds, True, next_token)
+            step.add_(1)
+
+        static.copy_(logits[0])
+        one_step()  # warm-up outside the capture, as the engine's modes do
+        step.zero_()
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            one_step()
+        step.zero_()
+        for values in logits:
+            static.copy_(values)
+            graph.replay()
+            tokens.append(next_token.clone())
+        return [buffers.tokens, buffers.digests, buffers.topk_ids, buffers.topk_values.view(torch.int32),
+                buffers.margins.view(torch.int32), torch.stack(tokens)]
+
+    into, copied = replayed(True), replayed(False)
+    assert all(torch.equal(a, b) for a, b in zip(into, copied))
+    assert torch.equal(into[0].T, into[5])  # the next input is the step's recorded token
+    if temperature == 0.0:
+        assert torch.equal(into[0].T, torch.stack([values.argmax(dim=-1) for values in logits]))
+    assert torch.equal(into[1][:, 2], logits_digest(logits[2]))

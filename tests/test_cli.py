@@ -14,6 +14,8 @@ def test_run_json_stores_a_complete_run(cli, tiny_args):
     data = json.loads(out)
     assert data["config"]["model"] == "random:tiny" and len(data["results"]) == 3
     assert all(len(r["tokens"]) == 6 for r in data["results"])
+    timings = data["timings"]  # what tokens/s counts beyond the clocked steps is reported apart
+    assert 0.0 < timings["outside_steps_s"] < timings["generate_s"]  # results are made outside the clocked steps
     code, out, _ = cli("store", "show", data["run_id"][:8], "--store", tiny_args[-1], "--json")
     shown = json.loads(out)
     assert code == 0 and shown["status"] == "complete"

@@ -52,6 +52,43 @@ def test_cli_run_on_cuda_twice_is_identical(cli, tiny_args):
     assert first["timings"]["peak_memory"]["kind"] == "cuda_max_allocated"
 
 
+@pytest.mark.parametrize("graphs", ["none", "full", "full-and-piecewise"])
+def test_batches_overlapped_on_cuda_give_the_bits_of_one_batch_at_a_time(graphs, monkeypatch):
+    """The runner enqueues batch i + 1 into the same workspace (-O2: one static workspace per shape; its inputs
+    copied from pinned memory) before it copies out batch i's arrays from pinned memory: the stream orders it, so each
+    prompt's tokens, digests and kept logits are those of one batch at a time, for compiled steps run as they are,
+    replayed from whole CUDA graphs and from piecewise ones."""
+    from evalrun import runner
+    from evalrun.config import build_config
+
+    flags = {"model": "random:tiny", "device": "cuda", "dtype": "bfloat16", "prompts": "smoke", "max_new_tokens": 24,
+             "keep_logits": "all", "opt_level": 2, "cudagraph_mode": graphs}
+    prepared = runner.prepare(build_config(flags=flags))
+    assert prepared.execution_mode().static
+    runs = []
+    for overlap in (False, True, True):
+        monkeypatch.setattr(runner, "OVERLAP_BATCHES", overlap)
+        runs.append(runner.execute(prepared))
+    assert len(runs[0].plan) == 3
+    for run in runs[1:]:
+        for alone, overlapped in zip(runs[0].results, run.results):
+            assert (alone.prompt_id, alone.tokens_digest, alone.logits_digest) == \
+                (overlapped.prompt_id, overlapped.tokens_digest, overlapped.logits_digest)
+            assert alone.arrays["logits"].tobytes() == overlapped.arrays["logits"].tobytes()
+        assert 0.0 <= run.timings["outside_steps_s"] < run.timings["generate_s"]
+
+
+def test_a_one_token_run_on_cuda_counts_no_decode_launches(cli, tiny_args):
+    """-O2 on CUDA with --max-new-tokens 1: no workspace holds a decode step, so the launch count (one profiled decode
+    step after warm-up) is not taken; taking it would write step 1 past the one-step capture buffers."""
+    code, out, err = cli("run", *tiny_args[:-4], "--max-new-tokens", "1", *tiny_args[-2:], "--device", "cuda", "-O2",
+                         "--json", "--quiet")
+    assert code == 0, err
+    data = json.loads(out)
+    assert all(len(r["tokens"]) == 1 for r in data["results"])
+    assert data["evidence"]["kernel_launches_per_decode_step"] is None
+
+
 COMBINATIONS = [(c, g) for c in ("none", "stock", "trace-once", "piecewise")
                 for g in ("none", "piecewise", "full", "full-decode-only", "full-and-piecewise")
                 if c == "piecewise" or g not in ("piecewise", "full-and-piecewise")]

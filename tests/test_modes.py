@@ -162,14 +162,60 @@ def test_piecewise_graph_modes_warm_each_shape_twice(monkeypatch):
     mode = prepared.execution_mode()
     batches = runner.plan_batches(prepared.prompt_set, prepared.config)
     shapes = len(runner.warmup_batches(batches, prepared, mode))
-    calls, real = [], mode.generate
-    monkeypatch.setattr(mode, "generate", lambda *args, **kw: calls.append(1) or real(*args, **kw))
+    calls, real = [], mode.submit  # warm-up's generate calls submit; measured batches call it directly
+    monkeypatch.setattr(mode, "submit", lambda *args, **kw: calls.append(1) or real(*args, **kw))
     runner.execute(prepared)
     assert len(calls) == shapes + len(batches)
     calls.clear()
     mode.piece_graphs = PieceGraphs(RerunGraphs())  # what --cudagraph-mode piecewise / full-and-piecewise set (GPU)
     runner.execute(prepared)
     assert len(calls) == 2 * shapes + len(batches)
+
+
+def test_the_runner_enqueues_the_next_batch_before_it_makes_a_batchs_results(monkeypatch):
+    """runner.execute waits until the device has finished batch i, submits batch i + 1, then makes batch i's results
+    (on a GPU the device computes meanwhile); with OVERLAP_BATCHES off, one batch at a time. Either way: the same
+    results, in order."""
+    from evalrun import runner
+    from evalrun.config import build_config
+
+    flags = {"model": "random:tiny", "prompts": "smoke", "max_new_tokens": 3, "compilation_mode": "none"}
+    prepared = runner.prepare(build_config(flags=flags))
+    mode = prepared.execution_mode()
+    events, real = [], mode.submit
+
+    class Recorded:
+        def __init__(self, number, pending):
+            self.number, self.pending = number, pending
+
+        def wait(self):
+            events.append(("wait", self.number))
+            self.pending.wait()
+
+        def result(self):
+            events.append(("result", self.number))
+            return self.pending.result()
+
+    def submit(spec):
+        number = sum(1 for event in events if event[0] == "submit")
+        events.append(("submit", number))
+        return Recorded(number, real(spec))
+
+    monkeypatch.setattr(mode, "submit", submit)
+    runs = []
+    for overlap in (True, False):
+        monkeypatch.setattr(runner, "OVERLAP_BATCHES", overlap)
+        events.clear()
+        runs.append(runner.execute(prepared, timed=False))
+        assert len(runs[-1].plan) == 3
+        if overlap:
+            assert events == [("submit", 0), ("wait", 0), ("submit", 1), ("result", 0), ("wait", 1), ("submit", 2),
+                              ("result", 1), ("result", 2)]
+        else:
+            assert events == [("submit", 0), ("result", 0), ("submit", 1), ("result", 1), ("submit", 2), ("result", 2)]
+    assert [(r.prompt_id, r.logits_digest, r.tokens_digest) for r in runs[0].results] == \
+        [(r.prompt_id, r.logits_digest, r.tokens_digest) for r in runs[1].results]
+    assert [r.prompt_id for r in runs[0].results] == [record.id for record in prepared.prompt_set.records]
 
 
 @pytest.mark.parametrize("mode", ["piecewise", "trace-once"])
@@ -411,7 +457,7 @@ def test_gpu_combo_kernels_launch_fewer_kernels_with_the_same_bits():
             generate_batch(transformer, spec, mode)
         outputs.append(generate_batch(transformer, spec, mode))
         workspace = next(iter(mode.workspaces.values()))
-        workspace.step.fill_(1)
+        workspace.point_at(1)
         torch.cuda.synchronize()
         with profile(activities=[ProfilerActivity.CUDA]) as profiler:
             mode.decode(workspace)

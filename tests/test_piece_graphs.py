@@ -52,11 +52,11 @@ def check(outputs: list, mode: ExecutionMode, transformer: Transformer) -> None:
     assert evidence["piece_graph_replays"] == 2 * 6 * per_forward  # two batches: a prefill and five decode steps
     graphs = mode.piece_graphs
     workspace = next(iter(mode.workspaces.values()))
-    # the last forward (a decode step) copied the prologue's position and slot (its token is the workspace's own) and
-    # each layer's attention output; never a weight, the KV cache or a buffer of the graphs' own
+    # the last forward (a decode step) copied each layer's attention output; never a weight, the KV cache, a buffer
+    # of the graphs' own, or the prologue's token, position and slot (the workspace's own token and counters)
     copied = set(graphs.copied_storages)
     assert not copied & storages(transformer.weights()) and not copied & storages(workspace)
-    assert len(graphs.copied_storages) == 2 + layers
+    assert len(graphs.copied_storages) == layers
     # one buffer per piece output and shape: the residual stream is shared by every layer
     assert len({key for key in graphs.buffers if key[:2] == ("out", "post_attention")}) == 2  # prefill, decode
     assert len({key for key in graphs.buffers if key[:2] == ("in", "post_attention")}) == 2  # attention outputs

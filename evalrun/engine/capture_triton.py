@@ -32,6 +32,9 @@ MAX_FUSED_TOP_K = 128  # larger top-k: the torch path (a program's bitonic top-k
 # topk merges them. The merge kernel replaced seven kernels of torch ops, about 30 us of an 8B decode step (stop 22).
 MAX_MERGED_CANDIDATES = 4096
 MERGE_IN_KERNEL = True  # False: the torch merge (before stop 22), for benchmarks/decode_breakdown.py beside
+# True: the merge writes a decode step's outputs into the capture buffers itself (stop 23); False: it returns them and
+# capture_step copies them in (five index copies and the token's copy), for benchmarks/decode_breakdown.py beside
+MERGE_INTO_BUFFERS = True
 _LOW32 = (1 << 32) - 1
 _OP: dict = {}  # "op": the registered torch op, once prepare() ran on a CUDA device with Triton
 
@@ -66,7 +69,15 @@ def prepare(device: torch.device | str) -> None:
                       top_k: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
         return capture_triton_kernel.launch_merge(logits, digest_parts, keys, top_k, wrap_triton)
 
-    _OP["op"], _OP["merge"] = capture_chunks, capture_merge
+    @triton_op("evalrun::capture_merge_at_step",
+               mutates_args={"digests", "ids", "values", "margins", "tokens", "next_token"})
+    def capture_merge_at_step(logits: torch.Tensor, digest_parts: torch.Tensor, keys: torch.Tensor, step: torch.Tensor,
+                              digests: torch.Tensor, ids: torch.Tensor, values: torch.Tensor, margins: torch.Tensor,
+                              tokens: torch.Tensor, next_token: torch.Tensor, write_token: bool) -> None:
+        capture_triton_kernel.launch_merge_at_step(logits, digest_parts, keys, step, digests, ids, values, margins,
+                                                   tokens, next_token, write_token, wrap_triton)
+
+    _OP["op"], _OP["merge"], _OP["merge_at_step"] = capture_chunks, capture_merge, capture_merge_at_step
 
 
 def fused_capture(logits: torch.Tensor, top_k: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -75,19 +86,66 @@ def fused_capture(logits: torch.Tensor, top_k: int) -> tuple[torch.Tensor, torch
     The same outputs as `capture.logits_digest` and `capture.topk_sketch` (digests bit-identical; ids
     and values identical except the order of exactly equal values, which this fixes: lower id first).
     """
-    k_pow2 = max(2, 1 << (top_k - 1).bit_length())
-    logits = logits if logits.stride(-1) == 1 else logits.contiguous()
-    if INTERPRETED:
-        from .capture_triton_kernel import launch, launch_merge
-
-        partial_digests, keys = launch(logits, k_pow2, CHUNK)  # [B, C, 2], [B, C, k_pow2]
-    else:
-        partial_digests, keys = _OP["op"](logits, k_pow2)
-        launch_merge = _OP["merge"]
-    if MERGE_IN_KERNEL and keys.shape[1] * k_pow2 <= MAX_MERGED_CANDIDATES:
-        return launch_merge(logits, partial_digests, keys, top_k)
+    k_pow2 = _k_pow2(top_k)
+    logits, partial_digests, keys = _chunk_candidates(logits, k_pow2)
+    if merged_in_kernel(keys.shape[1], k_pow2):
+        return _kernel("merge")(logits, partial_digests, keys, top_k)
     digest = partial_digests.sum(dim=1)  # [B, 2], wrapping int64
     best = torch.topk(keys.flatten(1), top_k, dim=-1).values  # [B, K] distinct keys, largest first
     ids = _LOW32 - (best & _LOW32)  # [B, K]
     values = logits.gather(1, ids).float()  # [B, K]
     return digest, ids, values, values[:, 0] - values[:, 1]
+
+
+def merged_in_kernel(chunks: int, k_pow2: int) -> bool:
+    """Whether one merge program takes a row's `chunks x k_pow2` candidates (else torch's topk merges them)."""
+    return MERGE_IN_KERNEL and chunks * k_pow2 <= MAX_MERGED_CANDIDATES
+
+
+def fused_capture_at_step(logits: torch.Tensor, step: torch.Tensor, digests: torch.Tensor, ids: torch.Tensor,
+                          values: torch.Tensor, margins: torch.Tensor, tokens: torch.Tensor,
+                          next_token: torch.Tensor | None) -> bool:
+    """The fused capture of logits [B, V] written into capture buffers at `step` [1] int64 by the merge kernel
+    itself: digests [B, N, 2], ids and values [B, N, K], margins [B, N]; with `next_token` [B], the top-1 id (argmax's
+    choice) into tokens [B, N] at the step and into next_token. The bits of `fused_capture` then index copies.
+
+    Returns False, writing nothing, where the merge kernel does not apply (too many candidates, MERGE_INTO_BUFFERS
+    off, buffers not laid out [B, N, ...] contiguous in their last dims): the caller then copies them in."""
+    top_k = ids.shape[-1]
+    k_pow2 = _k_pow2(top_k)
+    chunks = -(-logits.shape[-1] // CHUNK)
+    laid_out = (digests.stride()[1:] == (2, 1) and ids.stride()[1:] == (top_k, 1) and values.stride()[1:] == (top_k, 1)
+                and margins.stride(1) == 1 and tokens.stride(1) == 1 and values.shape == ids.shape)
+    if not (MERGE_INTO_BUFFERS and merged_in_kernel(chunks, k_pow2) and laid_out):
+        return False
+    logits, partial_digests, keys = _chunk_candidates(logits, k_pow2)
+    write_token = next_token is not None
+    _kernel("merge_at_step")(logits, partial_digests, keys, step, digests, ids, values, margins, tokens,
+                             next_token if write_token else tokens.new_empty(0), write_token)
+    return True
+
+
+def _k_pow2(top_k: int) -> int:
+    """The candidates each chunk keeps: top_k rounded up to a power of two (at least 2: a bitonic top-k's size)."""
+    return max(2, 1 << (top_k - 1).bit_length())
+
+
+def _chunk_candidates(logits: torch.Tensor, k_pow2: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The chunk kernel over [B, V] logits: (the logits as it read them, rows contiguous; partial digests [B, C, 2];
+    candidate keys [B, C, k_pow2])."""
+    logits = logits if logits.stride(-1) == 1 else logits.contiguous()
+    if INTERPRETED:
+        from .capture_triton_kernel import launch
+
+        return (logits, *launch(logits, k_pow2, CHUNK))
+    return (logits, *_OP["op"](logits, k_pow2))
+
+
+def _kernel(name: str):
+    """The merge ("merge") or the merge into the buffers ("merge_at_step"): the registered op, or under the
+    interpreter its launch function itself."""
+    if INTERPRETED:
+        from . import capture_triton_kernel
+
+        return getattr(capture_triton_kernel, f"launch_{name}")
+    return _OP[name]

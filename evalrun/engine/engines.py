@@ -1,7 +1,9 @@
 """The engine seam: what computes a run's logits, chosen by `config.engine` and built here, in one place.
 
 An `Engine` turns one `BatchSpec` into one `BatchOutput` (the same capture arrays whatever computes them:
-tokens, digests, top-k sketch, margins, kept logits, probe values) and proves what it ran (`evidence`).
+tokens, digests, top-k sketch, margins, kept logits, probe values) and proves what it ran (`evidence`). One that
+can also `submit` a batch (enqueue it, return it as a `PendingBatch`) lets the runner make a finished batch's
+results while the device computes the next (`submit` below; evalrun's engine does).
 The runner (`runner.execute`) sees nothing else: warm-up, batching, results and the store are shared.
 
   evalrun       evalrun's own forward (engine.transformer) under an `ExecutionMode`: every compilation
@@ -20,7 +22,7 @@ from typing import Any, Protocol
 
 from ..config import EffectiveConfig
 from ..errors import ConfigError, UnsupportedModelError
-from .generate import BatchOutput, BatchSpec
+from .generate import BatchOutput, BatchSpec, PendingBatch
 
 
 class Engine(Protocol):
@@ -43,6 +45,15 @@ class Engine(Protocol):
     def start_measuring(self) -> None: ...
 
     def evidence(self) -> dict[str, Any]: ...
+
+
+def submit(engine: Engine, spec: BatchSpec) -> PendingBatch:
+    """Enqueue one batch and return it pending: the engine's own `submit` where it has one (evalrun's engine: the
+    host makes the previous batch's results while the device computes this one), else `generate` at once."""
+    if hasattr(engine, "submit"):
+        return engine.submit(spec)
+    output = engine.generate(spec)
+    return PendingBatch(None, lambda: output)
 
 
 def uses_engine_families(engine: str) -> bool:

@@ -20,7 +20,7 @@ import numpy as np
 import torch
 
 from .capture import BITS_VIEW, logits_digest, topk_sketch
-from .capture_triton import fused_capture, fused_capture_supported
+from .capture_triton import fused_capture, fused_capture_at_step, fused_capture_supported
 from .capture_triton import prepare as prepare_fused_capture
 from .mixing import splitmix64
 from .transformer import KVCache, Transformer
@@ -152,14 +152,62 @@ class CaptureBuffers:
 
     def to_host(self, rows: int, steps: int, step_ms: np.ndarray, padded_length: int) -> BatchOutput:
         """The first `rows` rows and `steps` steps, copied to the host (the one sync of a batch)."""
-        cut = lambda t: t[:rows, :steps].to("cpu", copy=True).numpy() if t is not None else None  # noqa: E731
-        logits = None
-        if self.logits is not None:  # raw bits of the model dtype
-            logits = self.logits[:rows, :steps].to("cpu", copy=True).view(BITS_VIEW[self.logits.dtype]).numpy()
-        return BatchOutput(cut(self.tokens), cut(self.digests), cut(self.topk_ids), cut(self.topk_values),
-                           cut(self.margins), logits, step_ms, padded_length, cut(self.probe_ids),
-                           cut(self.probe_values), cut(self.routing_experts), cut(self.routing_margins),
-                           probe_logsumexp=cut(self.probe_logsumexp))
+        return self.copy_to_host(rows, steps, lambda: step_ms, padded_length).result()
+
+    def copy_to_host(self, rows: int, steps: int, step_ms: Callable[[], np.ndarray],
+                     padded_length: int) -> "PendingBatch":
+        """Start copying the first `rows` rows and `steps` steps to the host: the batch, pending until its copy is done.
+
+        On CUDA the copies go into pinned host memory without waiting (non_blocking, in stream order, so a later batch
+        that overwrites these buffers cannot overtake them), so the host can make the previous batch's results while
+        the device computes this one (runner.execute). Copies larger than PINNED_COPY_BYTES (kept logits of long
+        batches), and any off CUDA, are made at once: page-locked memory is the system's, not the process's."""
+        tensors = {name: getattr(self, name)[:rows, :steps] for name in OUTPUT_NAMES if getattr(self, name) is not None}
+        device = self.tokens.device
+        size = sum(tensor.numel() * tensor.element_size() for tensor in tensors.values())
+        done = None
+        if device.type == "cuda" and size <= PINNED_COPY_BYTES:
+            hosts = {name: torch.empty(tensor.shape, dtype=tensor.dtype, pin_memory=True)
+                     for name, tensor in tensors.items()}
+            for name, tensor in tensors.items():
+                hosts[name].copy_(tensor, non_blocking=True)
+            done = torch.cuda.Event()
+            done.record(torch.cuda.current_stream(device))  # the copies' stream: the device's, not the current device's
+        else:
+            hosts = {name: tensor.to("cpu", copy=True) for name, tensor in tensors.items()}
+
+        def make() -> BatchOutput:
+            # copied out of pinned memory, so a run's arrays never hold page-locked memory (pinned blocks are reused)
+            own = np.copy if done is not None else (lambda array: array)  # noqa: E731
+            arrays = {name: own(host.numpy()) for name, host in hosts.items() if name != "logits"}
+            if "logits" in hosts:  # raw bits of the model dtype
+                arrays["logits"] = own(hosts["logits"].view(BITS_VIEW[hosts["logits"].dtype]).numpy())
+            return BatchOutput(step_ms=step_ms(), padded_length=padded_length,
+                               **{name: arrays.get(name) for name in OUTPUT_NAMES})
+
+        return PendingBatch(done, make)
+
+
+OUTPUT_NAMES = ("tokens", "digests", "topk_ids", "topk_values", "margins", "logits", "probe_ids", "probe_values",
+                "routing_experts", "routing_margins", "probe_logsumexp")  # CaptureBuffers' arrays, BatchOutput's too
+PINNED_COPY_BYTES = 256 << 20  # a batch's copy to the host up to this size goes through pinned memory, without a wait
+
+
+@dataclass
+class PendingBatch:
+    """A batch enqueued on the device: `wait()` returns once the device has finished it (its copy to the host
+    included), `result()` then makes its BatchOutput on the host."""
+
+    done: "torch.cuda.Event | None"  # recorded after the batch's last copy to the host; None: nothing to wait for
+    make: Callable[[], BatchOutput]
+
+    def wait(self) -> None:
+        if self.done is not None:
+            self.done.synchronize()
+
+    def result(self) -> BatchOutput:
+        self.wait()
+        return self.make()
 
 
 GREEDY_FROM_CAPTURE = True  # False: a separate argmax (before stop 22), for benchmarks/decode_breakdown.py beside
@@ -184,22 +232,33 @@ def choose_token(logits: torch.Tensor, temperature: float, row_seeds: torch.Tens
 
 
 def capture_step(logits: torch.Tensor, step: torch.Tensor, buffers: CaptureBuffers, top_k: int,
-                 temperature: float, row_seeds: torch.Tensor, capture: bool = True) -> torch.Tensor:
-    """Capture one step's logits [B, V] into the buffers at `step` [1]; return the next token [B].
+                 temperature: float, row_seeds: torch.Tensor, capture: bool = True,
+                 next_token: torch.Tensor | None = None) -> torch.Tensor:
+    """Capture one step's logits [B, V] into the buffers at `step` [1]; return the next token [B], also written into
+    `next_token` [B] when given (the workspace's input of the next step).
 
     `capture=False` only chooses and records the token: the baseline the capture-overhead
     benchmark compares against. A greedy step captured by the fused kernel takes its token from the kernel's
     top-1 (the largest value, the lowest id among equal ones, NaN above all: argmax's choice; float64 logits
     excepted, whose float32 keys may tie), so the logits are not read a second time (an argmax over Llama-3's
-    128,256 logits: about 35 us, 0.8% of an 8B step).
+    128,256 logits: about 35 us, 0.8% of an 8B step). The fused kernel's merge writes its outputs (and that token)
+    into the buffers itself, so a step launches no copy kernels (stop 23: six fewer kernels, same bits).
     """
     fused = capture and fused_capture_supported(logits, top_k)
-    if fused:  # CUDA: one Triton kernel, one read of the logits
-        digest, ids, values, margin = fused_capture(logits, top_k)
     from_capture = (fused and temperature == 0.0 and GREEDY_FROM_CAPTURE
                     and logits.dtype in GREEDY_FROM_CAPTURE_DTYPES)
-    token = ids[:, 0] if from_capture else choose_token(logits, temperature, row_seeds, step)
-    buffers.tokens.index_copy_(1, step, token[:, None])
+    token_out = None if not from_capture else next_token if next_token is not None else torch.empty(
+        logits.shape[0], dtype=torch.int64, device=logits.device)  # [B]: where the kernel writes the token
+    if fused and fused_capture_at_step(logits, step, buffers.digests, buffers.topk_ids, buffers.topk_values,
+                                       buffers.margins, buffers.tokens, token_out):
+        token = token_out if from_capture else _record_token(choose_token(logits, temperature, row_seeds, step),
+                                                             step, buffers, next_token)
+        _capture_extras(logits, step, buffers)
+        return token
+    if fused:  # CUDA: one Triton kernel, one read of the logits
+        digest, ids, values, margin = fused_capture(logits, top_k)
+    token = _record_token(ids[:, 0] if from_capture else choose_token(logits, temperature, row_seeds, step), step,
+                          buffers, next_token)
     if not capture:
         return token
     if not fused:
@@ -209,6 +268,22 @@ def capture_step(logits: torch.Tensor, step: torch.Tensor, buffers: CaptureBuffe
     buffers.topk_ids.index_copy_(1, step, ids[:, None])
     buffers.topk_values.index_copy_(1, step, values[:, None])
     buffers.margins.index_copy_(1, step, margin[:, None])
+    _capture_extras(logits, step, buffers)
+    return token
+
+
+def _record_token(token: torch.Tensor, step: torch.Tensor, buffers: CaptureBuffers,
+                  next_token: torch.Tensor | None) -> torch.Tensor:
+    """token [B] into the buffers at `step` [1] and into `next_token` when given; returns the token."""
+    buffers.tokens.index_copy_(1, step, token[:, None])
+    if next_token is None:
+        return token
+    next_token.copy_(token)
+    return next_token
+
+
+def _capture_extras(logits: torch.Tensor, step: torch.Tensor, buffers: CaptureBuffers) -> None:
+    """What a run keeps beyond the sketch: the raw logits, and an oracle's probes, at `step` [1]."""
     if buffers.logits is not None:
         buffers.logits.index_copy_(1, step, logits[:, None])
     if buffers.probe_ids is not None:
@@ -218,7 +293,6 @@ def capture_step(logits: torch.Tensor, step: torch.Tensor, buffers: CaptureBuffe
         probe = buffers.probe_ids.index_select(1, step)[:, 0]  # [B, K']
         buffers.probe_values.index_copy_(1, step, logits.gather(1, probe).double()[:, None])
         buffers.probe_logsumexp.index_copy_(1, step, torch.logsumexp(logits.double(), dim=-1)[:, None])
-    return token
 
 
 def capture_routing(cache: KVCache, step: torch.Tensor, buffers: CaptureBuffers) -> None:
@@ -244,13 +318,43 @@ class Workspace:
     token: torch.Tensor  # [B] int64: the token fed to the next decode step
     lengths: torch.Tensor  # [B] int64: real prompt lengths
     slot_base: torch.Tensor  # [1] int64: P, the cache slot of the first decode input
-    step: torch.Tensor  # [1] int64: the step index the next call writes
+    # [4 + B] int64: the counters a decode step reads, advanced together by one add (`decode_step`): the step index
+    # the next call writes, the step before it, that step's cache slot, padding, then each row's position. Views of
+    # it below (slot and positions at 16-byte offsets: Inductor copies an input that is not aligned).
+    counters: torch.Tensor
     seeds: torch.Tensor  # [B] int64 per-row sampling seeds
     forced: torch.Tensor | None  # [B, N] int64 tokens to feed instead of the model's choices
     top_k: int
     temperature: float
     capture: bool = True
     forced_routing: torch.Tensor | None = None  # [B, N, L, k] int64 experts to apply instead of the model's choices
+
+    @property
+    def step(self) -> torch.Tensor:
+        """[1] int64: the step index the next call writes."""
+        return self.counters[0:1]
+
+    @property
+    def previous(self) -> torch.Tensor:
+        """[1] int64: the step before `step`, whose token the next decode step feeds."""
+        return self.counters[1:2]
+
+    @property
+    def slot(self) -> torch.Tensor:
+        """[1] int64: the cache slot of that token: slot_base + previous."""
+        return self.counters[2:3]
+
+    @property
+    def position(self) -> torch.Tensor:
+        """[B, 1] int64: each row's position of that token: lengths + previous."""
+        return self.counters[4:, None]
+
+    def point_at(self, step: int) -> None:
+        """Set the counters for a decode step that writes `step` (>= 1), from the batch's lengths and slot base."""
+        self.step.fill_(step)  # fills, not a copy from the host: a prefill captured in a CUDA graph runs this
+        self.previous.fill_(step - 1)
+        torch.add(self.slot_base, step - 1, out=self.slot)
+        torch.add(self.lengths[:, None], step - 1, out=self.position)
 
     @classmethod
     def allocate(cls, model: Transformer, batch: int, slots: int, steps: int, spec: BatchSpec) -> "Workspace":
@@ -261,7 +365,8 @@ class Workspace:
         routing = spec.forced_routing is not None and getattr(model, "routing_shape", None) is not None
         return cls(model.new_cache(batch, slots, routing), buffers,
                    torch.zeros(batch, slots, dtype=torch.bool, device=device), zeros(batch), zeros(batch), zeros(1),
-                   zeros(1), zeros(batch), zeros(batch, steps) if spec.forced_tokens is not None else None, spec.top_k,
+                   zeros(4 + batch), zeros(batch), zeros(batch, steps) if spec.forced_tokens is not None else None,
+                   spec.top_k,
                    spec.temperature, spec.capture,
                    zeros(batch, steps, *model.routing_shape) if routing else None)
 
@@ -292,7 +397,15 @@ class PaddedBatch:
             valid[row, padded_length - len(ids):padded_length] = True
         positions = (valid[:, :padded_length].long().cumsum(-1) - 1).clamp(min=0)
         lengths = torch.tensor([len(ids) for ids in prompts], dtype=torch.int64)
-        return cls(tokens.to(device), positions.to(device), valid.to(device), lengths.to(device))
+        return cls(to_device(tokens, device), to_device(positions, device), to_device(valid, device),
+                   to_device(lengths, device))
+
+
+def to_device(tensor: torch.Tensor, device: torch.device) -> torch.Tensor:
+    """A host tensor on `device`; to CUDA from pinned memory, without the stream sync of a copy from pageable memory."""
+    if torch.device(device).type != "cuda":
+        return tensor.to(device)
+    return tensor.pin_memory().to(device, non_blocking=True)
 
 
 def row_matrix(rows: list[np.ndarray], batch: int, steps: int) -> torch.Tensor:
@@ -314,13 +427,14 @@ def load_batch(workspace: Workspace, padded: PaddedBatch, spec: BatchSpec) -> No
     workspace.key_valid.copy_(padded.key_valid)
     workspace.lengths.copy_(padded.lengths)
     workspace.slot_base.fill_(padded.tokens.shape[1])
-    workspace.seeds.copy_(torch.tensor((seeds + seeds[-1:] * batch)[:batch], dtype=torch.int64))
+    device = workspace.seeds.device
+    workspace.seeds.copy_(to_device(torch.tensor((seeds + seeds[-1:] * batch)[:batch], dtype=torch.int64), device))
     if forced is not None:
-        workspace.forced.copy_(row_matrix(forced, batch, steps))
+        workspace.forced.copy_(to_device(row_matrix(forced, batch, steps), device))
     if workspace.forced_routing is not None:
-        workspace.forced_routing.copy_(row_matrix(spec.forced_routing, batch, steps))
+        workspace.forced_routing.copy_(to_device(row_matrix(spec.forced_routing, batch, steps), device))
     if probe_ids is not None:
-        workspace.buffers.probe_ids.copy_(row_matrix(probe_ids, batch, steps))
+        workspace.buffers.probe_ids.copy_(to_device(row_matrix(probe_ids, batch, steps), device))
 
 
 def prefill_step(forward: Forward, workspace: Workspace, tokens: torch.Tensor, positions: torch.Tensor) -> None:
@@ -330,19 +444,17 @@ def prefill_step(forward: Forward, workspace: Workspace, tokens: torch.Tensor, p
     ws.step.zero_()
     force_routing(ws)
     logits = forward(tokens, positions, slots, ws.key_valid, ws.cache)
-    ws.token.copy_(capture_step(logits, ws.step, ws.buffers, ws.top_k, ws.temperature, ws.seeds, ws.capture))
+    capture_step(logits, ws.step, ws.buffers, ws.top_k, ws.temperature, ws.seeds, ws.capture, ws.token)
     capture_routing(ws.cache, ws.step, ws.buffers)
-    ws.step.add_(1)
+    ws.point_at(1)
 
 
 def decode_step(forward: Forward, workspace: Workspace) -> None:
     """One decode step from the workspace's device state alone: feed, forward, capture, advance."""
     ws = workspace
-    previous = ws.step - 1  # [1]
-    fed = ws.forced.index_select(1, previous)[:, 0] if ws.forced is not None else ws.token  # [B]
-    position = (ws.lengths + previous)[:, None]  # [B, 1]
+    fed = ws.forced.index_select(1, ws.previous)[:, 0] if ws.forced is not None else ws.token  # [B]
     force_routing(ws)
-    logits = forward(fed[:, None], position, ws.slot_base + previous, ws.key_valid, ws.cache)
-    ws.token.copy_(capture_step(logits, ws.step, ws.buffers, ws.top_k, ws.temperature, ws.seeds, ws.capture))
+    logits = forward(fed[:, None], ws.position, ws.slot, ws.key_valid, ws.cache)
+    capture_step(logits, ws.step, ws.buffers, ws.top_k, ws.temperature, ws.seeds, ws.capture, ws.token)
     capture_routing(ws.cache, ws.step, ws.buffers)
-    ws.step.add_(1)
+    ws.counters.add_(1)  # step, previous, slot and positions: one kernel (stop 23; it was four)

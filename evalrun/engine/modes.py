@@ -42,8 +42,8 @@ import torch
 
 from ..config import CompilationMode, CUDAGraphMode, EffectiveConfig
 from . import attention_triton, gguf_blocks
-from .generate import (BatchOutput, BatchSpec, PaddedBatch, Workspace, decode_step, load_batch, prefill_step,
-                       stack_outputs)
+from .generate import (BatchOutput, BatchSpec, PaddedBatch, PendingBatch, Workspace, decode_step, load_batch,
+                       prefill_step, stack_outputs)
 from .piece_graphs import PieceGraphs
 from .shapes import ShapePlan
 from .timing import StepClock
@@ -166,13 +166,23 @@ class ExecutionMode(ShapePlan):
         """One batch in this mode (the engine seam's call: engine.engines.Engine): greedy (or seeded-sampled)
         generation with on-device capture of every step. A batch-invariant mode runs each row as a batch of
         one (its own padding, cache length and kernels: the bits of the prompt run alone)."""
-        if self.batch_invariant and len(spec.prompts) > 1:
-            return stack_outputs([self._generate(spec.row(index)) for index in range(len(spec.prompts))], spec.steps)
-        return self._generate(spec)
+        return self.submit(spec).result()
 
-    def _generate(self, spec: BatchSpec) -> BatchOutput:
-        """Pad the prompts as the mode wants, take the workspace for that shape, load the batch, then run
-        prefill and the decode steps with a step clock that never syncs inside the loop."""
+    @torch.no_grad()
+    def submit(self, spec: BatchSpec) -> PendingBatch:
+        """`generate`, split where the host would wait: enqueue the batch (on CUDA, its copy to the host too) and
+        return it pending. The runner enqueues the next batch before it makes this one's results, so the device
+        does not idle while the host does that (stop 23)."""
+        if self.batch_invariant and len(spec.prompts) > 1:
+            output = stack_outputs([self._launch(spec.row(index)).result() for index in range(len(spec.prompts))],
+                                   spec.steps)
+            return PendingBatch(None, lambda: output)
+        return self._launch(spec)
+
+    def _launch(self, spec: BatchSpec) -> PendingBatch:
+        """Pad the prompts as the mode wants, take the workspace for that shape, load the batch, then enqueue
+        prefill and the decode steps with a step clock that never syncs inside the loop, then the copy to the
+        host."""
         prompts, device = spec.prompts, self.transformer.device
         padded_length, batch = self.padded_length(prompts), self.padded_batch(len(prompts))
         rows = prompts + [prompts[-1]] * (batch - len(prompts))  # batch-bucket filler rows repeat the last prompt
@@ -187,7 +197,7 @@ class ExecutionMode(ShapePlan):
         for _ in range(1, spec.steps):
             self.decode(workspace)
             clock.mark()
-        return workspace.buffers.to_host(len(prompts), spec.steps, clock.elapsed_ms(), padded_length)
+        return workspace.buffers.copy_to_host(len(prompts), spec.steps, clock.elapsed_ms, padded_length)
 
     # ------------------------------------------------------------ shapes and workspaces
 
@@ -248,15 +258,15 @@ class ExecutionMode(ShapePlan):
     def _capture(self, key: tuple, workspace: Workspace, step: Callable[[], None]) -> None:
         """Warm up `step` on a side stream (compiles, autotunes), then capture it in a CUDA graph.
 
-        Warm-up runs mutate the workspace's step counter and token; they are restored afterwards,
+        Warm-up runs mutate the workspace's step counters and token; they are restored afterwards,
         so the captured graph starts from the state the caller left."""
-        saved = (workspace.step.clone(), workspace.token.clone())
+        saved = (workspace.counters.clone(), workspace.token.clone())
         stream = torch.cuda.Stream()
         stream.wait_stream(torch.cuda.current_stream())
         with torch.cuda.stream(stream):
             for _ in range(2):
                 step()
-                workspace.step.copy_(saved[0])
+                workspace.counters.copy_(saved[0])
                 workspace.token.copy_(saved[1])
         torch.cuda.current_stream().wait_stream(stream)
         graph = torch.cuda.CUDAGraph()
@@ -287,11 +297,14 @@ class ExecutionMode(ShapePlan):
             pieces["piece_graph_captures_warmup"] = pieces["piece_graph_captures"]
             pieces.update(piece_graph_captures=0, piece_graph_replays=0, piece_graph_recaptures=0)
 
-    def _count_launches(self, workspace: Workspace) -> int:
-        """Kernel launches (and graph launches) the host issues for one decode step (profiler)."""
+    def _count_launches(self, workspace: Workspace) -> int | None:
+        """Kernel launches (and graph launches) the host issues for one decode step (profiler); None when the
+        workspace holds no decode step (a run of one token: step 1 would lie past its capture buffers)."""
         from torch.profiler import ProfilerActivity, profile
 
-        workspace.step.fill_(1)  # a finished workspace points past its last step; the next prefill resets it
+        if workspace.shape[2] < 2:
+            return None
+        workspace.point_at(1)  # a finished workspace points past its last step; the next prefill resets it
         torch.cuda.synchronize()
         with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as profiler:
             self.decode(workspace)

@@ -19,12 +19,13 @@ class StepClock:
 
     def __init__(self, device: torch.device):
         self.cuda = device.type == "cuda"
+        self.device = device
         self.marks: list = []
 
     def _now(self):
         if self.cuda:
             event = torch.cuda.Event(enable_timing=True)
-            event.record()
+            event.record(torch.cuda.current_stream(self.device))  # the model's device, which need not be the current one
             return event
         return time.perf_counter()
 
