@@ -124,7 +124,7 @@ def profile_decode(mode: ExecutionMode, workspace, steps: int) -> tuple[dict[str
     """Kernel count and GPU time by kind over `steps` decode steps, per step; the most launched kernels."""
     from torch.profiler import ProfilerActivity, profile
 
-    workspace.step.fill_(1)
+    workspace.point_at(1)
     torch.cuda.synchronize()
     with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as profiler:
         for _ in range(steps):
@@ -232,7 +232,8 @@ def main() -> None:
     parser.add_argument("--skip", default="", help="comma-separated parts to leave out: projections, eager "
                         "(the eager and graphless steps), split-kv (the step with the split-KV attention), residual, "
                         "kv-write (the step with the MLP's residual add, or the KV write, separate), pdl-inductor, combo, "
-                        "levers, levers-combine-kernel, levers-o3, levers-argmax, levers-torch-merge, levers-both")
+                        "levers, levers-combine-kernel, levers-o3, levers-argmax, levers-torch-merge, levers-both, "
+                        "levers-copies")
     args = parser.parse_args()
     skip = set(args.skip.split(","))
     loaded = load_model(args.model, "cuda", args.dtype)
@@ -266,6 +267,7 @@ def main() -> None:
     separate_combine = ((attention_triton, "COMBINE_IN_LAST_PROGRAM", False),)  # split-KV's second kernel (stop 19)
     own_argmax = ((generate_module, "GREEDY_FROM_CAPTURE", False),)  # the greedy token by argmax (before stop 22)
     torch_merge = ((capture_triton, "MERGE_IN_KERNEL", False),)  # the capture's chunks merged by torch ops (before 22)
+    copies = ((capture_triton, "MERGE_INTO_BUFFERS", False),)  # the merge's outputs copied into the buffers (before 23)
     rows = [(None, "", gemv, {}, ()),
             ("split-kv", " +triton-split-kv", split_kv, {}, ()),
             ("residual", ", residual add separate", gemv, {}, separate_residual),
@@ -281,7 +283,9 @@ def main() -> None:
             ("levers-torch-merge", " +split-kv +combo, the capture's chunks merged by torch ops (before stop 22)",
              split_kv, combo, torch_merge),
             ("levers-both", " +split-kv +combo, argmax and the torch merge (before stop 22)", split_kv, combo,
-             own_argmax + torch_merge)]
+             own_argmax + torch_merge),
+            ("levers-copies", " +split-kv +combo, the capture's outputs copied into its buffers (before stop 23)",
+             split_kv, combo, copies)]
     for name, label, forward, options, flags in rows:
         if name in skip:
             continue
