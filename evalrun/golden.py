@@ -9,10 +9,10 @@ A golden file is a store (same schema as `store/evalrun.db`) holding these runs,
   function            float32, eager, deterministic, TF32 off, forced and probed likewise: what the
                       function check holds a candidate environment's float32 run against
 Roles with the same config share one run. Mixture-of-experts models: every run but pinned also follows the
-pinned run's routing (its experts at each step's token, in every MoE layer: forced routing), so all of a
-golden's runs share one discrete path (but for the routing of a prompt's tokens before its last, which no run
-forces), and the table says so (`routing`: "pinned"); a run's stored routing is still the experts its own
-router chose. A `golden` table holds the format version, the roles, the requested config and a digest of
+pinned run's routing (its experts at each step's token and, since stop 24, at each prompt token, in every MoE
+layer: forced routing), so all of a golden's runs share one discrete path, and the table says so (`routing`:
+"pinned"); a run's stored routing is still the experts its own router chose. (A golden made before stop 24 keeps
+no prompt routing: its runs, and verify's against it, route the prompt's tokens freely.) A `golden` table holds the format version, the roles, the requested config and a digest of
 the whole content, so an edited or damaged file is refused. The digest is an unkeyed checksum, not a
 signature: anyone can edit a golden and recompute it, so every value read from one is validated as
 untrusted input.
@@ -39,7 +39,7 @@ from . import __version__, distributed
 from .config import (DECODE_LEVER_DEFAULTS, INDUCTOR_DEFAULTS, CompilationMode, CUDAGraphMode, EffectiveConfig,
                      RunConfig, resolve)
 from .errors import ConfigError, GoldenError, OutputError, StoreError
-from .routing import has_routing
+from .routing import RoutingPath, has_routing, routing_path
 from .runner import Prepared, Probes, Run, execute, prepare, record
 from .store import RUN_JSON_COLUMNS, PromptResult, Store, result_problem
 
@@ -355,17 +355,17 @@ class CreatedRuns:
 
 
 def _forced_probed(prepared: Prepared, tokens: dict[int, np.ndarray], probes: Probes, progress, role: str,
-                   routing: dict[int, np.ndarray] | None) -> Run:
+                   routing: dict[int, RoutingPath] | None) -> Run:
     return execute(prepared, forced=tokens, probes=probes, progress=_tick(progress, role, prepared), timed=False,
                    routing=routing)
 
 
-def pinned_routing(pinned: Run) -> dict[int, np.ndarray] | None:
-    """The pinned run's experts per prompt index, [N, L, k], that the golden's other runs follow (None: a dense
-    model, or one whose engine records no routing)."""
+def pinned_routing(pinned: Run) -> dict[int, RoutingPath] | None:
+    """The pinned run's experts per prompt index (at each step and prompt token) that the golden's other runs
+    follow (None: a dense model, or one whose engine records no routing)."""
     if not all(has_routing(r.arrays) for r in pinned.results):
         return None
-    return {r.prompt_index: r.arrays["routing_experts"] for r in pinned.results}
+    return {r.prompt_index: routing_path(r.arrays) for r in pinned.results}
 
 
 def make_runs(config: RunConfig, progress=None, hook: Hook | None = None) -> CreatedRuns:

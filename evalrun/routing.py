@@ -21,7 +21,12 @@ every entry (`router_error`: margin movements and the needs of its own flips); a
 freely, so only its entries before their first flip compare (`margin_movement`, until_flip). A flip that is no
 near-tie is a routing change, not drift. A negative margin (no router reports one) is never a near-tie.
 
-Shapes: N decode steps, L MoE layers, k experts per token.
+A run also stores the experts of its prompt's tokens before the last (`prompt_routing` [P - 1, L, k]: the
+last's are step 0's). A golden's runs, and verify's forced runs, follow the pinned run's prompt routing too, so a
+tie tipped inside a prefill moves nothing after it; those prompt flips are not judged (a router change shows at
+the decode steps, which compare every step's own choice).
+
+Shapes: N decode steps, P prompt tokens, L MoE layers, k experts per token.
 """
 
 from __future__ import annotations
@@ -33,6 +38,7 @@ from typing import Mapping
 import numpy as np
 
 ARRAYS = ("routing_experts", "routing_margins")
+PROMPT_ARRAY = "prompt_routing"  # [P - 1, L, k] int16: the experts of the prompt's tokens before its last
 
 
 @dataclass
@@ -95,6 +101,30 @@ class RoutingFlip:
 
 def has_routing(arrays: Mapping[str, np.ndarray]) -> bool:
     return all(name in arrays for name in ARRAYS)
+
+
+@dataclass(frozen=True)
+class RoutingPath:
+    """The experts a forced run applies for one prompt: at each decode step's token [N, L, k], and at the prompt's
+    tokens before its last [P - 1, L, k] (None: a result stored before prompt routing was: they route freely)."""
+
+    steps: np.ndarray
+    prompt: np.ndarray | None = None
+
+
+def routing_path(arrays: Mapping[str, np.ndarray]) -> RoutingPath:
+    """A result's routing as the path forced runs follow (a result with routing: has_routing)."""
+    return RoutingPath(arrays["routing_experts"], arrays.get(PROMPT_ARRAY))
+
+
+def left_path(path: RoutingPath, arrays: Mapping[str, np.ndarray]) -> bool:
+    """A run (its result's arrays) applied other experts than `path` somewhere, or the same ones in another order
+    (the engine sums a token's experts in the order routed, so a forced run along the path differs in the bits):
+    at a decode step or, when the path has them, at a prompt token."""
+    own = arrays.get("routing_experts")
+    if own is None or not np.array_equal(path.steps, own[:len(path.steps)]):
+        return True
+    return path.prompt is not None and not np.array_equal(path.prompt, arrays.get(PROMPT_ARRAY, np.empty(0)))
 
 
 def _agreement(experts_a: np.ndarray, experts_b: np.ndarray, steps: int) -> tuple[np.ndarray, np.ndarray, int] | None:
@@ -187,21 +217,26 @@ def result_router_error(a: Mapping[str, np.ndarray], b: Mapping[str, np.ndarray]
     return router_error(a["routing_experts"], a["routing_margins"], b["routing_experts"], b["routing_margins"], steps)
 
 
-def problem(arrays: Mapping[str, np.ndarray], steps: int) -> str:
+def problem(arrays: Mapping[str, np.ndarray], steps: int, prompt_tokens: int) -> str:
     """What is wrong with a result's routing arrays ('' when nothing, or when it has none): one without the
-    other, shapes that are not [steps, L, k] and [steps, L], experts that are not non-negative integer ids,
-    margins that are not probability gaps in [0, 1] (what verify's forced routing and its allowance read)."""
+    other, shapes that are not [steps, L, k] and [steps, L] (and [prompt_tokens - 1, L, k] for the prompt's),
+    experts that are not non-negative integer ids, margins that are not probability gaps in [0, 1] (what
+    verify's forced routing and its allowance read)."""
     present = [name in arrays for name in ARRAYS]
     if not any(present):
-        return ""
+        return "prompt routing without the steps' routing" if PROMPT_ARRAY in arrays else ""
     if not all(present):
         return "routing arrays of inconsistent shapes"
     experts, margins = arrays["routing_experts"], arrays["routing_margins"]
     if not (experts.ndim == 3 and experts.shape[0] == steps and margins.shape == experts.shape[:2]
             and experts.shape[2] > 0):
         return "routing arrays of inconsistent shapes"
-    if not np.issubdtype(experts.dtype, np.integer) or (experts.size and experts.min() < 0):
-        return f"routing_experts that are not expert ids (dtype {experts.dtype})"
+    prompt = arrays.get(PROMPT_ARRAY)
+    if prompt is not None and prompt.shape != (max(prompt_tokens - 1, 0),) + experts.shape[1:]:
+        return "prompt_routing of another shape than the prompt's tokens and the steps' routing"
+    for name, ids in (("routing_experts", experts), (PROMPT_ARRAY, prompt)):
+        if ids is not None and (not np.issubdtype(ids.dtype, np.integer) or (ids.size and ids.min() < 0)):
+            return f"{name} that are not expert ids (dtype {ids.dtype})"
     if not (np.issubdtype(margins.dtype, np.floating) and np.all((margins >= 0) & (margins <= 1))):
         return "routing_margins that are not probability gaps in [0, 1]"
     return ""

@@ -27,6 +27,7 @@ from .fingerprint import apply_numerics_flags, baseline_backend_flags, environme
 from .hashing import hash_bytes, hash_value
 from .models import LoadedModel, load_model, model_identity
 from .prompts import PromptSet, load_prompt_set
+from .routing import PROMPT_ARRAY, RoutingPath
 from .store import PromptResult, Store
 
 Progress = Callable[[int], None]
@@ -178,7 +179,7 @@ def _pad_id(loaded: LoadedModel) -> int:
 
 
 def batch_spec(prepared: Prepared, indices: list[int], forced: dict[int, np.ndarray] | None = None,
-               probes: Probes | None = None, routing: dict[int, np.ndarray] | None = None) -> BatchSpec:
+               probes: Probes | None = None, routing: dict[int, RoutingPath] | None = None) -> BatchSpec:
     """The engine's description of one batch of the run."""
     config, prompt_set = prepared.config, prepared.prompt_set
     row_steps = [steps_for(prompt_set, index, config) for index in indices]
@@ -188,7 +189,8 @@ def batch_spec(prepared: Prepared, indices: list[int], forced: dict[int, np.ndar
         config.temperature, [row_seed(prompt_set.records[i].id, config.seed) for i in indices],
         any(keep_logits_steps(config.keep_logits, prompt_set.records[i].id, steps) for i in indices),
         [forced[i] for i in indices] if forced else None,
-        [routing[i] for i in indices] if routing else None,
+        [routing[i].steps for i in indices] if routing else None,
+        [routing[i].prompt for i in indices] if routing else None,
         [probes.ids[i] for i in indices] if probes else None, probes.own_topk if probes else 0,
         row_steps=row_steps if len(set(row_steps)) > 1 else None)
 
@@ -215,6 +217,9 @@ def to_results(prepared: Prepared, batch_index: int, indices: list[int], output:
         if output.routing_experts is not None:  # MoE models: [steps, L, k] experts (int16), [steps, L] margins
             arrays["routing_experts"] = output.routing_experts[row, :steps].astype(np.int16)
             arrays["routing_margins"] = output.routing_margins[row, :steps]
+        if output.prompt_routing is not None:  # [P - 1, L, k]: the prompt's tokens before its last (left-padded)
+            length, padded = len(prepared.prompt_set.token_ids[index]), output.padded_length
+            arrays[PROMPT_ARRAY] = output.prompt_routing[row, padded - length:padded - 1]
         tokens = arrays["tokens"]
         eos_hits = np.flatnonzero(tokens == eos) if eos is not None else np.array([])
         eos_step = int(eos_hits[0]) if eos_hits.size else -1
@@ -265,12 +270,13 @@ def warmup_batches(batches: list[list[int]], prepared: Prepared, mode: Engine) -
 
 def execute(prepared: Prepared, forced: dict[int, np.ndarray] | None = None, probes: Probes | None = None,
             progress: Progress | None = None, only: set[int] | None = None, timed: bool = True,
-            placement: Placement | None = None, routing: dict[int, np.ndarray] | None = None) -> Run:
+            placement: Placement | None = None, routing: dict[int, RoutingPath] | None = None) -> Run:
     """Warm up, then run every batch of the plan (or only those holding a prompt index in `only`).
 
     `forced` feeds given tokens per prompt index instead of the model's own choices (forced
-    decoding); `routing` (MoE models, with `forced`) applies given experts per prompt index, [N, L, k],
-    instead of the model's own choices (forced routing; evalrun's engine only); `probes` records the
+    decoding); `routing` (MoE models, with `forced`) applies given experts per prompt index (a RoutingPath: at
+    the decode steps and the prompt's tokens) instead of the model's own choices (forced routing; evalrun's engine
+    only); `probes` records the
     logits at given ids. Batch composition is always the plan's, so a partial re-run computes the same
     bits as the full one would. `timed=False` skips the
     warm-up of eager modes (runs made for their numbers, not their timings); static modes always warm

@@ -107,7 +107,7 @@ def result_problem(result: "PromptResult", probed: bool = False) -> str:
             and arrays["probe_ids"].shape == arrays["probe_values"].shape and arrays["probe_ids"].shape[1] > 0
     if not fine:
         return f"has arrays of inconsistent shapes for prompt {result.prompt_id!r}"
-    wrong = routing.problem(arrays, steps)
+    wrong = routing.problem(arrays, steps, len(arrays["input_ids"]))
     return f"has {wrong} for prompt {result.prompt_id!r}" if wrong else ""
 
 

@@ -42,7 +42,8 @@ from .config import DECODE_LEVER_DEFAULTS, EffectiveConfig, RunConfig, build_con
 from .errors import ConfigError, GoldenError
 from .golden import ENVELOPE_ROLES, Golden, Hook, reference_config, routing_layout
 from .hashing import hash_value
-from .routing import RoutingFlip, has_routing, result_flip, result_movement, result_router_error
+from .routing import (PROMPT_ARRAY, RoutingFlip, RoutingPath, has_routing, left_path, result_flip, result_movement,
+                      result_router_error, routing_path)
 from .rules import (EXECUTION_RULE, FUNCTION_RULE, ROUTING_FLIP_FLOOR, ROUTING_FLIP_MULTIPLIER, Evidence, Judgement,
                     aggregate, judge, judge_set, rule_for, step_errors, typical)
 from .runner import Prepared, Probes, Run, execute, prepare, steps_for
@@ -173,10 +174,10 @@ class Context:
     def tokens(self) -> dict[int, np.ndarray]:
         return {r.prompt_index: r.arrays["tokens"] for r in self.golden_results}
 
-    def routing(self, config: EffectiveConfig | None = None) -> dict[int, np.ndarray] | None:
-        """The golden's experts per prompt index, [N, L, k], when the forced runs of `config` (default: the
-        candidate's) follow them: an MoE golden (with its oracle's routing, which calibrates the flips) and
-        evalrun's engine. When every run of the golden followed its pinned routing (`Golden.routing_followed`),
+    def routing(self, config: EffectiveConfig | None = None) -> dict[int, RoutingPath] | None:
+        """The golden's experts per prompt index (at its steps and prompt tokens), when the forced runs of `config`
+        (default: the candidate's) follow them: an MoE golden (with its oracle's routing, which calibrates the flips)
+        and evalrun's engine. When every run of the golden followed its pinned routing (`Golden.routing_followed`),
         every such run here does too, whatever its dtype: the candidate's, the function config's, the reference
         run here, so that each is compared with an oracle and envelope along the same experts. An older golden's
         runs routed freely: only the candidate in the golden's dtype (its envelope members share the pinned path
@@ -187,7 +188,7 @@ class Context:
         if not self.golden.routing_followed and (config.dtype != self.golden.config("pinned").dtype or
                                                  config.compute_hash() == _function_config(self).compute_hash()):
             return None
-        return {r.prompt_index: r.arrays["routing_experts"] for r in self.golden_results}
+        return {r.prompt_index: routing_path(r.arrays) for r in self.golden_results}
 
     def probes(self) -> Probes:
         return Probes({r.prompt_index: r.arrays["probe_ids"] for r in self.oracle})
@@ -248,7 +249,7 @@ def _check_id_ranges(golden: Golden, golden_results: list[PromptResult], vocab: 
     experts (forced routing) the model's experts. (Their dtypes, signs and shapes: store.result_problem.)"""
     bounds = {"tokens": (vocab, "vocabulary ids"), "probe_ids": (vocab, "vocabulary ids")}
     if experts is not None:
-        bounds["routing_experts"] = (experts, "experts")
+        bounds["routing_experts"] = bounds[PROMPT_ARRAY] = (experts, "experts")
     for role, results in (("pinned", golden_results), ("oracle", golden.results("oracle"))):
         for result in results:
             for name, (bound, unit) in bounds.items():
@@ -439,8 +440,8 @@ def _forced_results(context: Context, free: Run, prompts: list[PromptVerdict],
     results = free.by_index()
     routing = context.routing()
     diverged = {r.prompt_index for r, p in zip(golden_results, prompts)
-                if p.first_divergent_step >= 0 or (routing is not None and p.verdict != "identical"
-                                                   and _left_routing(r, results[r.prompt_index]))}
+                if p.first_divergent_step >= 0 or (routing is not None and p.verdict != "identical" and
+                                                   left_path(routing[r.prompt_index], results[r.prompt_index].arrays))}
     if diverged:
         started = time.perf_counter()
         rerun = context.ran("forced", execute(context.candidate, forced=context.tokens(), probes=context.probes(),
@@ -449,13 +450,6 @@ def _forced_results(context: Context, free: Run, prompts: list[PromptVerdict],
         results.update(rerun.by_index())
         context.timings["forced_s"] = time.perf_counter() - started
     return results
-
-
-def _left_routing(golden_run: PromptResult, free: PromptResult) -> bool:
-    """The free run applied other experts than the golden's somewhere, or the same ones in another order (the
-    engine sums a token's experts in the order routed, so a forced run along the golden's differs in the bits)."""
-    ids, own = golden_run.arrays["routing_experts"], free.arrays.get("routing_experts")
-    return own is None or not np.array_equal(ids, own[:len(ids)])
 
 
 def _routing_flips(context: Context, forced: dict[int, PromptResult], prompts: list[PromptVerdict],

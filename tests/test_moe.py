@@ -113,9 +113,29 @@ def test_routing_matches_transformers_router_choice(moe_model):
         np.testing.assert_allclose(out.routing_margins[0, :, layer], (values[:, 1] - values[:, 2]).numpy(), atol=1e-6)
 
 
+def test_prompt_routing_is_each_prompt_tokens_router_choice_in_a_left_padded_batch(moe_model):
+    """A prefill records the experts of every prompt token; in a batch of two prompts of different lengths each
+    row's tokens before its last are those of its prompt routed alone by transformers (the shorter row left-padded:
+    its experts sit at the end, as its tokens do)."""
+    model = moe_model.model
+    prompts = [moe_model.tokenizer(PROMPT)["input_ids"], moe_model.tokenizer("Routing")["input_ids"]]
+    out = generate_batch(Transformer(model, "sdpa"), BatchSpec(prompts, 2, pad_id=0))
+    padded = out.padded_length
+    assert out.prompt_routing.shape == (2, padded, 2, 2) and padded == max(len(ids) for ids in prompts)
+    for row, ids in enumerate(prompts):
+        with torch.no_grad():
+            router_logits = model(torch.tensor([ids]), output_router_logits=True).router_logits  # L x [P, E]
+        for layer, logits in enumerate(router_logits):
+            chosen = torch.topk(torch.softmax(logits.float(), dim=-1), 2, dim=-1).indices[:-1]  # [P - 1, k]
+            recorded = out.prompt_routing[row, padded - len(ids):padded - 1, layer]
+            assert recorded.tolist() == chosen.tolist(), (row, layer)
+
+
 def _forced_routing_runs(loaded, compilation: str, steps: int = 8, graphs: str = "none"):
-    """Two prompts, free then forced along the free run's tokens: with the free run's own routing, and with the
-    routing of the first MoE layer at step 2 of row 0 replaced (an unchosen expert in, its k-th out)."""
+    """Two prompts, free then forced along the free run's tokens: with the free run's own routing (its steps' and
+    its prompts'), with the routing of the first MoE layer at step 2 of row 0 replaced (an unchosen expert in, its
+    k-th out), and with the first MoE layer's routing of row 1's first prompt token replaced (the shorter prompt:
+    left-padded, so its tokens sit at other slots than row 0's)."""
     from evalrun.config import CompilationMode, CUDAGraphMode
     from evalrun.engine.modes import ExecutionMode, allow_recompiles_for
 
@@ -129,16 +149,22 @@ def _forced_routing_runs(loaded, compilation: str, steps: int = 8, graphs: str =
     free = generate_batch(transformer, BatchSpec(prompts, steps, pad_id=0, keep_logits=True), mode)
     tokens = [free.tokens[row] for row in range(2)]
     own = [free.routing_experts[row] for row in range(2)]  # [N, L, k] each
-    forced_own = generate_batch(transformer, BatchSpec(prompts, steps, pad_id=0, keep_logits=True, forced_tokens=tokens,
-                                                       forced_routing=own), mode)
+    padded = free.padded_length
+    own_prompt = [free.prompt_routing[row, padded - len(ids):padded - 1] for row, ids in enumerate(prompts)]
+    forced = lambda routing, prompt: generate_batch(transformer, BatchSpec(  # noqa: E731
+        prompts, steps, pad_id=0, keep_logits=True, forced_tokens=tokens, forced_routing=routing,
+        forced_prompt_routing=prompt), mode)
+    forced_own = forced(own, own_prompt)
     other = [experts.copy() for experts in own]
     other[0][2, 0] = [e for e in range(8) if e not in own[0][2, 0]][:1] + own[0][2, 0, :1].tolist()
-    forced_other = generate_batch(transformer, BatchSpec(prompts, steps, pad_id=0, keep_logits=True,
-                                                         forced_tokens=tokens, forced_routing=other), mode)
-    return free, forced_own, forced_other, other
+    forced_other = forced(other, own_prompt)
+    other_prompt = [experts.copy() for experts in own_prompt]
+    other_prompt[1][0, 0] = [e for e in range(8) if e not in own_prompt[1][0, 0]][:1] + own_prompt[1][0, 0, :1].tolist()
+    forced_other_prompt = forced(own, other_prompt)
+    return free, forced_own, forced_other, other, (own_prompt, other_prompt, forced_other_prompt)
 
 
-def _check_forced_routing(free, forced_own, forced_other, other, exact: bool) -> None:
+def _check_forced_routing(free, forced_own, forced_other, other, prompt_runs, exact: bool) -> None:
     """Each run's token is the argmax of its own logits. Forced along its own routing a run computes its free tokens
     and experts, and its free bits where `exact` (eagerly; compiled, the forced graph is not the free one and may
     round otherwise: a token then differs only at a near-tie, as the H200 showed once, piecewise with full graphs,
@@ -168,6 +194,15 @@ def _check_forced_routing(free, forced_own, forced_other, other, exact: bool) ->
     assert np.array_equal(forced_other.logits[1], forced_own.logits[1])  # the other row routes as it chose
     assert forced_other.routing_experts[0, 2, 0].tolist() == free.routing_experts[0, 2, 0].tolist()  # its own
     assert forced_other.routing_experts[0, 2, 0].tolist() != other[0][2, 0].tolist()
+    own_prompt, other_prompt, forced_other_prompt = prompt_runs  # a prompt token's experts replaced in row 1
+    assert np.array_equal(forced_own.prompt_routing, free.prompt_routing)
+    assert not np.array_equal(forced_other_prompt.logits[1, 0], forced_own.logits[1, 0])  # from the first step on
+    assert np.array_equal(forced_other_prompt.logits[0], forced_own.logits[0])  # the other row routes as it chose
+    padded, length = forced_other_prompt.padded_length, len(own_prompt[1]) + 1
+    recorded = forced_other_prompt.prompt_routing[1, padded - length:padded - 1]  # [P - 1, L, k]
+    # its own choice in the first MoE layer, whose router saw nothing the replaced experts computed (later layers
+    # attend to that token's new output: their choices may move)
+    assert np.array_equal(recorded[:, 0], own_prompt[1][:, 0]) and recorded[0, 0].tolist() != other_prompt[1][0, 0].tolist()
 
 
 @pytest.mark.parametrize("compilation", ["none", "piecewise"])

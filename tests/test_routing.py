@@ -11,7 +11,7 @@ import pytest
 from evalrun.config import build_config
 from evalrun.engine.faults import Fault, fault_hook, plant
 from evalrun.golden import open_golden
-from evalrun.routing import margin_movement, router_error, routing_flip
+from evalrun.routing import RoutingPath, margin_movement, router_error, routing_flip, routing_path
 from evalrun.runner import execute_run, prepare
 from evalrun.store import Store
 from evalrun.verify import candidate_config, verify_golden
@@ -261,17 +261,25 @@ def test_every_run_of_an_moe_golden_follows_its_pinned_routing(golden_factory, t
     assert "every run along the pinned routing" in golden_text(golden, golden.results("pinned"))  # `golden show`
     pinned = {r.prompt_index: r for r in golden.results("pinned")}
     tokens = {i: r.arrays["tokens"] for i, r in pinned.items()}
-    routing = {i: r.arrays["routing_experts"] for i, r in pinned.items()}
+    routing = {i: routing_path(r.arrays) for i, r in pinned.items()}
+    assert all(path.prompt.shape == (len(pinned[i].arrays["input_ids"]) - 1, *path.steps.shape[1:])
+               for i, path in routing.items())
     probes = Probes({r.prompt_index: r.arrays["probe_ids"] for r in golden.results("oracle")})
     prepared = prepare(golden.config("oracle"))
+    same = lambda run, role: all(np.array_equal(run[r.prompt_index].arrays["probe_values"],  # noqa: E731
+                                                r.arrays["probe_values"]) for r in golden.results(role))
     for role in ("oracle", "function"):
         along = execute(prepare(golden.config(role), reuse=prepared), forced=tokens, probes=probes, timed=False,
                         routing=routing).by_index()
-        assert all(np.array_equal(along[r.prompt_index].arrays["probe_values"], r.arrays["probe_values"])
-                   for r in golden.results(role)), role
+        assert same(along, role), role
+        # its own choices at the prompt's tokens are not the pinned run's everywhere: the ties it was made to follow
+        assert not all(np.array_equal(along[i].arrays["prompt_routing"], pinned[i].arrays["prompt_routing"])
+                       for i in pinned), role
     free = execute(prepared, forced=tokens, probes=probes, timed=False).by_index()
-    assert not all(np.array_equal(free[r.prompt_index].arrays["probe_values"], r.arrays["probe_values"])
-                   for r in golden.results("oracle"))
+    assert not same(free, "oracle")
+    steps_only = {i: RoutingPath(path.steps) for i, path in routing.items()}  # the prompt's tokens routed freely
+    assert not same(execute(prepared, forced=tokens, probes=probes, timed=False, routing=steps_only).by_index(),
+                    "oracle")
     dense = open_golden("g", golden_factory())
     assert not dense.routing_followed and "routing" not in dense.meta and dense.summary()["routing"] is None
     assert "pinned routing" not in golden_text(dense, dense.results("pinned"))
@@ -290,7 +298,8 @@ def test_a_candidate_in_another_dtype_follows_the_golden_routing_too(golden_fact
     assert verdict.verdict == "drift" and verdict.distance < 1, verdict.causes
     assert all(p.routing.forced for p in verdict.prompts if p.routing is not None)
     if "deterministic" in flags:
-        assert verdict.function_check.startswith("reproduced the golden's float32 reference bit for bit")
+        assert verdict.function_check.startswith("reproduced the golden's float32 reference bit for bit"), (
+            verdict.function_check, verdict.env_diff, verdict.config_diff)
 
 
 def test_a_golden_that_claims_another_routing_is_refused_in_one_line(golden_factory, ties_dir, verify, tmp_path):
@@ -315,6 +324,8 @@ FORGED_ROUTING = {  # array name -> (dtype, what every value becomes)
     "an expert past the model's": ("routing_experts", "<i2", 99),
     "NaN ids of a float array": ("routing_experts", "<f8", np.nan),
     "a margin that is no probability gap": ("routing_margins", "<f4", 5.0),
+    "a prompt token's expert past the model's": ("prompt_routing", "<i2", 99),
+    "a negative prompt expert": ("prompt_routing", "<i2", -3),
 }
 
 
@@ -366,11 +377,11 @@ def test_a_golden_whose_routing_has_another_shape_is_refused_before_any_run_forc
     shutil.copytree(golden_factory(*BF16, model=str(ties_dir), tokens=16), directory)
     conn = sqlite3.connect(directory / "g.db", isolation_level=None)
     if forgery == "a prompt without routing":
-        conn.execute("DELETE FROM arrays WHERE name LIKE 'routing_%' AND prompt_index = 0")
-    rows = conn.execute("SELECT rowid, name, dtype, shape, encoding, data FROM arrays WHERE name LIKE 'routing_%'")
+        conn.execute("DELETE FROM arrays WHERE name LIKE '%routing%' AND prompt_index = 0")
+    rows = conn.execute("SELECT rowid, name, dtype, shape, encoding, data FROM arrays WHERE name LIKE '%routing%'")
     for rowid, name, dtype, shape, encoding, data in rows.fetchall() if forgery == "one layer and one expert" else []:
         array = decode_array_row({"name": name, "dtype": dtype, "shape": shape, "encoding": encoding, "data": data})
-        cut = np.ascontiguousarray(array[:, :1, :1] if name == "routing_experts" else array[:, :1])
+        cut = np.ascontiguousarray(array[:, :1, :1] if name != "routing_margins" else array[:, :1])
         conn.execute("UPDATE arrays SET shape = ?, encoding = 'raw', data = ?, digest = ? WHERE rowid = ?",
                      [json.dumps(list(cut.shape)), cut.tobytes(), hash_bytes(cut.tobytes()), rowid])
     conn.execute("UPDATE golden SET value = ? WHERE key = 'content_digest'", [content_digest(conn)])
@@ -381,6 +392,34 @@ def test_a_golden_whose_routing_has_another_shape_is_refused_before_any_run_forc
         lines = err.strip().splitlines()
         shape = "(1, 1)" if forgery == "one layer and one expert" else "None"
         assert len(lines) == 1 and f"routing of shape {shape}, this model's (2, 4)" in lines[0], err
+
+
+def test_a_golden_whose_prompt_routing_has_another_shape_is_refused_in_one_line(golden_factory, ties_dir, verify,
+                                                                              tmp_path):
+    """The pinned run's prompt routing is written into the prefill's slots of each prompt: a made golden whose
+    prompt routing is one token short of its prompt is one line and exit 2, not a broadcast into other slots."""
+    import shutil
+    import sqlite3
+
+    from evalrun.golden import content_digest
+    from evalrun.hashing import hash_bytes
+    from evalrun.store import decode_array_row
+
+    directory = tmp_path / "forged"
+    shutil.copytree(golden_factory(*BF16, model=str(ties_dir), tokens=16), directory)
+    conn = sqlite3.connect(directory / "g.db", isolation_level=None)
+    rows = conn.execute("SELECT rowid, name, dtype, shape, encoding, data FROM arrays WHERE name = 'prompt_routing'")
+    for rowid, name, dtype, shape, encoding, data in rows.fetchall():
+        cut = np.ascontiguousarray(decode_array_row({"name": name, "dtype": dtype, "shape": shape,
+                                                     "encoding": encoding, "data": data})[1:])
+        conn.execute("UPDATE arrays SET shape = ?, encoding = 'raw', data = ?, digest = ? WHERE rowid = ?",
+                     [json.dumps(list(cut.shape)), cut.tobytes(), hash_bytes(cut.tobytes()), rowid])
+    conn.execute("UPDATE golden SET value = ? WHERE key = 'content_digest'", [content_digest(conn)])
+    conn.close()
+    code, verdict, err = verify(directory, "--batch-size", "2")
+    assert code == 2 and verdict is None, (code, err)
+    lines = err.strip().splitlines()
+    assert len(lines) == 1 and "prompt_routing of another shape" in lines[0] and "--force" in lines[0], err
 
 
 def test_a_router_that_chooses_wrong_experts_is_changed_though_forced_logits_are_right(golden_factory, ties_dir,

@@ -36,6 +36,8 @@ class BatchSpec:
     forced decoding along another run's path; the capture still records the model's own choice.
     `forced_routing` (MoE models; one [N, L, k] array per row) likewise applies, at each step, those experts
     to the step's token in every MoE layer (another run's routing); the capture records the model's own.
+    `forced_prompt_routing` (with it; one [P_i - 1, L, k] array per row, or None) applies those experts to the
+    tokens of each row's prompt before its last (whose experts are step 0's); without it they route freely.
     `probe_ids` (one [N, K'] array per row) records the exact logits at those ids each step; with
     `probe_own_topk` = k the first k probe columns of each step are that step's own top-k ids
     (an oracle run chooses the ids later runs are probed at).
@@ -50,6 +52,7 @@ class BatchSpec:
     keep_logits: bool = False
     forced_tokens: list[np.ndarray] | None = None
     forced_routing: list[np.ndarray] | None = None
+    forced_prompt_routing: list[np.ndarray] | None = None
     probe_ids: list[np.ndarray] | None = None
     probe_own_topk: int = 0
     capture: bool = True
@@ -61,6 +64,7 @@ class BatchSpec:
         steps = self.row_steps[index] if self.row_steps is not None else self.steps
         return dataclasses.replace(self, prompts=[self.prompts[index]], steps=steps, row_seeds=pick(self.row_seeds),
                                    forced_tokens=pick(self.forced_tokens), forced_routing=pick(self.forced_routing),
+                                   forced_prompt_routing=pick(self.forced_prompt_routing),
                                    probe_ids=pick(self.probe_ids),
                                    row_steps=None)
 
@@ -88,6 +92,8 @@ class BatchOutput:
     routing_experts: np.ndarray | None = None  # [B, N, L, k] int64: MoE models, each MoE layer's chosen experts
     routing_margins: np.ndarray | None = None  # [B, N, L] float32: their router margins (k-th - (k+1)-th prob)
     probe_logsumexp: np.ndarray | None = None  # [B, N] float64 logsumexp over the whole vocabulary, when probed
+    # [B, P, L, k] int16: MoE models, each prompt token's experts in every MoE layer; rows left-padded like the prompts
+    prompt_routing: np.ndarray | None = None
 
 
 def stack_outputs(outputs: list[BatchOutput], steps: int) -> BatchOutput:
@@ -106,10 +112,23 @@ def stack_outputs(outputs: list[BatchOutput], steps: int) -> BatchOutput:
     step_ms = np.zeros(steps)
     for output in outputs:
         step_ms[:len(output.step_ms)] += output.step_ms
+    padded = max(o.padded_length for o in outputs)
     return BatchOutput(stacked("tokens"), stacked("digests"), stacked("topk_ids"), stacked("topk_values"),
-                       stacked("margins"), stacked("logits"), step_ms, max(o.padded_length for o in outputs),
+                       stacked("margins"), stacked("logits"), step_ms, padded,
                        stacked("probe_ids"), stacked("probe_values"), stacked("routing_experts"),
-                       stacked("routing_margins"), probe_logsumexp=stacked("probe_logsumexp"))
+                       stacked("routing_margins"), probe_logsumexp=stacked("probe_logsumexp"),
+                       prompt_routing=left_padded([o.prompt_routing for o in outputs], padded))
+
+
+def left_padded(rows: list[np.ndarray | None], length: int) -> np.ndarray | None:
+    """Batches of one row, [1, P_i, ...] each, left-padded to their own P_i -> [B, length, ...], each row's last P_i
+    entries its own (so a row's prompt keeps its distance from the end, as in a batch padded to `length`)."""
+    if rows[0] is None:
+        return None
+    full = np.zeros((len(rows), length) + rows[0].shape[2:], dtype=rows[0].dtype)
+    for row, array in enumerate(rows):
+        full[row, length - array.shape[1]:] = array[0]
+    return full
 
 
 @dataclass
@@ -128,6 +147,7 @@ class CaptureBuffers:
     routing_experts: torch.Tensor | None = None  # [B, N, L, k] int64: MoE models, the step token's experts
     routing_margins: torch.Tensor | None = None  # [B, N, L] float32: its router margin in each MoE layer
     probe_logsumexp: torch.Tensor | None = None  # [B, N] float64: turns probe logits into log-probabilities
+    prompt_routing: torch.Tensor | None = None  # [B, S, L, k] int16: the cache's record of a prefill's experts
 
     @classmethod
     def allocate(cls, batch: int, steps: int, vocab: int, spec: BatchSpec, dtype: torch.dtype,
@@ -163,6 +183,8 @@ class CaptureBuffers:
         the device computes this one (runner.execute). Copies larger than PINNED_COPY_BYTES (kept logits of long
         batches), and any off CUDA, are made at once: page-locked memory is the system's, not the process's."""
         tensors = {name: getattr(self, name)[:rows, :steps] for name in OUTPUT_NAMES if getattr(self, name) is not None}
+        if self.prompt_routing is not None:
+            tensors["prompt_routing"] = self.prompt_routing[:rows, :padded_length]
         device = self.tokens.device
         size = sum(tensor.numel() * tensor.element_size() for tensor in tensors.values())
         done = None
@@ -183,6 +205,7 @@ class CaptureBuffers:
             if "logits" in hosts:  # raw bits of the model dtype
                 arrays["logits"] = own(hosts["logits"].view(BITS_VIEW[hosts["logits"].dtype]).numpy())
             return BatchOutput(step_ms=step_ms(), padded_length=padded_length,
+                               prompt_routing=arrays.get("prompt_routing"),
                                **{name: arrays.get(name) for name in OUTPUT_NAMES})
 
         return PendingBatch(done, make)
@@ -363,7 +386,9 @@ class Workspace:
                                           getattr(model, "routing_shape", None))  # MoE models only
         zeros = lambda *shape: torch.zeros(*shape, dtype=torch.int64, device=device)  # noqa: E731
         routing = spec.forced_routing is not None and getattr(model, "routing_shape", None) is not None
-        return cls(model.new_cache(batch, slots, routing), buffers,
+        cache = model.new_cache(batch, slots, routing, prompt_routing=buffers.routing_experts is not None)
+        buffers.prompt_routing = cache.routing.prompt if cache.routing is not None else None
+        return cls(cache, buffers,
                    torch.zeros(batch, slots, dtype=torch.bool, device=device), zeros(batch), zeros(batch), zeros(1),
                    zeros(4 + batch), zeros(batch), zeros(batch, steps) if spec.forced_tokens is not None else None,
                    spec.top_k,
@@ -420,6 +445,21 @@ def row_matrix(rows: list[np.ndarray], batch: int, steps: int) -> torch.Tensor:
     return torch.from_numpy(matrix)
 
 
+def prompt_matrix(rows: list[np.ndarray] | None, prompts: list[list[int]], shape: tuple[int, ...],
+                  padded_length: int) -> torch.Tensor:
+    """Per-row experts of each prompt's tokens before its last, [P_i - 1, L, k] (or None: free) -> the [B, S, L, k]
+    int16 matrix a prefill padded to `padded_length` reads: row i's at the slots of those tokens (prompts are
+    left-padded), -1 (free routing) everywhere else, rows past the batch's free."""
+    matrix = np.full(shape, -1, dtype=np.int16)
+    for row, (ids, experts) in enumerate(zip(prompts, rows or [])):
+        if experts is not None and len(ids) > 1:
+            if experts.shape != (len(ids) - 1,) + shape[2:]:
+                raise ValueError(f"prompt routing of shape {experts.shape} for a prompt of {len(ids)} tokens")
+            start = padded_length - len(ids)
+            matrix[row, start:start + len(experts)] = experts
+    return torch.from_numpy(matrix)
+
+
 def load_batch(workspace: Workspace, padded: PaddedBatch, spec: BatchSpec) -> None:
     """Copy one batch's inputs into the workspace's static buffers."""
     batch, _, steps = workspace.shape
@@ -433,6 +473,9 @@ def load_batch(workspace: Workspace, padded: PaddedBatch, spec: BatchSpec) -> No
         workspace.forced.copy_(to_device(row_matrix(forced, batch, steps), device))
     if workspace.forced_routing is not None:
         workspace.forced_routing.copy_(to_device(row_matrix(spec.forced_routing, batch, steps), device))
+        prompt = workspace.cache.routing.prompt_forced  # [B, S, L, k]: -1 (free) but where the spec gives experts
+        prompt.copy_(to_device(prompt_matrix(spec.forced_prompt_routing, spec.prompts, prompt.shape,
+                                             padded.tokens.shape[1]), device))
     if probe_ids is not None:
         workspace.buffers.probe_ids.copy_(to_device(row_matrix(probe_ids, batch, steps), device))
 

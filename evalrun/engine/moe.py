@@ -16,8 +16,9 @@ token whose logits a step captures), the chosen experts and the router margin: t
 k-th and (k+1)-th router probability. A flip of the chosen set at a margin near 0 is a near-tie.
 
 Forced routing (verify's forced runs, like forced tokens): the last token of each row may be given its k
-experts (another run's choice at that step); the block then applies those experts, weighted by its own
-router probabilities at them, and still returns its own choice and margin. A row given -1 routes freely.
+experts (another run's choice at that step), and in a prefill every token of the prompt too (the golden's prompt
+routing); the block then applies those experts, weighted by its own router probabilities at them, and still
+returns its own choice and margin. A token given -1 routes freely.
 
 Shapes: B batch, T tokens, N = B*T, E experts, k experts per token, I expert inner size, L MoE layers.
 """
@@ -66,25 +67,44 @@ def model_routing_layout(hf_model: torch.nn.Module) -> tuple[int, int] | None:
 
 class RoutingState:
     """The last forward's routing of each row's last token, in every MoE layer; lives with the KV cache
-    (one per workspace), written by the forward, read by the step's capture. A workspace that forces routing
-    also holds `forced`: the experts the next forward applies to each row's last token (written by the decode
-    loop). Free workspaces have none, so a free run compiles the graph it always did (the same bits as before
-    forced routing existed); a forced run's graph differs, so under torch.compile a run forced along its own
-    routing may differ from its free run in the last bits (eagerly it is the same)."""
+    (one per workspace), written by the forward, read by the step's capture. With `slots`, a prefill also records
+    the experts of every token of the prompt (`prompt` [B, S, L, k] int16, the first T slots of a T-token prefill).
 
-    def __init__(self, batch: int, layers: int, top_k: int, device: torch.device, forcing: bool = False):
+    A workspace that forces routing also holds `forced`: the experts the next forward applies to each row's last
+    token (written by the decode loop), and `prompt_forced` [B, S, L, k] int16: the experts a prefill applies to the
+    tokens before the last (written with the batch; -1: free). Free workspaces have neither, so a free run compiles the
+    graph it always did (the same bits as before forced routing existed); a forced run's graph differs, so under
+    torch.compile a run forced along its own routing may differ from its free run in the last bits (eagerly it is
+    the same)."""
+
+    def __init__(self, batch: int, layers: int, top_k: int, device: torch.device, forcing: bool = False,
+                 slots: int = 0):
         self.experts = torch.zeros((batch, layers, top_k), dtype=torch.int64, device=device)  # [B, L, k]
         self.margins = torch.zeros((batch, layers), dtype=torch.float32, device=device)  # [B, L]
         self.forced = torch.full((batch, layers, top_k), -1, dtype=torch.int64, device=device) if forcing else None
+        prompt_shape = (batch, slots, layers, top_k)
+        self.prompt = torch.zeros(prompt_shape, dtype=torch.int16, device=device) if slots else None
+        self.prompt_forced = torch.full(prompt_shape, -1, dtype=torch.int16, device=device) if forcing else None
 
-    def forced_for(self, slot: int) -> torch.Tensor | None:
-        """[B, k]: the experts MoE layer `slot` applies to each row's last token, or None (free routing)."""
-        return self.forced.select(1, slot) if self.forced is not None else None
+    def forced_for(self, slot: int, tokens: int = 1) -> torch.Tensor | None:
+        """The experts MoE layer `slot` applies in a forward of `tokens` tokens a row, or None (free routing):
+        [B, k] to each row's last token in a decode step, [B, T, k] to every token in a prefill."""
+        if self.forced is None:
+            return None
+        last = self.forced.select(1, slot)  # [B, k]
+        if tokens == 1:
+            return last
+        before = self.prompt_forced[:, :tokens - 1, slot].long()  # [B, T-1, k]
+        return torch.cat([before, last[:, None]], dim=1)
 
     def record(self, slot: int, experts: torch.Tensor, margin: torch.Tensor) -> None:
-        """experts [B, k], margin [B] of MoE layer `slot`."""
-        self.experts.select(1, slot).copy_(experts)
-        self.margins.select(1, slot).copy_(margin)
+        """experts [B, T, k], margin [B, T] of MoE layer `slot`: the last token's kept (a prefill's every token's
+        experts too, when the state records a prompt's)."""
+        self.experts.select(1, slot).copy_(experts[:, -1])
+        self.margins.select(1, slot).copy_(margin[:, -1])
+        tokens = experts.shape[1]
+        if self.prompt is not None and tokens > 1:
+            self.prompt[:, :tokens, slot].copy_(experts)
 
 
 def route(x: torch.Tensor, router: torch.Tensor, top_k: int, normalize: bool, forced: torch.Tensor | None = None,
@@ -138,17 +158,16 @@ def mlp_block(x: torch.Tensor, normed: torch.Tensor, router: torch.Tensor, gate_
               down: torch.Tensor, act: Activation, top_k: int, normalize: bool, forced: torch.Tensor | None = None,
               ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """The MoE sub-block's residual update: x, normed (x after the layer's post-attention norm) [B, T, hidden]
-    -> x + experts(normed) [B, T, hidden], and the routing of each row's last token: experts [B, k], margin [B]
-    (its own choice). `forced` [B, k] or None: the experts applied to each row's last token (-1: free).
+    -> x + experts(normed) [B, T, hidden], and the routing of every token: experts [B, T, k], margin [B, T]
+    (its own choice). `forced` or None: [B, k], the experts applied to each row's last token, or [B, T, k], those
+    applied to every token (-1: free).
 
     (engine.transformer.moe_post_attention applies the norm and the attention output first: this module
     builds on no other, so the transformer can import it.)"""
     batch, tokens, hidden = x.shape
-    if forced is not None:  # [B, T, k] -> [N, k]: only the last token of each row is given its experts
+    if forced is not None and forced.dim() == 2:  # [B, k] -> [B, T, k]: only each row's last token is given its experts
         free = torch.full((batch, tokens - 1, top_k), -1, dtype=forced.dtype, device=forced.device)
-        forced = torch.cat([free, forced[:, None]], dim=1).reshape(-1, top_k)
+        forced = torch.cat([free, forced[:, None]], dim=1)
     out, experts, margin = sparse_mlp(normed.reshape(-1, hidden), router, gate_up, down, act, top_k, normalize,
-                                      forced)
-    last = tokens - 1
-    return (x + out.view(batch, tokens, hidden), experts.view(batch, tokens, top_k)[:, last],
-            margin.view(batch, tokens)[:, last])
+                                      forced.reshape(-1, top_k) if forced is not None else None)
+    return x + out.view(batch, tokens, hidden), experts.view(batch, tokens, top_k), margin.view(batch, tokens)

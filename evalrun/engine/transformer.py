@@ -242,11 +242,13 @@ class Transformer:
             found += [part for part in parts if isinstance(part, torch.Tensor)]
         return found
 
-    def new_cache(self, batch: int, slots: int, forced_routing: bool = False) -> KVCache:
-        """`forced_routing`: MoE models, the cache's routing state takes the experts each step must apply."""
+    def new_cache(self, batch: int, slots: int, forced_routing: bool = False, prompt_routing: bool = False) -> KVCache:
+        """MoE models: `forced_routing`, the cache's routing state takes the experts each forward must apply;
+        `prompt_routing`, it records a prefill's experts at every prompt token."""
         cache = KVCache(len(self.layers), batch, self.kv_heads, slots, self.head_dim, self.dtype, self.device)
         if self.routing_shape is not None:
-            cache.routing = moe.RoutingState(batch, *self.routing_shape, self.device, forced_routing)
+            cache.routing = moe.RoutingState(batch, *self.routing_shape, self.device, forced_routing,
+                                             slots if prompt_routing else 0)
         return cache
 
     # ------------------------------------------------------------ forward
@@ -291,7 +293,7 @@ class Transformer:
                 m = w.moe
                 x, experts, margin = self.moe_post_attention(x, attended, w.o, w.post_norm, m.router, m.gate_up, m.down,
                                                              self.eps, self.activation, m.top_k, m.normalize, w.o_bias,
-                                                             variant, cache.routing.forced_for(m.slot))
+                                                             variant, cache.routing.forced_for(m.slot, x.shape[1]))
                 cache.routing.record(m.slot, experts, margin)
                 continue
             x = self.post_attention(x, attended, w.o, w.post_norm, w.gate_up, w.down, self.eps, self.activation,
@@ -512,8 +514,9 @@ def moe_post_attention(x: torch.Tensor, attended: torch.Tensor, wo: torch.Tensor
                        variant: Variant = LLAMA_VARIANT, forced: torch.Tensor | None = None,
                        ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """post_attention of an MoE layer (engine/moe.py): x [B, T, hidden], attended [B, H, T, D] -> x, and
-    the routing of each row's last token: experts [B, k], margin [B]; `forced` [B, k] or None: the experts
-    applied to each row's last token instead (forced routing). One piece (piecewise mode compiles it)."""
+    the routing of every token: experts [B, T, k], margin [B, T]; `forced` [B, k] (each row's last token) or
+    [B, T, k] (every token) or None: the experts applied instead (forced routing). One piece (piecewise mode
+    compiles it)."""
     x = output_projection(x, attended, wo, bo, variant=variant)
     return moe.mlp_block(x, rms_norm(x, post_norm, eps), router, gate_up, down, lambda t: activate(t, activation),
                          top_k, normalize, forced)
