@@ -15,7 +15,7 @@ import numpy as np
 
 from .compare import bits_to_float, dict_diff, digest_mismatch_steps, first_divergence, sketch_series, ulp_distance
 from .errors import StoreError
-from .routing import RoutingFlip, result_flip
+from .routing import PromptRoutingDiff, RoutingFlip, prompt_routing_diff, result_flip
 from .store import PromptResult, RunRecord, Store, result_problem
 
 CONTEXT_TOKENS = 6  # decoded tokens shown each side of the first divergence
@@ -105,6 +105,7 @@ class PromptDiff:
     series: StepSeries | None = None
     logits: dict[str, Any] | None = None  # element-level figures when both runs kept full logits
     routing: RoutingFlip | None = None  # MoE models: the first routing flip, up to the token divergence
+    prompt_routing: PromptRoutingDiff | None = None  # MoE models: the prompt's tokens routed to other experts
 
 
 @dataclass
@@ -190,6 +191,7 @@ def diff_prompt(a: PromptResult, b: PromptResult, dtype: str, decode, series: St
         result.margin_b = float(b.arrays["margins"][divergence])
     # routing is compared where both runs had the same input: up to and including the first divergent step
     result.routing = result_flip(a.arrays, b.arrays, divergence + 1 if divergence >= 0 else result.steps)
+    result.prompt_routing = prompt_routing_diff(a.arrays, b.arrays)
     if "logits" in a.arrays and "logits" in b.arrays:
         steps, in_a, in_b = np.intersect1d(a.arrays["logits_steps"], b.arrays["logits_steps"], return_indices=True)
         if steps.size:

@@ -91,13 +91,14 @@ def text(diff: RunDiff) -> str:
             lines += _divergence_lines(diff, prompt)
         if prompt.logits:
             lines += _logits_lines(prompt)
-        if prompt.routing:
-            lines.append(_routing_line(diff, prompt))
+        lines += _routing_lines(diff, prompt)
     return "\n".join(lines)
 
 
-def _routing_line(diff: RunDiff, prompt: PromptDiff) -> str:
-    return f"{prompt.prompt_id}: {prompt.routing.describe(diff.a, diff.b)}"
+def _routing_lines(diff: RunDiff, prompt: PromptDiff) -> list[str]:
+    """MoE models: where the prompt's tokens, then the steps' tokens, were routed to other experts."""
+    return [f"{prompt.prompt_id}: {where.describe(diff.a, diff.b)}"
+            for where in (prompt.prompt_routing, prompt.routing) if where is not None]
 
 
 def as_json(diff: RunDiff) -> str:
@@ -128,8 +129,8 @@ def markdown(diff: RunDiff) -> str:
     for prompt in diff.prompts:
         if not prompt.tokens_identical and prompt.top_a:
             lines += ["", *markdown_code(_divergence_lines(diff, prompt))]
-        if prompt.routing:
-            lines += ["", f"- {_md(_routing_line(diff, prompt))}"]
+        for line in _routing_lines(diff, prompt):
+            lines += ["", f"- {_md(line)}"]
     return "\n".join(lines) + "\n"
 
 

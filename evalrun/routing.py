@@ -117,6 +117,37 @@ def routing_path(arrays: Mapping[str, np.ndarray]) -> RoutingPath:
     return RoutingPath(arrays["routing_experts"], arrays.get(PROMPT_ARRAY))
 
 
+@dataclass
+class PromptRoutingDiff:
+    """Where two runs of one prompt routed its tokens before the last to other experts (sets: order is no flip)."""
+
+    differ: int  # (prompt token, MoE layer) entries whose expert sets differ
+    compared: int
+    token: int  # the first of them: its prompt token (0: the prompt's first) and MoE layer
+    layer: int
+    experts_a: list[int]  # sorted
+    experts_b: list[int]
+
+    def describe(self, name_a: str = "A", name_b: str = "B") -> str:
+        return (f"prompt routing differs at {self.differ} of {self.compared} prompt token-layer routings, first at "
+                f"prompt token {self.token}, MoE layer {self.layer}: experts {self.experts_a} ({name_a}) vs "
+                f"{self.experts_b} ({name_b}); every step's logits follow from the prefill")
+
+
+def prompt_routing_diff(a: Mapping[str, np.ndarray], b: Mapping[str, np.ndarray]) -> PromptRoutingDiff | None:
+    """Two results' prompt routing compared, None when either has none, their shapes differ, or none differs."""
+    experts_a, experts_b = a.get(PROMPT_ARRAY), b.get(PROMPT_ARRAY)
+    if experts_a is None or experts_b is None or experts_a.shape != experts_b.shape:
+        return None
+    sets_a, sets_b = np.sort(experts_a, axis=-1), np.sort(experts_b, axis=-1)  # [P - 1, L, k]
+    differ = ~np.all(sets_a == sets_b, axis=-1)  # [P - 1, L]
+    if not differ.any():
+        return None
+    token, layer = (int(i) for i in np.argwhere(differ)[0])  # token-major: the earliest token first
+    return PromptRoutingDiff(int(differ.sum()), int(differ.size), token, layer, sets_a[token, layer].tolist(),
+                             sets_b[token, layer].tolist())
+
+
 def left_path(path: RoutingPath, arrays: Mapping[str, np.ndarray]) -> bool:
     """A run (its result's arrays) applied other experts than `path` somewhere, or the same ones in another order
     (the engine sums a token's experts in the order routed, so a forced run along the path differs in the bits):

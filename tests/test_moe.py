@@ -202,7 +202,8 @@ def _check_forced_routing(free, forced_own, forced_other, other, prompt_runs, ex
     recorded = forced_other_prompt.prompt_routing[1, padded - length:padded - 1]  # [P - 1, L, k]
     # its own choice in the first MoE layer, whose router saw nothing the replaced experts computed (later layers
     # attend to that token's new output: their choices may move)
-    assert np.array_equal(recorded[:, 0], own_prompt[1][:, 0]) and recorded[0, 0].tolist() != other_prompt[1][0, 0].tolist()
+    assert np.array_equal(recorded[:, 0], own_prompt[1][:, 0])
+    assert recorded[0, 0].tolist() != other_prompt[1][0, 0].tolist()
 
 
 @pytest.mark.parametrize("compilation", ["none", "piecewise"])

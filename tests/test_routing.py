@@ -168,10 +168,12 @@ def test_diff_names_a_planted_routing_flip(cli, moe_dir, store_path):
     for prompt in prompts:  # routing is compared only where both runs had the same input
         if prompt["routing"] and prompt["first_divergent_step"] >= 0:
             assert prompt["routing"]["step"] <= prompt["first_divergent_step"]
+    in_prompts = [p["prompt_routing"] for p in prompts if p["prompt_routing"]]  # the fault routes prompt tokens too
+    assert in_prompts and all(f["layer"] == 1 and f["experts_a"] != f["experts_b"] for f in in_prompts), in_prompts
     code, text, _ = cli("diff", clean.run_id, changed.run_id, "--store", str(store_path))
-    assert "routing flip at step" in text and "router margin" in text
+    assert "routing flip at step" in text and "router margin" in text and "prompt routing differs at" in text
     code, same, _ = cli("diff", clean.run_id, clean.run_id, "--store", str(store_path), "--format", "json")
-    assert all(p["routing"] is None for p in json.loads(same)["prompts"])
+    assert all(p["routing"] is None and p["prompt_routing"] is None for p in json.loads(same)["prompts"])
 
 
 def test_dense_runs_store_no_routing_arrays(cli, tiny_args, store_path):
