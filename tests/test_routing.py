@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import json
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -304,7 +305,9 @@ def test_a_candidate_in_another_dtype_follows_the_golden_routing_too(golden_fact
             verdict.function_check, verdict.env_diff, verdict.config_diff)
 
 
-def test_a_golden_that_claims_another_routing_is_refused_in_one_line(golden_factory, ties_dir, verify, tmp_path):
+def forge(golden_factory, ties_dir, tmp_path, edit) -> Path:
+    """A copy of the bfloat16 ties golden, edited by `edit(conn)` and its content digest recomputed: a golden made
+    this way (goldens come from pull requests), not one damaged on the way."""
     import shutil
     import sqlite3
 
@@ -313,13 +316,36 @@ def test_a_golden_that_claims_another_routing_is_refused_in_one_line(golden_fact
     directory = tmp_path / "forged"
     shutil.copytree(golden_factory(*BF16, model=str(ties_dir), tokens=16), directory)
     conn = sqlite3.connect(directory / "g.db", isolation_level=None)
-    conn.execute("UPDATE golden SET value = ? WHERE key = 'routing'", [json.dumps("free")])
+    edit(conn)
     conn.execute("UPDATE golden SET value = ? WHERE key = 'content_digest'", [content_digest(conn)])
     conn.close()
-    code, verdict, err = verify(directory, "--batch-size", "2")
-    assert code == 2 and verdict is None, (code, err)
+    return directory
+
+
+def reshape_arrays(conn, where: str, cut) -> None:
+    """Each stored array matching `where` (SQL on `name`) replaced by cut(array), stored raw."""
+    from evalrun.hashing import hash_bytes
+    from evalrun.store import decode_array_row
+
+    rows = conn.execute(f"SELECT rowid, name, dtype, shape, encoding, data FROM arrays WHERE {where}")
+    for rowid, name, dtype, shape, encoding, data in rows.fetchall():
+        array = decode_array_row({"name": name, "dtype": dtype, "shape": shape, "encoding": encoding, "data": data})
+        changed = np.ascontiguousarray(cut(name, array))
+        conn.execute("UPDATE arrays SET shape = ?, encoding = 'raw', data = ?, digest = ? WHERE rowid = ?",
+                     [json.dumps(list(changed.shape)), changed.tobytes(), hash_bytes(changed.tobytes()), rowid])
+
+
+def assert_refused_in_one_line(verify, directory: Path, *needles: str, options=("--batch-size", "2")) -> None:
+    code, verdict, err = verify(directory, *options)
+    assert code == 2 and verdict is None, (options, code, err)
     lines = err.strip().splitlines()
-    assert len(lines) == 1 and "routing 'free'" in lines[0] and "--force" in lines[0], err
+    assert len(lines) == 1 and all(needle in lines[0] for needle in needles), err
+
+
+def test_a_golden_that_claims_another_routing_is_refused_in_one_line(golden_factory, ties_dir, verify, tmp_path):
+    directory = forge(golden_factory, ties_dir, tmp_path, lambda conn: conn.execute(
+        "UPDATE golden SET value = ? WHERE key = 'routing'", [json.dumps("free")]))
+    assert_refused_in_one_line(verify, directory, "routing 'free'", "--force")
 
 
 FORGED_ROUTING = {  # array name -> (dtype, what every value becomes)
@@ -335,30 +361,12 @@ FORGED_ROUTING = {  # array name -> (dtype, what every value becomes)
 def test_a_golden_whose_routing_is_not_the_models_is_refused_in_one_line(golden_factory, ties_dir, verify, tmp_path,
                                                                          forgery):
     """The golden's routing feeds forced routing and its allowance (goldens come from pull requests): a made golden
-    (content digest recomputed) whose experts are not the model's, or whose margins are no probability gaps, is one
-    line and exit 2, not an index error inside the engine nor a widened allowance. Verified at another batch size:
-    other bits, no compile."""
-    import shutil
-    import sqlite3
-
-    from evalrun.golden import content_digest
-    from evalrun.hashing import hash_bytes
-
+    whose experts are not the model's, or whose margins are no probability gaps, is one line and exit 2, not an
+    index error inside the engine nor a widened allowance. Verified at another batch size: other bits, no compile."""
     name, dtype, value = FORGED_ROUTING[forgery]
-    directory = tmp_path / "forged"
-    shutil.copytree(golden_factory(*BF16, model=str(ties_dir), tokens=16), directory)
-    conn = sqlite3.connect(directory / "g.db", isolation_level=None)
-    for rowid, shape in conn.execute("SELECT rowid, shape FROM arrays WHERE name = ?", [name]).fetchall():
-        data = np.full(json.loads(shape), value, dtype=dtype).tobytes()
-        conn.execute("UPDATE arrays SET dtype = ?, encoding = 'raw', data = ?, digest = ? WHERE rowid = ?",
-                     [np.dtype(dtype).name, data, hash_bytes(data), rowid])
-    digest = content_digest(conn)  # a golden made this way, not damaged on the way
-    conn.execute("UPDATE golden SET value = ? WHERE key = 'content_digest'", [digest])
-    conn.close()
-    code, verdict, err = verify(directory, "--batch-size", "2")
-    assert code == 2 and verdict is None, (code, err)
-    lines = err.strip().splitlines()
-    assert len(lines) == 1 and name in lines[0] and "--force" in lines[0], err
+    directory = forge(golden_factory, ties_dir, tmp_path, lambda conn: reshape_arrays(
+        conn, f"name = '{name}'", lambda _, array: np.full(array.shape, value, dtype=dtype)))
+    assert_refused_in_one_line(verify, directory, name, "--force")
 
 
 @pytest.mark.parametrize("forgery", ["one layer and one expert", "a prompt without routing"])
@@ -368,60 +376,26 @@ def test_a_golden_whose_routing_has_another_shape_is_refused_before_any_run_forc
     for a model of two layers and four: one line, exit 2, also for a float32 candidate, whose forced runs would
     otherwise broadcast the forged experts over every slot. Likewise a golden whose first prompt has no routing
     in any run (it was a KeyError, exit 3)."""
-    import shutil
-    import sqlite3
+    def edit(conn):
+        if forgery == "a prompt without routing":
+            conn.execute("DELETE FROM arrays WHERE name LIKE '%routing%' AND prompt_index = 0")
+        else:
+            reshape_arrays(conn, "name LIKE '%routing%'",
+                           lambda name, array: array[:, :1, :1] if name != "routing_margins" else array[:, :1])
 
-    from evalrun.golden import content_digest
-    from evalrun.hashing import hash_bytes
-    from evalrun.store import decode_array_row
-
-    directory = tmp_path / "forged"
-    shutil.copytree(golden_factory(*BF16, model=str(ties_dir), tokens=16), directory)
-    conn = sqlite3.connect(directory / "g.db", isolation_level=None)
-    if forgery == "a prompt without routing":
-        conn.execute("DELETE FROM arrays WHERE name LIKE '%routing%' AND prompt_index = 0")
-    rows = conn.execute("SELECT rowid, name, dtype, shape, encoding, data FROM arrays WHERE name LIKE '%routing%'")
-    for rowid, name, dtype, shape, encoding, data in rows.fetchall() if forgery == "one layer and one expert" else []:
-        array = decode_array_row({"name": name, "dtype": dtype, "shape": shape, "encoding": encoding, "data": data})
-        cut = np.ascontiguousarray(array[:, :1, :1] if name != "routing_margins" else array[:, :1])
-        conn.execute("UPDATE arrays SET shape = ?, encoding = 'raw', data = ?, digest = ? WHERE rowid = ?",
-                     [json.dumps(list(cut.shape)), cut.tobytes(), hash_bytes(cut.tobytes()), rowid])
-    conn.execute("UPDATE golden SET value = ? WHERE key = 'content_digest'", [content_digest(conn)])
-    conn.close()
+    directory = forge(golden_factory, ties_dir, tmp_path, edit)
+    shape = "(1, 1)" if forgery == "one layer and one expert" else "None"
     for options in (("--dtype", "float32"), ("--batch-size", "2")):
-        code, verdict, err = verify(directory, *options)
-        assert code == 2 and verdict is None, (options, code, err)
-        lines = err.strip().splitlines()
-        shape = "(1, 1)" if forgery == "one layer and one expert" else "None"
-        assert len(lines) == 1 and f"routing of shape {shape}, this model's (2, 4)" in lines[0], err
+        assert_refused_in_one_line(verify, directory, f"routing of shape {shape}, this model's (2, 4)", options=options)
 
 
 def test_a_golden_whose_prompt_routing_has_another_shape_is_refused_in_one_line(golden_factory, ties_dir, verify,
                                                                               tmp_path):
     """The pinned run's prompt routing is written into the prefill's slots of each prompt: a made golden whose
     prompt routing is one token short of its prompt is one line and exit 2, not a broadcast into other slots."""
-    import shutil
-    import sqlite3
-
-    from evalrun.golden import content_digest
-    from evalrun.hashing import hash_bytes
-    from evalrun.store import decode_array_row
-
-    directory = tmp_path / "forged"
-    shutil.copytree(golden_factory(*BF16, model=str(ties_dir), tokens=16), directory)
-    conn = sqlite3.connect(directory / "g.db", isolation_level=None)
-    rows = conn.execute("SELECT rowid, name, dtype, shape, encoding, data FROM arrays WHERE name = 'prompt_routing'")
-    for rowid, name, dtype, shape, encoding, data in rows.fetchall():
-        cut = np.ascontiguousarray(decode_array_row({"name": name, "dtype": dtype, "shape": shape,
-                                                     "encoding": encoding, "data": data})[1:])
-        conn.execute("UPDATE arrays SET shape = ?, encoding = 'raw', data = ?, digest = ? WHERE rowid = ?",
-                     [json.dumps(list(cut.shape)), cut.tobytes(), hash_bytes(cut.tobytes()), rowid])
-    conn.execute("UPDATE golden SET value = ? WHERE key = 'content_digest'", [content_digest(conn)])
-    conn.close()
-    code, verdict, err = verify(directory, "--batch-size", "2")
-    assert code == 2 and verdict is None, (code, err)
-    lines = err.strip().splitlines()
-    assert len(lines) == 1 and "prompt_routing of another shape" in lines[0] and "--force" in lines[0], err
+    directory = forge(golden_factory, ties_dir, tmp_path, lambda conn: reshape_arrays(
+        conn, "name = 'prompt_routing'", lambda _, array: array[1:]))
+    assert_refused_in_one_line(verify, directory, "prompt_routing of another shape", "--force")
 
 
 def test_a_router_that_chooses_wrong_experts_is_changed_though_forced_logits_are_right(golden_factory, ties_dir,
