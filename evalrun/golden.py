@@ -39,7 +39,7 @@ from . import __version__, distributed
 from .config import (DECODE_LEVER_DEFAULTS, INDUCTOR_DEFAULTS, CompilationMode, CUDAGraphMode, EffectiveConfig,
                      RunConfig, resolve)
 from .errors import ConfigError, GoldenError, OutputError, StoreError
-from .routing import RoutingPath, has_routing, routing_path
+from .routing import PROMPT_ARRAY, RoutingPath, has_routing, routing_path
 from .runner import Prepared, Probes, Run, execute, prepare, record
 from .store import RUN_JSON_COLUMNS, PromptResult, Store, result_problem
 
@@ -356,8 +356,14 @@ class CreatedRuns:
 
 def _forced_probed(prepared: Prepared, tokens: dict[int, np.ndarray], probes: Probes, progress, role: str,
                    routing: dict[int, RoutingPath] | None) -> Run:
-    return execute(prepared, forced=tokens, probes=probes, progress=_tick(progress, role, prepared), timed=False,
-                   routing=routing)
+    """A golden's run along the pinned run's tokens (and routing), probed. It keeps no prompt routing: it followed
+    the pinned run's, which is all verify reads, and prompt routing grows with the prompt's length (768 bytes a
+    token at Qwen3-30B-A3B's 48 layers and top-8), so a golden stores it once."""
+    run = execute(prepared, forced=tokens, probes=probes, progress=_tick(progress, role, prepared), timed=False,
+                  routing=routing)
+    results = [dataclasses.replace(r, arrays={k: v for k, v in r.arrays.items() if k != PROMPT_ARRAY})
+               for r in run.results]
+    return dataclasses.replace(run, results=results)
 
 
 def pinned_routing(pinned: Run) -> dict[int, RoutingPath] | None:

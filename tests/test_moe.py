@@ -225,6 +225,12 @@ def test_free_runs_keep_the_graph_they_had_before_forced_routing(moe_model):
     forcing = Workspace.allocate(transformer, 2, 16, 4, BatchSpec([[5, 6]], 4, pad_id=0, forced_tokens=[np.zeros(4)],
                                                                   forced_routing=[np.zeros((4, 2, 2))]))
     assert forcing.forced_routing.shape == (2, 4, 2, 2) and forcing.cache.routing.forced_for(1).shape == (2, 2)
+    # a prefill of 5 tokens is given experts for every token, whether or not the workspace captures
+    for capture in (True, False):
+        spec = BatchSpec([[5, 6]], 4, pad_id=0, forced_tokens=[np.zeros(4)], forced_routing=[np.zeros((4, 2, 2))],
+                         capture=capture)
+        routing = Workspace.allocate(transformer, 2, 16, 4, spec).cache.routing
+        assert routing.forced_for(1, 5).shape == (2, 5, 2) and (routing.prompt is not None) == capture
 
 
 @pytest.mark.gpu

@@ -445,17 +445,16 @@ def row_matrix(rows: list[np.ndarray], batch: int, steps: int) -> torch.Tensor:
     return torch.from_numpy(matrix)
 
 
-def prompt_matrix(rows: list[np.ndarray] | None, prompts: list[list[int]], shape: tuple[int, ...],
-                  padded_length: int) -> torch.Tensor:
-    """Per-row experts of each prompt's tokens before its last, [P_i - 1, L, k] (or None: free) -> the [B, S, L, k]
-    int16 matrix a prefill padded to `padded_length` reads: row i's at the slots of those tokens (prompts are
+def prompt_matrix(rows: list[np.ndarray] | None, prompts: list[list[int]], shape: tuple[int, ...]) -> torch.Tensor:
+    """Per-row experts of each prompt's tokens before its last, [P_i - 1, L, k] (or None: free) -> the [B, P, L, k]
+    int16 matrix a prefill padded to P = shape[1] reads: row i's at the slots of those tokens (prompts are
     left-padded), -1 (free routing) everywhere else, rows past the batch's free."""
     matrix = np.full(shape, -1, dtype=np.int16)
     for row, (ids, experts) in enumerate(zip(prompts, rows or [])):
         if experts is not None and len(ids) > 1:
             if experts.shape != (len(ids) - 1,) + shape[2:]:
                 raise ValueError(f"prompt routing of shape {experts.shape} for a prompt of {len(ids)} tokens")
-            start = padded_length - len(ids)
+            start = shape[1] - len(ids)
             matrix[row, start:start + len(experts)] = experts
     return torch.from_numpy(matrix)
 
@@ -473,9 +472,9 @@ def load_batch(workspace: Workspace, padded: PaddedBatch, spec: BatchSpec) -> No
         workspace.forced.copy_(to_device(row_matrix(forced, batch, steps), device))
     if workspace.forced_routing is not None:
         workspace.forced_routing.copy_(to_device(row_matrix(spec.forced_routing, batch, steps), device))
-        prompt = workspace.cache.routing.prompt_forced  # [B, S, L, k]: -1 (free) but where the spec gives experts
-        prompt.copy_(to_device(prompt_matrix(spec.forced_prompt_routing, spec.prompts, prompt.shape,
-                                             padded.tokens.shape[1]), device))
+        padded_length = padded.tokens.shape[1]  # a prefill of P tokens reads the first P - 1 slots
+        prompt = workspace.cache.routing.prompt_forced[:, :padded_length]  # [B, P, L, k]: -1 (free) but given experts
+        prompt.copy_(to_device(prompt_matrix(spec.forced_prompt_routing, spec.prompts, prompt.shape), device))
     if probe_ids is not None:
         workspace.buffers.probe_ids.copy_(to_device(row_matrix(probe_ids, batch, steps), device))
 

@@ -67,23 +67,23 @@ def model_routing_layout(hf_model: torch.nn.Module) -> tuple[int, int] | None:
 
 class RoutingState:
     """The last forward's routing of each row's last token, in every MoE layer; lives with the KV cache
-    (one per workspace), written by the forward, read by the step's capture. With `slots`, a prefill also records
+    (one per workspace), written by the forward, read by the step's capture. With `record_prompt`, a prefill records
     the experts of every token of the prompt (`prompt` [B, S, L, k] int16, the first T slots of a T-token prefill).
 
     A workspace that forces routing also holds `forced`: the experts the next forward applies to each row's last
     token (written by the decode loop), and `prompt_forced` [B, S, L, k] int16: the experts a prefill applies to the
-    tokens before the last (written with the batch; -1: free). Free workspaces have neither, so a free run compiles the
+    tokens before the last (its first P slots written with each batch padded to P; -1: free). Free workspaces have neither, so a free run compiles the
     graph it always did (the same bits as before forced routing existed); a forced run's graph differs, so under
     torch.compile a run forced along its own routing may differ from its free run in the last bits (eagerly it is
     the same)."""
 
     def __init__(self, batch: int, layers: int, top_k: int, device: torch.device, forcing: bool = False,
-                 slots: int = 0):
+                 slots: int = 0, record_prompt: bool = False):
         self.experts = torch.zeros((batch, layers, top_k), dtype=torch.int64, device=device)  # [B, L, k]
         self.margins = torch.zeros((batch, layers), dtype=torch.float32, device=device)  # [B, L]
         self.forced = torch.full((batch, layers, top_k), -1, dtype=torch.int64, device=device) if forcing else None
         prompt_shape = (batch, slots, layers, top_k)
-        self.prompt = torch.zeros(prompt_shape, dtype=torch.int16, device=device) if slots else None
+        self.prompt = torch.zeros(prompt_shape, dtype=torch.int16, device=device) if record_prompt else None
         self.prompt_forced = torch.full(prompt_shape, -1, dtype=torch.int16, device=device) if forcing else None
 
     def forced_for(self, slot: int, tokens: int = 1) -> torch.Tensor | None:

@@ -247,8 +247,8 @@ class Transformer:
         `prompt_routing`, it records a prefill's experts at every prompt token."""
         cache = KVCache(len(self.layers), batch, self.kv_heads, slots, self.head_dim, self.dtype, self.device)
         if self.routing_shape is not None:
-            cache.routing = moe.RoutingState(batch, *self.routing_shape, self.device, forced_routing,
-                                             slots if prompt_routing else 0)
+            cache.routing = moe.RoutingState(batch, *self.routing_shape, self.device, forced_routing, slots,
+                                             prompt_routing)
         return cache
 
     # ------------------------------------------------------------ forward
