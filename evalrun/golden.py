@@ -12,8 +12,8 @@ Roles with the same config share one run. Mixture-of-experts models: every run b
 pinned run's routing (its experts at each step's token and, since stop 24, at each prompt token, in every MoE
 layer: forced routing), so all of a golden's runs share one discrete path, and the table says so (`routing`:
 "pinned"); a run's stored routing is still the experts its own router chose. (A golden made before stop 24 keeps
-no prompt routing: its runs, and verify's against it, route the prompt's tokens freely.) A `golden` table holds the format version, the roles, the requested config and a digest of
-the whole content, so an edited or damaged file is refused. The digest is an unkeyed checksum, not a
+no prompt routing: its runs, and verify's against it, route the prompt's tokens freely.) A `golden` table holds
+the format version, the roles, the requested config and a digest of the whole content, so an edited or damaged file is refused. The digest is an unkeyed checksum, not a
 signature: anyone can edit a golden and recompute it, so every value read from one is validated as
 untrusted input.
 """

@@ -276,8 +276,7 @@ def execute(prepared: Prepared, forced: dict[int, np.ndarray] | None = None, pro
     `forced` feeds given tokens per prompt index instead of the model's own choices (forced
     decoding); `routing` (MoE models, with `forced`) applies given experts per prompt index (a RoutingPath: at
     the decode steps and the prompt's tokens) instead of the model's own choices (forced routing; evalrun's engine
-    only); `probes` records the
-    logits at given ids. Batch composition is always the plan's, so a partial re-run computes the same
+    only); `probes` records the logits at given ids. Batch composition is always the plan's, so a partial re-run computes the same
     bits as the full one would. `timed=False` skips the
     warm-up of eager modes (runs made for their numbers, not their timings); static modes always warm
     up, since that is where they compile and capture. `placement` replaces the plan: each batch then

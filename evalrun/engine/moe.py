@@ -72,10 +72,10 @@ class RoutingState:
 
     A workspace that forces routing also holds `forced`: the experts the next forward applies to each row's last
     token (written by the decode loop), and `prompt_forced` [B, S, L, k] int16: the experts a prefill applies to the
-    tokens before the last (its first P slots written with each batch padded to P; -1: free). Free workspaces have neither, so a free run compiles the
-    graph it always did (the same bits as before forced routing existed); a forced run's graph differs, so under
-    torch.compile a run forced along its own routing may differ from its free run in the last bits (eagerly it is
-    the same)."""
+    tokens before the last (its first P slots written with each batch padded to P; -1: free). Free workspaces have
+    neither, so a free run computes what it always did (its pieces take no forced experts: the bits of before forced
+    routing existed); a forced run's graph differs, so under torch.compile a run forced along its own routing may
+    differ from its free run in the last bits (eagerly it is the same)."""
 
     def __init__(self, batch: int, layers: int, top_k: int, device: torch.device, forcing: bool = False,
                  slots: int = 0, record_prompt: bool = False):
