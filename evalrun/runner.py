@@ -20,7 +20,7 @@ from .compile_cache import cache_counters, cache_evidence, use_evalrun_cache
 from .config import EffectiveConfig, RunConfig, is_server_engine, keep_logits_steps, resolve, validate
 from .engine.engines import Engine, build_engine, check_model, submit
 from .engine.capture_triton import capture_kernel
-from .engine.generate import BatchOutput, BatchSpec, PendingBatch
+from .engine.generate import BatchOutput, BatchSpec, PendingBatch, prompt_slots
 from .engine.timing import latency_summary, peak_memory_bytes, reset_peak_memory
 from .errors import ConfigError, FallbackError
 from .fingerprint import apply_numerics_flags, baseline_backend_flags, environment, environment_hash
@@ -217,9 +217,9 @@ def to_results(prepared: Prepared, batch_index: int, indices: list[int], output:
         if output.routing_experts is not None:  # MoE models: [steps, L, k] experts (int16), [steps, L] margins
             arrays["routing_experts"] = output.routing_experts[row, :steps].astype(np.int16)
             arrays["routing_margins"] = output.routing_margins[row, :steps]
-        if output.prompt_routing is not None:  # [P - 1, L, k]: the prompt's tokens before its last (left-padded)
-            length, padded = len(prepared.prompt_set.token_ids[index]), output.padded_length
-            arrays[PROMPT_ARRAY] = output.prompt_routing[row, padded - length:padded - 1]
+        if output.prompt_routing is not None:  # [P - 1, L, k]: the prompt's tokens before its last
+            slots = prompt_slots(output.padded_length, len(prepared.prompt_set.token_ids[index]))
+            arrays[PROMPT_ARRAY] = output.prompt_routing[row, slots]
         tokens = arrays["tokens"]
         eos_hits = np.flatnonzero(tokens == eos) if eos is not None else np.array([])
         eos_step = int(eos_hits[0]) if eos_hits.size else -1
@@ -276,11 +276,10 @@ def execute(prepared: Prepared, forced: dict[int, np.ndarray] | None = None, pro
     `forced` feeds given tokens per prompt index instead of the model's own choices (forced
     decoding); `routing` (MoE models, with `forced`) applies given experts per prompt index (a RoutingPath: at
     the decode steps and the prompt's tokens) instead of the model's own choices (forced routing; evalrun's engine
-    only); `probes` records the logits at given ids. Batch composition is always the plan's, so a partial re-run computes the same
-    bits as the full one would. `timed=False` skips the
-    warm-up of eager modes (runs made for their numbers, not their timings); static modes always warm
-    up, since that is where they compile and capture. `placement` replaces the plan: each batch then
-    records one row's result (a prompt placed among companions).
+    only); `probes` records the logits at given ids. Batch composition is always the plan's, so a partial re-run
+    computes the same bits as the full one would. `timed=False` skips the warm-up of eager modes (runs made for
+    their numbers, not their timings); static modes always warm up, since that is where they compile and capture.
+    `placement` replaces the plan: each batch then records one row's result (a prompt placed among companions).
     """
     config = prepared.config
     device = torch.device(config.device)

@@ -322,12 +322,12 @@ def forge(golden_factory, ties_dir, tmp_path, edit) -> Path:
     return directory
 
 
-def reshape_arrays(conn, where: str, cut) -> None:
-    """Each stored array matching `where` (SQL on `name`) replaced by cut(array), stored raw."""
+def reshape_arrays(conn, name_like: str, cut) -> None:
+    """Each stored array whose name is LIKE `name_like` replaced by cut(name, array), stored raw."""
     from evalrun.hashing import hash_bytes
     from evalrun.store import decode_array_row
 
-    rows = conn.execute(f"SELECT rowid, name, dtype, shape, encoding, data FROM arrays WHERE {where}")
+    rows = conn.execute("SELECT rowid, name, dtype, shape, encoding, data FROM arrays WHERE name LIKE ?", [name_like])
     for rowid, name, dtype, shape, encoding, data in rows.fetchall():
         array = decode_array_row({"name": name, "dtype": dtype, "shape": shape, "encoding": encoding, "data": data})
         changed = np.ascontiguousarray(cut(name, array))
@@ -365,7 +365,7 @@ def test_a_golden_whose_routing_is_not_the_models_is_refused_in_one_line(golden_
     index error inside the engine nor a widened allowance. Verified at another batch size: other bits, no compile."""
     name, dtype, value = FORGED_ROUTING[forgery]
     directory = forge(golden_factory, ties_dir, tmp_path, lambda conn: reshape_arrays(
-        conn, f"name = '{name}'", lambda _, array: np.full(array.shape, value, dtype=dtype)))
+        conn, name, lambda _, array: np.full(array.shape, value, dtype=dtype)))
     assert_refused_in_one_line(verify, directory, name, "--force")
 
 
@@ -380,7 +380,7 @@ def test_a_golden_whose_routing_has_another_shape_is_refused_before_any_run_forc
         if forgery == "a prompt without routing":
             conn.execute("DELETE FROM arrays WHERE name LIKE '%routing%' AND prompt_index = 0")
         else:
-            reshape_arrays(conn, "name LIKE '%routing%'",
+            reshape_arrays(conn, "%routing%",
                            lambda name, array: array[:, :1, :1] if name != "routing_margins" else array[:, :1])
 
     directory = forge(golden_factory, ties_dir, tmp_path, edit)
@@ -394,7 +394,7 @@ def test_a_golden_whose_prompt_routing_has_another_shape_is_refused_in_one_line(
     """The pinned run's prompt routing is written into the prefill's slots of each prompt: a made golden whose
     prompt routing is one token short of its prompt is one line and exit 2, not a broadcast into other slots."""
     directory = forge(golden_factory, ties_dir, tmp_path, lambda conn: reshape_arrays(
-        conn, "name = 'prompt_routing'", lambda _, array: array[1:]))
+        conn, "prompt_routing", lambda _, array: array[1:]))
     assert_refused_in_one_line(verify, directory, "prompt_routing of another shape", "--force")
 
 

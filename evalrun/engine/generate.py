@@ -445,6 +445,12 @@ def row_matrix(rows: list[np.ndarray], batch: int, steps: int) -> torch.Tensor:
     return torch.from_numpy(matrix)
 
 
+def prompt_slots(padded_length: int, length: int) -> slice:
+    """The cache slots of a prompt's tokens before its last, in a batch padded to `padded_length` (prompts are
+    left-padded: a prompt of `length` tokens fills the last `length` slots)."""
+    return slice(padded_length - length, padded_length - 1)
+
+
 def prompt_matrix(rows: list[np.ndarray] | None, prompts: list[list[int]], shape: tuple[int, ...]) -> torch.Tensor:
     """Per-row experts of each prompt's tokens before its last, [P_i - 1, L, k] (or None: free) -> the [B, P, L, k]
     int16 matrix a prefill padded to P = shape[1] reads: row i's at the slots of those tokens (prompts are
@@ -454,8 +460,7 @@ def prompt_matrix(rows: list[np.ndarray] | None, prompts: list[list[int]], shape
         if experts is not None and len(ids) > 1:
             if experts.shape != (len(ids) - 1,) + shape[2:]:
                 raise ValueError(f"prompt routing of shape {experts.shape} for a prompt of {len(ids)} tokens")
-            start = shape[1] - len(ids)
-            matrix[row, start:start + len(experts)] = experts
+            matrix[row, prompt_slots(shape[1], len(ids))] = experts
     return torch.from_numpy(matrix)
 
 
