@@ -2,7 +2,7 @@
 
 Inductor keeps compiled FX graphs and max-autotune's kernel choices on disk (`TORCHINDUCTOR_CACHE_DIR`,
 by default a per-user folder under /tmp that a reboot or a fresh CI runner loses), Triton its kernel
-binaries (`TRITON_CACHE_DIR`). evalrun points both at `EVALRUN_CACHE/compile/torch-V-triton-W-cpu-C/`
+binaries (`TRITON_CACHE_DIR`). evalrun points both at `EVALRUN_CACHE/compile/torch-V-triton-W-cpu-C-engine-E/`
 unless the user set them (Inductor's own default folder, which it writes into the environment on first use,
 does not count as set), so a second `golden verify -O3` skips compiling and autotuning, and CI can
 cache one folder (examples/github-actions/evalrun.yml caches EVALRUN_CACHE).
@@ -27,12 +27,16 @@ CACHE_VARIABLES = ("TORCHINDUCTOR_CACHE_DIR", "TRITON_CACHE_DIR")
 
 
 def cache_folder() -> Path:
-    """EVALRUN_CACHE/compile/torch-<version>-triton-<version>-cpu-<capability>: one folder per compiler build and
-    CPU instruction set. Inductor's keys miss the instruction set ATen runs with (ATEN_CPU_CAPABILITY): C++ code
-    compiled for one and loaded under another crashed the process (a bfloat16 MoE at -O1, compiled under AVX-512,
-    then run with ATEN_CPU_CAPABILITY=avx2: segmentation fault; tests/test_modes.py)."""
+    """EVALRUN_CACHE/compile/torch-<version>-triton-<version>-cpu-<capability>-engine-<code>: one folder per compiler
+    build, CPU instruction set and engine code. Inductor's keys miss the instruction set ATen runs with
+    (ATEN_CPU_CAPABILITY): C++ code compiled for one and loaded under another crashed the process (a bfloat16 MoE at
+    -O1, compiled under AVX-512, then run with ATEN_CPU_CAPABILITY=avx2: segmentation fault; tests/test_modes.py).
+    They miss evalrun's own Triton ops too: a graph calling one is keyed by the op's name and its kernels' source,
+    not by the Python that launches them: blocks chosen there (linear.GLU_BLOCKS) changed, and a graph compiled
+    before was replayed with the old blocks' bits (the H200, stop 25: decode_breakdown.py, Inductor's own folder)."""
     import torch
 
+    from .fingerprint import engine_code_digest
     from .models import cache_root
 
     try:
@@ -42,7 +46,8 @@ def cache_folder() -> Path:
     except ImportError:
         triton_version = "none"
     capability = torch.backends.cpu.get_cpu_capability()
-    name = re.sub(r"[^A-Za-z0-9_.+-]", "_", f"torch-{torch.__version__}-triton-{triton_version}-cpu-{capability}")
+    name = re.sub(r"[^A-Za-z0-9_.+-]", "_", f"torch-{torch.__version__}-triton-{triton_version}-cpu-{capability}"
+                  f"-engine-{engine_code_digest()[:12]}")
     return cache_root() / "compile" / name
 
 

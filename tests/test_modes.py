@@ -275,7 +275,7 @@ def test_a_compile_cache_is_kept_per_cpu_instruction_set(tmp_path):
                               capture_output=True, text=True, timeout=600)
         assert done.returncode == 0, done.stderr[-2000:]
         folders.append(json.loads(done.stdout)["evidence"]["compile_cache"]["folder"])
-    assert folders[0] != folders[1] and folders[1].endswith("-cpu-DEFAULT/inductor"), folders
+    assert folders[0] != folders[1] and "-cpu-DEFAULT-engine-" in folders[1], folders
 
 
 def test_a_library_user_who_compiled_first_still_gets_the_cache_of_the_instruction_set(tmp_path):
@@ -308,6 +308,21 @@ main(sys.argv[1:])
                           text=True, timeout=600)
     assert done.returncode == 0, done.stderr[-2000:]
     assert json.loads(done.stdout)["evidence"]["compile_cache"]["folder"] == str(chosen)
+
+
+def test_the_compile_cache_folder_is_one_per_engine_code(tmp_path, monkeypatch):
+    """Inductor keys a graph that calls one of evalrun's Triton ops by the op and its kernels' source, not by the
+    Python launching them (blocks chosen there): another engine code compiles into another folder, never replaying
+    graphs compiled by the code before it."""
+    from evalrun import fingerprint
+    from evalrun.compile_cache import cache_folder
+
+    monkeypatch.setenv("EVALRUN_CACHE", str(tmp_path / "cache"))
+    now = cache_folder()
+    assert now.name.endswith(f"-engine-{fingerprint.engine_code_digest()[:12]}")
+    assert now.parent == tmp_path / "cache" / "compile" and cache_folder() == now
+    monkeypatch.setattr(fingerprint, "engine_code_digest", lambda: "0" * 32)
+    assert cache_folder() != now and cache_folder().name.endswith("-engine-000000000000")
 
 
 def test_inductors_default_folders_are_no_choice_and_a_named_folder_is(tmp_path, monkeypatch):
