@@ -80,7 +80,7 @@ DTYPE_ALIASES = {"fp32": "float32", "bf16": "bfloat16", "fp16": "float16", "fp64
 ATTENTION_IMPLEMENTATIONS = ("sdpa", "eager")
 # Decode-speed levers (issue #16), each a numerics knob: other kernels, other bits. Never on by default.
 BLAS_LIBRARIES = ("cublas", "cublaslt")  # torch.backends.cuda.preferred_blas_library on CUDA
-LINEAR_KERNELS = ("aten", "triton-gemv", "gguf-gemv")  # engine/linear.py: who computes a projection of 1-4 rows
+LINEAR_KERNELS = ("aten", "triton-gemv", "triton-gemv-glu", "gguf-gemv")  # engine/linear.py: who computes a projection of 1-4 rows
 ATTENTION_KERNELS = ("sdpa", "triton-split-kv")  # engine/attention_triton.py: who computes a decode step's attention
 DECODE_LEVER_DEFAULTS = {"blas_library": "cublas", "linear_kernel": "aten", "attention_kernel": "sdpa"}
 GEMV_MAX_ROWS = 4  # the GEMV's rows: decode at batch <= 4 (engine/linear.py)
@@ -150,7 +150,7 @@ class RunConfig:
     device: str = "auto"
     attn_implementation: str = "sdpa"
     blas_library: str = "cublas"  # cublas | cublaslt: the library CUDA matrix products prefer (GPU only)
-    linear_kernel: str = "aten"  # aten | triton-gemv (GPU) | gguf-gemv (CPU, GGUF models): projections of 1-4 rows
+    linear_kernel: str = "aten"  # aten | triton-gemv | triton-gemv-glu (GPU) | gguf-gemv (CPU, GGUF): projections of 1-4 rows
     attention_kernel: str = "sdpa"  # sdpa | triton-split-kv (GPU): the attention of a decode step (one query token)
     batch_size: int = 1
     max_new_tokens: int = 32

@@ -58,15 +58,38 @@ cases.append({"dtype": "strided-bias", "rows": 1, "shape": [1, 32], "repeatable"
               "out_dtype": "strided-bias", "applies": linear.gemv_applies(xb, wb, bias_every_other),
               "aten_bits": torch.equal(linear.linear(xb, wb, bias_every_other, "triton-gemv"),
                                        F.linear(xb, wb, bias_every_other))})
-print(json.dumps(cases))
+glu = []  # linear_kernel=triton-gemv-glu: silu(gate) * up of a stacked gate/up weight [2I, K] in one GEMV
+for dtype in (torch.float32, torch.bfloat16):
+    for rows, n, k, bias in ((1, 48, 256, False), (2, 40, 300, True), (3, 64, 512, True), (4, 24, 96, False)):
+        x = torch.randn(rows, 1, k, generator=g).to(dtype)
+        w = (torch.randn(2 * n, k, generator=g) / k ** 0.5).to(dtype)
+        b = torch.randn(2 * n, generator=g).to(dtype) if bias else None
+        y = linear.gated_linear(x, w, b)
+        gate, up = F.linear(x.double(), w.double(), None if b is None else b.double()).chunk(2, -1)
+        exact = F.silu(gate) * up
+        glu.append({"dtype": str(dtype), "rows": rows, "shape": list(y.shape), "out_dtype": str(y.dtype),
+                    "applies": linear.glu_applies(x, w, b, "silu", "triton-gemv-glu"),
+                    "error": (y.double() - exact).abs().max().item(), "scale": exact.abs().max().item(),
+                    "repeatable": torch.equal(y, linear.gated_linear(x, w, b))})
+x, w = torch.randn(1, 64), torch.randn(32, 64)
+refused = {"gelu": linear.glu_applies(x, w, None, "gelu", "triton-gemv-glu"),
+           "plain gemv": linear.glu_applies(x, w, None, "silu", "triton-gemv"),
+           "five rows": linear.glu_applies(torch.randn(5, 64), w, None, "silu", "triton-gemv-glu"),
+           "odd rows": linear.glu_applies(x, torch.randn(31, 64), None, "silu", "triton-gemv-glu")}
+print(json.dumps({"gemv": cases, "glu": glu, "glu_refused": refused}))
 """
 
 pytestmark = pytest.mark.filterwarnings("ignore::DeprecationWarning")
 
 
 @pytest.fixture(scope="module")
-def interpreted() -> list[dict]:
+def interpreted_all() -> dict:
     return run_under_triton_interpreter(INTERPRETED_CASES)
+
+
+@pytest.fixture(scope="module")
+def interpreted(interpreted_all) -> list[dict]:
+    return interpreted_all["gemv"]
 
 
 def test_gemv_computes_the_product_within_rounding(interpreted):
@@ -90,13 +113,28 @@ def test_gemv_takes_one_to_four_rows_and_is_repeatable(interpreted):
     assert not strided_bias["applies"] and strided_bias["aten_bits"]  # a strided bias: F.linear, not wrong numbers
 
 
+def test_the_gate_up_gemv_computes_silu_gate_times_up_within_its_roundings(interpreted_all):
+    """linear_kernel=triton-gemv-glu: gate and up accumulated in float32 and rounded, silu(gate) rounded, the
+    product rounded (eager's roundings): within a few units in the last place of the largest output of float64's
+    silu(gate) * up; repeatable; only for a SiLU activation, that kernel, 1-4 rows and a stacked (even) weight."""
+    glu = interpreted_all["glu"]
+    assert len(glu) == 8 and all(case["applies"] and case["repeatable"] for case in glu)
+    for case in glu:
+        unit = 2.0 ** -7 if case["dtype"] == "torch.bfloat16" else 2.0 ** -22
+        assert case["error"] <= case["scale"] * 3 * unit + 1e-4, case
+        assert case["out_dtype"] == case["dtype"] and case["shape"][:2] == [case["rows"], 1], case
+    assert {(c["rows"], c["shape"][-1]) for c in glu} == {(1, 48), (2, 40), (3, 64), (4, 24)}
+    assert interpreted_all["glu_refused"] == {"gelu": False, "plain gemv": False, "five rows": False,
+                                              "odd rows": False}
+
+
 def test_a_run_with_the_gemv_computes_other_bits_under_another_hash(tmp_path):
     """End to end under the interpreter: the knob reaches the engine (other logits bits, same greedy
     tokens on the tiny model), and the config hash names it."""
     pytest.importorskip("triton")
     env = {**os.environ, "TRITON_INTERPRET": "1", "EVALRUN_CACHE": str(tmp_path / "cache")}
     outputs = {}
-    for kernel in ("aten", "triton-gemv"):
+    for kernel in ("aten", "triton-gemv", "triton-gemv-glu"):
         done = subprocess.run([sys.executable, "-m", "evalrun", "run", "--model", "random:tiny", "--prompts", "smoke",
                                "--max-new-tokens", "4", "--set", f"linear_kernel={kernel}", "--store",
                                str(tmp_path / "s.db"), "--json", "--quiet"], capture_output=True, text=True, env=env,
@@ -108,6 +146,10 @@ def test_a_run_with_the_gemv_computes_other_bits_under_another_hash(tmp_path):
     assert gemv["config_hash"] != aten["config_hash"]
     assert gemv["logits_digest"] != aten["logits_digest"]
     assert [r["tokens"] for r in gemv["results"]] == [r["tokens"] for r in aten["results"]]
+    glu = outputs["triton-gemv-glu"]  # the MLP's activation in the gate/up GEMV: its own hash, other bits
+    assert len({aten["config_hash"], gemv["config_hash"], glu["config_hash"]}) == 3
+    assert glu["logits_digest"] not in (aten["logits_digest"], gemv["logits_digest"])
+    assert [r["tokens"] for r in glu["results"]] == [r["tokens"] for r in aten["results"]]
 
 
 def test_a_golden_made_with_the_gemv_verifies_without_it_as_drift_not_changed(tmp_path):
@@ -202,7 +244,8 @@ def test_the_levers_at_their_defaults_leave_every_stored_hash_as_it_was():
     ("blas_library=cublaslt", "evalrun", "blas_library=cublaslt chooses a CUDA library; on CPU use blas_library=cublas"),
     ("linear_kernel=triton-gemv", "evalrun", "linear_kernel=triton-gemv is a CUDA kernel; on CPU use linear_kernel=aten"),
     ("linear_kernel=triton-gemv", "transformers", "replaces evalrun's own projections; use --engine evalrun"),
-    ("linear_kernel=cutlass", "evalrun", "linear_kernel='cutlass' is not valid; use one of: aten, triton-gemv, gguf-gemv"),
+    ("linear_kernel=cutlass", "evalrun",
+     "linear_kernel='cutlass' is not valid; use one of: aten, triton-gemv, triton-gemv-glu, gguf-gemv"),
     ("blas_library=hipblaslt", "evalrun", "blas_library='hipblaslt' is not valid; use one of: cublas, cublaslt"),
 ])
 def test_a_lever_where_it_cannot_run_is_one_line_and_exit_2(cli, tiny_args, store_path, monkeypatch, sets, engine,
@@ -396,6 +439,74 @@ def test_gpu_gemv_eager_compiled_and_graphed_agree_bitwise(rows, n, k):
     static.copy_(x.flip(1))
     graph.replay()
     assert torch.equal(out, linear.linear(x.flip(1), w, b, "triton-gemv"))
+
+
+@gpu
+@needs_cuda
+@pytest.mark.parametrize("rows,inter,k", [(1, 14336, 4096), (2, 14336, 4096), (4, 1536, 576)])
+def test_gpu_gate_up_gemv_eager_compiled_and_graphed_agree_bitwise(rows, inter, k):
+    """linear_kernel=triton-gemv-glu's gate/up GEMV (Llama-3-8B's gate/up, SmolLM2's at K = 576, not a multiple of
+    the block): its registered op runs the shape's blocks, within bfloat16 roundings of float64, the same bits
+    eagerly, under torch.compile and replayed from a CUDA graph."""
+    import torch.nn.functional as F
+
+    from evalrun.engine import linear
+    from evalrun.engine.linear_triton_kernel import launch_glu
+
+    linear.prepare("triton-gemv-glu", "cuda")
+    x = torch.randn(rows, k, device="cuda", dtype=torch.bfloat16)
+    w = torch.randn(2 * inter, k, device="cuda", dtype=torch.bfloat16) * 0.02
+    b = torch.randn(2 * inter, device="cuda", dtype=torch.bfloat16)
+    assert linear.glu_applies(x, w, b, "silu", "triton-gemv-glu")
+    y = linear.gated_linear(x, w, b)
+    assert y.shape == (rows, inter)
+    assert torch.equal(y, launch_glu(x, w, b, *linear.GLU_BLOCKS[{1: 1, 2: 2, 4: 4}[rows]]))
+    gate, up = F.linear(x.double(), w.double(), b.double()).chunk(2, -1)
+    exact = F.silu(gate) * up
+    assert (y.double() - exact).abs().max().item() <= exact.abs().max().item() * 3 * 2 ** -7 + 1e-3
+    compiled = torch.compile(lambda a: linear.gated_linear(a, w, b), fullgraph=True)
+    assert torch.equal(compiled(x), y)
+    static = x.clone()
+    graph = torch.cuda.CUDAGraph()
+    linear.gated_linear(static, w, b)
+    torch.cuda.synchronize()
+    with torch.cuda.graph(graph):
+        out = linear.gated_linear(static, w, b)
+    static.copy_(x.flip(1))
+    graph.replay()
+    assert torch.equal(out, linear.gated_linear(x.flip(1), w, b))
+
+
+@gpu
+@needs_cuda
+@pytest.mark.parametrize("level", [0, 2])
+def test_gpu_the_gate_up_gemv_computes_each_decode_mlp_and_repeats_its_bits(level, monkeypatch):
+    """-O0 and -O2 runs with linear_kernel=triton-gemv-glu: the gate/up GEMV computes the decode steps' MLPs
+    (counted where the engine calls it, eagerly or while Dynamo traces) and repeats its digests; in float32 its
+    bits differ from linear_kernel=triton-gemv's."""
+    from evalrun.engine import linear
+    from evalrun.runner import execute_run
+
+    def run(dtype="bfloat16", **knobs):
+        done = execute_run(RunConfig(model="random:tiny", device="cuda", dtype=dtype, prompts="smoke",
+                                     max_new_tokens=8, opt_level=level, **knobs), None)
+        torch._dynamo.reset()
+        return [r.logits_digest for r in done.results]
+
+    linear.prepare("triton-gemv-glu", "cuda")
+    calls, original = [], linear._OP["glu"]
+
+    def counted(*args):
+        calls.append(1)
+        return original(*args)
+
+    monkeypatch.setitem(linear._OP, "glu", counted)
+    run(linear_kernel="triton-gemv")
+    assert not calls
+    glu = run(linear_kernel="triton-gemv-glu")
+    assert calls
+    assert run(linear_kernel="triton-gemv-glu") == glu
+    assert run("float32", linear_kernel="triton-gemv-glu") != run("float32", linear_kernel="triton-gemv")
 
 
 @gpu

@@ -58,7 +58,7 @@ class Variant:
     attn_softcap: float | None = None  # Gemma 2: scores -> c * tanh(scores / c) before the mask
     final_softcap: float | None = None  # Gemma 2: logits -> c * tanh(logits / c)
     sliding_window: int | None = None  # a query sees the keys of its last `sliding_window` slots
-    linear_kernel: str = "aten"  # aten | triton-gemv | gguf-gemv: who computes projections of 1-4 rows (linear.py)
+    linear_kernel: str = "aten"  # aten | triton-gemv[-glu] | gguf-gemv: who computes 1-4 rows' projections (linear.py)
 
 
 LLAMA_VARIANT = Variant()
@@ -496,16 +496,26 @@ def mlp_block(x: torch.Tensor, post_norm: torch.Tensor, gate_up: torch.Tensor, d
     """The MLP sub-block with its residual: x [B, T, hidden] -> x + down(act(gate) * up) of norm(x);
     b_gate_up [2*inter] and b_down [hidden] are its biases where the config has them; out_norm [hidden]:
     Gemma's norm of the MLP output before the add; reduce: the tensor-parallel sum (row_parallel_linear)."""
-    gate, up = projections.linear(norm(x, post_norm, eps, variant), gate_up, b_gate_up,
-                                  variant.linear_kernel).chunk(2, dim=-1)
+    hidden = gated(norm(x, post_norm, eps, variant), gate_up, b_gate_up, activation, variant.linear_kernel)
     # x + down(...): the Triton GEMV adds x in its epilogue, one kernel fewer. Eagerly the same bits as the add. In
     # a compiled post_attention x (= the residual + the output projection) is then stored rounded to the model
     # dtype, as eager rounds it, where Inductor had kept that sum in float32 for the norm and this add: other bits
     # for compiled bfloat16/float16 runs with linear_kernel=triton-gemv than before stop 15 (engine_code says so).
     if out_norm is None and reduce is None and RESIDUAL_IN_PROJECTION:
-        return projections.linear(activate(gate, activation) * up, down, b_down, variant.linear_kernel, residual=x)
-    out = row_parallel_linear(activate(gate, activation) * up, down, b_down, reduce, variant.linear_kernel)
+        return projections.linear(hidden, down, b_down, variant.linear_kernel, residual=x)
+    out = row_parallel_linear(hidden, down, b_down, reduce, variant.linear_kernel)
     return x + (out if out_norm is None else norm(out, out_norm, eps, variant))
+
+
+def gated(x: torch.Tensor, gate_up: torch.Tensor, b_gate_up: torch.Tensor | None, activation: str,
+          kernel: str) -> torch.Tensor:
+    """act(gate) * up [..., inter] of x [..., hidden] and gate_up [2*inter, hidden] (a tensor-parallel rank's: its
+    gate rows, then its up rows): one GEMV with the activation in its epilogue where linear_kernel=triton-gemv-glu
+    computes it (linear.glu_applies), else the product, then the activation."""
+    if projections.glu_applies(x, gate_up, b_gate_up, activation, kernel):
+        return projections.gated_linear(x, gate_up, b_gate_up)
+    gate, up = projections.linear(x, gate_up, b_gate_up, kernel).chunk(2, dim=-1)
+    return activate(gate, activation) * up
 
 
 def moe_post_attention(x: torch.Tensor, attended: torch.Tensor, wo: torch.Tensor, post_norm: torch.Tensor,
