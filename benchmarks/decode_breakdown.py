@@ -15,7 +15,10 @@ and the engine's decode step under three modes with its kernel time by kind.
    pre-attention piece), with the MLP's residual added by its own kernel (before the GEMV's epilogue
    took it), with attention by the split-KV kernel (`attention_kernel=triton-split-kv`), with Inductor's
    combo kernels, and those levers together: as they are, with split-KV's chunks combined by a second kernel
-   (before stop 19), with -O3's Inductor options (max-autotune, coordinate descent), and with the greedy token
+   (before stop 19), with -O3's Inductor options (max-autotune, coordinate descent), those in Inductor's
+   deterministic mode (no kernel chosen by timing where it changes numerics), with gate/up and the MLP's
+   activation by one GEMV (`linear_kernel=triton-gemv-glu`; and with -O3's options; with `--glu-grid`, that
+   GEMV's blocks timed alone over GLU_GRID), and with the greedy token
    by its own argmax instead of the fused capture's top-1, with the capture's chunks merged by torch ops instead
    of its merge kernel, and with both (before stop 22), side by side.
    Each row also gives the time to first token of four more batches and one profiled prefill: host wall
@@ -37,6 +40,7 @@ import torch.nn.functional as F
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
+from evalrun.compile_cache import use_evalrun_cache  # noqa: E402
 from evalrun.engine import attention_triton, capture_triton, linear  # noqa: E402
 from evalrun.engine import generate as generate_module  # noqa: E402
 from evalrun.engine.driver import generate_batch  # noqa: E402
@@ -71,6 +75,9 @@ def copy_bandwidth() -> float:
 
 GEMV_GRID = [(8, 256, 4), (8, 512, 4), (8, 512, 2), (8, 512, 8), (8, 1024, 4), (16, 512, 4), (4, 512, 4), (4, 512, 2),
              (4, 1024, 4), (32, 128, 4)]
+# The gate/up GEMV's blocks (linear_kernel=triton-gemv-glu): BLOCK_N outputs read 2 * BLOCK_N weight rows.
+GLU_GRID = [(2, 512, 4), (4, 256, 4), (4, 512, 4), (4, 512, 8), (4, 1024, 4), (4, 1024, 8), (8, 256, 4), (8, 512, 4),
+            (8, 512, 8), (16, 256, 8)]
 
 
 def graphed_ms(step, inputs: list[tuple], warmups: int = 1) -> float:
@@ -222,6 +229,18 @@ def projections_report(report: dict, transformer: Transformer, gemv_grid: bool) 
                 for bn, bk, warps in GEMV_GRID} for name in ("qkv", "o", "gate_up", "down")}
 
 
+def glu_grid_report(report: dict, transformer: Transformer) -> None:
+    """The gate/up GEMV (linear_kernel=triton-gemv-glu) at batch 1 at each GLU_GRID blocks, over every layer's
+    gate/up weight in one graph: read TB/s into report["glu_grid"] (how GLU_BLOCKS is chosen; a row cannot try
+    other blocks in this process: Inductor's graph cache keeps the blocks the op was first compiled with)."""
+    from evalrun.engine.linear_triton_kernel import launch_glu
+
+    weights = [w.gate_up for w in transformer.layers]
+    grid = {f"{bn}x{bk}x{warps}": projection_bandwidth(
+        weights, lambda x, w, c=(bn, bk, warps): launch_glu(x, w, None, *c)) for bn, bk, warps in GLU_GRID}
+    report["glu_grid"] = {"gate_up": {name: row["tb_per_s"] for name, row in grid.items()}}
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--model", default="random:llama3-8b")
@@ -229,13 +248,17 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=64)
     parser.add_argument("--json", metavar="PATH")
     parser.add_argument("--gemv-grid", action="store_true", help="time the Triton GEMV at other block sizes too")
+    parser.add_argument("--glu-grid", action="store_true", help="time the gate/up GEMV (triton-gemv-glu) at GLU_GRID's "
+                        "blocks")
     parser.add_argument("--skip", default="", help="comma-separated parts to leave out: projections, eager "
-                        "(the eager and graphless steps), split-kv (the step with the split-KV attention), residual, "
-                        "kv-write (the step with the MLP's residual add, or the KV write, separate), pdl-inductor, combo, "
-                        "levers, levers-combine-kernel, levers-o3, levers-argmax, levers-torch-merge, levers-both, "
-                        "levers-copies")
+                        "(the eager and graphless steps), o2 (-O2 without the GEMV), gemv (-O2 with it), split-kv (the "
+                        "step with the split-KV attention), residual, kv-write (the step with the MLP's residual add, or "
+                        "the KV write, separate), pdl-inductor, combo, levers, levers-glu, "
+                        "levers-combine-kernel, levers-o3, levers-o3-deterministic, levers-glu-o3, levers-argmax, "
+                        "levers-torch-merge, levers-both, levers-copies")
     args = parser.parse_args()
     skip = set(args.skip.split(","))
+    use_evalrun_cache()  # Inductor's caches keyed by the engine code, as a run's: no graph compiled by other code
     loaded = load_model(args.model, "cuda", args.dtype)
     transformer = Transformer(loaded.model)
     weights_bytes = sum(p.numel() * p.element_size() for name, p in loaded.model.named_parameters()
@@ -248,8 +271,8 @@ def main() -> None:
     prompt = loaded.tokenizer("The capital of France is")["input_ids"]
     report.update(prompt_tokens=len(prompt), steps=args.steps)  # what the rows' digests were computed over
     modes = (("none", "none"), ("piecewise", "none")) if "eager" not in skip else ()
-    report["decode"] = [measure_decode(transformer, c, g, prompt, args.steps)
-                        for c, g in (*modes, ("piecewise", "full-and-piecewise"))]
+    modes = (*modes, ("piecewise", "full-and-piecewise")) if "o2" not in skip else modes
+    report["decode"] = [measure_decode(transformer, c, g, prompt, args.steps) for c, g in modes]
     gemv = transformer.with_linear_kernel("triton-gemv")
     # -O2 with the GEMV, then that step again side by side with one thing changed (each row skippable by name):
     # attention by the split-KV kernel; the MLP's residual added by its own kernel, not the GEMV's epilogue; the KV
@@ -263,21 +286,30 @@ def main() -> None:
     combo = {"inductor_options": {"combo_kernels": True}}
     o3 = {"inductor_options": {"combo_kernels": True, "max_autotune": True, "coordinate_descent_tuning": True}}
     split_kv = gemv.with_attention_kernel("triton-split-kv")
+    split_kv_glu = transformer.with_linear_kernel("triton-gemv-glu").with_attention_kernel("triton-split-kv")
+    o3_deterministic = {"inductor_options": {**o3["inductor_options"], "deterministic": True}}
     separate_residual = ((transformer_module, "RESIDUAL_IN_PROJECTION", False),)
     separate_combine = ((attention_triton, "COMBINE_IN_LAST_PROGRAM", False),)  # split-KV's second kernel (stop 19)
     own_argmax = ((generate_module, "GREEDY_FROM_CAPTURE", False),)  # the greedy token by argmax (before stop 22)
     torch_merge = ((capture_triton, "MERGE_IN_KERNEL", False),)  # the capture's chunks merged by torch ops (before 22)
     copies = ((capture_triton, "MERGE_INTO_BUFFERS", False),)  # the merge's outputs copied into the buffers (before 23)
-    rows = [(None, "", gemv, {}, ()),
+    if args.glu_grid:
+        glu_grid_report(report, transformer)
+    rows = [("gemv", "", gemv, {}, ()),
             ("split-kv", " +triton-split-kv", split_kv, {}, ()),
             ("residual", ", residual add separate", gemv, {}, separate_residual),
             ("kv-write", ", KV write separate", gemv, {"kv_write_in_piece": False}, ()),
             ("pdl-inductor", " +Inductor PDL", gemv, pdl, ()),
             ("combo", " +Inductor combo kernels", gemv, combo, ()),
             ("levers", " +split-kv +combo", split_kv, combo, ()),
+            ("levers-glu", " +split-kv +combo, gate/up and the activation by one GEMV (triton-gemv-glu)", split_kv_glu,
+             combo, ()),
             ("levers-combine-kernel", " +split-kv +combo, split-KV's chunks combined by a second kernel", split_kv,
              combo, separate_combine),
             ("levers-o3", " +split-kv +combo, -O3's Inductor options", split_kv, o3, ()),
+            ("levers-o3-deterministic", " +split-kv +combo, -O3's Inductor options in its deterministic mode", split_kv,
+             o3_deterministic, ()),
+            ("levers-glu-o3", " +split-kv +combo, triton-gemv-glu, -O3's Inductor options", split_kv_glu, o3, ()),
             ("levers-argmax", " +split-kv +combo, the greedy token by its own argmax (before stop 22)", split_kv, combo,
              own_argmax),
             ("levers-torch-merge", " +split-kv +combo, the capture's chunks merged by torch ops (before stop 22)",
@@ -326,7 +358,11 @@ def main() -> None:
         print(f"      TTFT {row['ttft_ms']:.1f} ms, then " + ", ".join(f"{t:.1f}" for t in row["ttft_ms_next"])
               + f"; one prefill: {prefill['wall_ms_profiled']:.1f} ms on the host (profiled), "
               f"{prefill['kernels']} kernels {prefill['kernel_ms']:.2f} ms, {prefill['graph_launches']} graph launches")
-    gemv_row = next(row for row in report["decode"] if row["mode"].endswith("+triton-gemv"))
+    for name, grid in report.get("glu_grid", {}).items():
+        print(f"  gate/up GEMV grid {name} best {max(grid, key=grid.get)} ("
+              + ", ".join(f"{k} {v:.2f}" for k, v in grid.items()) + " TB/s)")
+    none = {"top_kernels": [], "prefill": {"kernels_top": []}}  # the gemv row skipped
+    gemv_row = next((row for row in report["decode"] if row["mode"].endswith("+triton-gemv")), none)
     for entry in gemv_row["top_kernels"]:  # the -O2 step with the GEMV as the engine runs it
         print(f"    {entry['per_step']:6.1f}x/step {entry['ms']:.4f} ms  {entry['kernel']}")
     print("  its prefill's longest kernels:")

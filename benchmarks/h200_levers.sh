@@ -3,7 +3,10 @@
 # its tokenizer) and the wheels in .whl:
 #   setsid bash benchmarks/h200_levers.sh /root/lev > /root/lev.log 2>&1 < /dev/null &
 #   (BENCH_ONLY=1 LEVERS=O2,O3,... : only the tests on GPU 0 and the bench of LEVERS on GPU 1;
-#    with PROBES=1 too, GPU 0 then runs decode_breakdown.py and fusion_candidates.py)
+#    with PROBES=1 too, GPU 0 then runs decode_breakdown.py and fusion_candidates.py;
+#    with PROBES=1 FUSION=0 DISTRIBUTED=1 instead: GPU 1 runs decode_breakdown.py after the bench, and GPU 0,
+#    after its tests, the two-GPU tests (tests/test_distributed.py, NCCL) beside GPU 1's work;
+#    ONE_GPU=1 on the nvidia-h200 kind: the tests, the bench of LEVERS and, with PROBES=1, decode_breakdown.py in turn)
 # then poll /root/lev/stages.txt (`done` ends it). It first copies the repo to /root/repo, so a later
 # call's working-tree sync cannot change the scripts under it.
 #   GPU 0  every `pytest -m gpu` test but the NCCL ones; then `evalrun bench` of random:llama3-8b with the
@@ -31,21 +34,40 @@ bench_levers() {
   step bench-levers python3 -m evalrun bench --model random:llama3-8b --dtype bfloat16 --device cuda --prompts smoke \
     --max-new-tokens 128 --config-timeout 300 --matrix "$LEVERS" --json
 }
+probe_breakdown() {
+  step probe-breakdown timeout "${BREAKDOWN_TIMEOUT:-420}" python3 benchmarks/decode_breakdown.py --model random:llama3-8b \
+    --skip "$BREAKDOWN_SKIP" --json "$RES/probe-breakdown-report.json"
+}
+gpu_tests() {
+  stage "gpu0 tests"
+  timeout "${TEST_TIMEOUT:-420}" python3 -m pytest -p no:cacheprovider -q -m gpu -n "${TEST_WORKERS:-4}" tests \
+    --ignore tests/test_distributed.py > "$RES/gpu-tests.txt" 2>&1
+}
+if [ "${ONE_GPU:-0}" = 1 ]; then  # the nvidia-h200 kind: the tests, the bench, then the probe breakdown, in turn
+  gpu_tests
+  bench_levers
+  [ "${PROBES:-0}" = 1 ] && probe_breakdown
+  stage done
+  exit 0
+fi
 # BENCH_ONLY=1: GPU 0 runs the tests alone and GPU 1 the bench alone (no breakdown, no warm compile)
 ( export CUDA_VISIBLE_DEVICES=0
-  stage "gpu0 tests"
-  timeout 420 python3 -m pytest -p no:cacheprovider -q -m gpu -n 4 tests --ignore tests/test_distributed.py \
-    > "$RES/gpu-tests.txt" 2>&1
+  gpu_tests
   [ "${BENCH_ONLY:-0}" = 1 ] || bench_levers
-  if [ "${BENCH_ONLY:-0}" = 1 ] && [ "${PROBES:-0}" = 1 ]; then  # (otherwise GPU 1 runs the breakdown)
-    step probe-breakdown timeout 420 python3 benchmarks/decode_breakdown.py --model random:llama3-8b --skip "$BREAKDOWN_SKIP" \
-      --json "$RES/probe-breakdown-report.json"
-    step fusion timeout 300 python3 benchmarks/fusion_candidates.py --json "$RES/fusion-report.json"
+  if [ "${DISTRIBUTED:-0}" = 1 ]; then  # both GPUs: NCCL's tests need two
+    stage "distributed tests"
+    CUDA_VISIBLE_DEVICES=0,1 timeout "$(left)" python3 -m pytest -p no:cacheprovider -q -m gpu tests/test_distributed.py \
+      > "$RES/distributed-tests.txt" 2>&1
+  elif [ "${BENCH_ONLY:-0}" = 1 ] && [ "${PROBES:-0}" = 1 ]; then  # (otherwise GPU 1 runs the breakdown)
+    probe_breakdown
   fi
+  [ "${BENCH_ONLY:-0}" = 1 ] && [ "${PROBES:-0}" = 1 ] && [ "${FUSION:-1}" = 1 ] && \
+    step fusion timeout 300 python3 benchmarks/fusion_candidates.py --json "$RES/fusion-report.json"
   stage "gpu0 done" ) &
 ( export CUDA_VISIBLE_DEVICES=1
   if [ "${BENCH_ONLY:-0}" = 1 ]; then
     bench_levers
+    [ "${DISTRIBUTED:-0}" = 1 ] && [ "${PROBES:-0}" = 1 ] && probe_breakdown
   else
     step breakdown timeout 300 python3 benchmarks/decode_breakdown.py --model random:llama3-8b --gemv-grid \
       --json "$RES/breakdown-report.json"
