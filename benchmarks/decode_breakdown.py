@@ -302,14 +302,14 @@ def main() -> None:
             ("pdl-inductor", " +Inductor PDL", gemv, pdl, ()),
             ("combo", " +Inductor combo kernels", gemv, combo, ()),
             ("levers", " +split-kv +combo", split_kv, combo, ()),
-            ("levers-glu", " +split-kv +combo, gate/up and the activation by one GEMV (triton-gemv-glu)", split_kv_glu,
+            ("levers-glu", " +split-kv +combo, gate/up and the activation by one GEMV", split_kv_glu,
              combo, ()),
             ("levers-combine-kernel", " +split-kv +combo, split-KV's chunks combined by a second kernel", split_kv,
              combo, separate_combine),
             ("levers-o3", " +split-kv +combo, -O3's Inductor options", split_kv, o3, ()),
             ("levers-o3-deterministic", " +split-kv +combo, -O3's Inductor options in its deterministic mode", split_kv,
              o3_deterministic, ()),
-            ("levers-glu-o3", " +split-kv +combo, triton-gemv-glu, -O3's Inductor options", split_kv_glu, o3, ()),
+            ("levers-glu-o3", " +split-kv +combo, -O3's Inductor options", split_kv_glu, o3, ()),
             ("levers-argmax", " +split-kv +combo, the greedy token by its own argmax (before stop 22)", split_kv, combo,
              own_argmax),
             ("levers-torch-merge", " +split-kv +combo, the capture's chunks merged by torch ops (before stop 22)",
@@ -334,7 +334,8 @@ def main() -> None:
         finally:
             for module, flag, value in saved:
                 setattr(module, flag, value)
-        report["decode"].append({**row, "mode": f"piecewise/full-and-piecewise +triton-gemv{label}"})
+        kernel = forward.variant.linear_kernel  # triton-gemv, or triton-gemv-glu for the levers-glu rows
+        report["decode"].append({**row, "mode": f"piecewise/full-and-piecewise +{kernel}{label}"})
         if args.json:  # after each row: a run cut short by a deadline keeps the rows it measured
             Path(args.json).write_text(json.dumps(report, indent=1))
     print(f"{report['device']}  torch {report['torch']}  {args.model} {args.dtype}")

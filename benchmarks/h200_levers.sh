@@ -4,8 +4,8 @@
 #   setsid bash benchmarks/h200_levers.sh /root/lev > /root/lev.log 2>&1 < /dev/null &
 #   (BENCH_ONLY=1 LEVERS=O2,O3,... : only the tests on GPU 0 and the bench of LEVERS on GPU 1;
 #    with PROBES=1 too, GPU 0 then runs decode_breakdown.py and fusion_candidates.py;
-#    with PROBES=1 FUSION=0 DISTRIBUTED=1 instead: GPU 1 runs decode_breakdown.py after the bench, and GPU 0,
-#    after its tests, the two-GPU tests (tests/test_distributed.py, NCCL) beside GPU 1's work;
+#    with PROBES=1 FUSION=0 DISTRIBUTED=1 instead: GPU 1 runs decode_breakdown.py after the bench, and once
+#    both GPUs are done, the two-GPU tests (tests/test_distributed.py, NCCL: distributed-tests.json), timing nothing;
 #    ONE_GPU=1 on the nvidia-h200 kind: the tests, the bench of LEVERS and, with PROBES=1, decode_breakdown.py in turn)
 # then poll /root/lev/stages.txt (`done` ends it). It first copies the repo to /root/repo, so a later
 # call's working-tree sync cannot change the scripts under it.
@@ -54,12 +54,8 @@ fi
 ( export CUDA_VISIBLE_DEVICES=0
   gpu_tests
   [ "${BENCH_ONLY:-0}" = 1 ] || bench_levers
-  if [ "${DISTRIBUTED:-0}" = 1 ]; then  # both GPUs: NCCL's tests need two
-    stage "distributed tests"
-    CUDA_VISIBLE_DEVICES=0,1 timeout "$(left)" python3 -m pytest -p no:cacheprovider -q -m gpu tests/test_distributed.py \
-      > "$RES/distributed-tests.txt" 2>&1
-  elif [ "${BENCH_ONLY:-0}" = 1 ] && [ "${PROBES:-0}" = 1 ]; then  # (otherwise GPU 1 runs the breakdown)
-    probe_breakdown
+  if [ "${DISTRIBUTED:-0}" = 0 ] && [ "${BENCH_ONLY:-0}" = 1 ] && [ "${PROBES:-0}" = 1 ]; then
+    probe_breakdown  # (otherwise GPU 1 runs the breakdown)
   fi
   [ "${BENCH_ONLY:-0}" = 1 ] && [ "${PROBES:-0}" = 1 ] && [ "${FUSION:-1}" = 1 ] && \
     step fusion timeout 300 python3 benchmarks/fusion_candidates.py --json "$RES/fusion-report.json"
@@ -75,4 +71,7 @@ fi
   fi
   stage "gpu1 done" ) &
 wait
+if [ "${DISTRIBUTED:-0}" = 1 ]; then  # both GPUs, once neither is timed: NCCL's tests need two
+  CUDA_VISIBLE_DEVICES=0,1 step distributed-tests python3 -m pytest -p no:cacheprovider -q -m gpu tests/test_distributed.py
+fi
 stage done

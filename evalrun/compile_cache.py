@@ -8,9 +8,11 @@ does not count as set), so a second `golden verify -O3` skips compiling and auto
 cache one folder (examples/github-actions/evalrun.yml caches EVALRUN_CACHE).
 
 Can a cache change numerics unnoticed? Inductor's own keys cover the graph, the Inductor config and
-the torch/triton/device versions, so a hit gives the code a cold compile of the same graph would give,
-except where a cold compile is itself not deterministic: max-autotune picks kernels by timing, and a
-warm run replays the choice the cold one made. Each run therefore records, as evidence, the cache
+the torch/triton/device versions, but not everything: not the CPU instruction set, and for a graph calling
+one of evalrun's Triton ops, the op and its kernels' source but not the Python that picks their blocks. So the
+folder is also keyed by the instruction set and by evalrun's engine code (cache_folder), and then a hit gives
+the code a cold compile of the same graph would give, except where a cold compile is itself not deterministic:
+max-autotune picks kernels by timing, and a warm run replays the choice the cold one made. Each run therefore records, as evidence, the cache
 folder and how many graphs were cache hits, misses and bypasses (`compile_cache`); `evalrun diff`
 shows it beside the config, and `TORCHINDUCTOR_FORCE_DISABLE_CACHES=1` (an environment factor of the
 fingerprint) compiles everything afresh.

@@ -10,6 +10,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import os
+import re
 import sqlite3
 import subprocess
 import sys
@@ -60,7 +61,8 @@ cases.append({"dtype": "strided-bias", "rows": 1, "shape": [1, 32], "repeatable"
                                        F.linear(xb, wb, bias_every_other))})
 glu = []  # linear_kernel=triton-gemv-glu: silu(gate) * up of a stacked gate/up weight [2I, K] in one GEMV
 for dtype in (torch.float32, torch.bfloat16):
-    for rows, n, k, bias in ((1, 48, 256, False), (2, 40, 300, True), (3, 64, 512, True), (4, 24, 96, False)):
+    for rows, n, k, bias in ((1, 48, 256, False), (2, 40, 300, True), (3, 64, 512, True), (4, 24, 96, False),
+                             (1, 37, 200, True)):  # I = 37: the last block of outputs part outside
         x = torch.randn(rows, 1, k, generator=g).to(dtype)
         w = (torch.randn(2 * n, k, generator=g) / k ** 0.5).to(dtype)
         b = torch.randn(2 * n, generator=g).to(dtype) if bias else None
@@ -71,12 +73,26 @@ for dtype in (torch.float32, torch.bfloat16):
                     "applies": linear.glu_applies(x, w, b, "silu", "triton-gemv-glu"),
                     "error": (y.double() - exact).abs().max().item(), "scale": exact.abs().max().item(),
                     "repeatable": torch.equal(y, linear.gated_linear(x, w, b))})
+from evalrun.engine.transformer import gated
+
+wide = torch.randn(2 * 37, 208, generator=g)  # a weight whose rows lie 208 elements apart, 200 of them used
+x1, b1 = torch.randn(1, 200, generator=g), torch.randn(2 * 37, generator=g)
+padded = torch.equal(linear.gated_linear(x1, wide[:, :200], b1), linear.gated_linear(x1, wide[:, :200].contiguous(), b1))
+x5 = torch.randn(5, 200, generator=g)
+falls_back = {  # where the gate/up GEMV does not apply, gated() computes what triton-gemv computes
+    "gelu": torch.equal(gated(x1, wide[:, :200], b1, "gelu", "triton-gemv-glu"),
+                        gated(x1, wide[:, :200], b1, "gelu", "triton-gemv")),
+    "five rows": torch.equal(gated(x5, wide[:, :200], b1, "silu", "triton-gemv-glu"),
+                             gated(x5, wide[:, :200], b1, "silu", "triton-gemv")),
+    "one row": torch.equal(gated(x1, wide[:, :200], b1, "silu", "triton-gemv-glu"),
+                           linear.gated_linear(x1, wide[:, :200], b1))}
 x, w = torch.randn(1, 64), torch.randn(32, 64)
 refused = {"gelu": linear.glu_applies(x, w, None, "gelu", "triton-gemv-glu"),
            "plain gemv": linear.glu_applies(x, w, None, "silu", "triton-gemv"),
            "five rows": linear.glu_applies(torch.randn(5, 64), w, None, "silu", "triton-gemv-glu"),
            "odd rows": linear.glu_applies(x, torch.randn(31, 64), None, "silu", "triton-gemv-glu")}
-print(json.dumps({"gemv": cases, "glu": glu, "glu_refused": refused}))
+print(json.dumps({"gemv": cases, "glu": glu, "glu_refused": refused, "glu_padded_rows": padded,
+                  "glu_falls_back": falls_back}))
 """
 
 pytestmark = pytest.mark.filterwarnings("ignore::DeprecationWarning")
@@ -115,17 +131,50 @@ def test_gemv_takes_one_to_four_rows_and_is_repeatable(interpreted):
 
 def test_the_gate_up_gemv_computes_silu_gate_times_up_within_its_roundings(interpreted_all):
     """linear_kernel=triton-gemv-glu: gate and up accumulated in float32 and rounded, silu(gate) rounded, the
-    product rounded (eager's roundings): within a few units in the last place of the largest output of float64's
+    product rounded (where eager rounds): within a few units in the last place of the largest output of float64's
     silu(gate) * up; repeatable; only for a SiLU activation, that kernel, 1-4 rows and a stacked (even) weight."""
     glu = interpreted_all["glu"]
-    assert len(glu) == 8 and all(case["applies"] and case["repeatable"] for case in glu)
+    assert len(glu) == 10 and all(case["applies"] and case["repeatable"] for case in glu)
     for case in glu:
         unit = 2.0 ** -7 if case["dtype"] == "torch.bfloat16" else 2.0 ** -22
         assert case["error"] <= case["scale"] * 3 * unit + 1e-4, case
         assert case["out_dtype"] == case["dtype"] and case["shape"][:2] == [case["rows"], 1], case
-    assert {(c["rows"], c["shape"][-1]) for c in glu} == {(1, 48), (2, 40), (3, 64), (4, 24)}
+    assert {(c["rows"], c["shape"][-1]) for c in glu} == {(1, 48), (2, 40), (3, 64), (4, 24), (1, 37)}
     assert interpreted_all["glu_refused"] == {"gelu": False, "plain gemv": False, "five rows": False,
                                               "odd rows": False}
+
+
+def test_the_gate_up_gemv_reads_rows_by_their_stride_and_leaves_what_it_cannot_compute_to_triton_gemv(
+        interpreted_all):
+    assert interpreted_all["glu_padded_rows"]  # rows 208 apart: the bits of the same weight stored contiguous
+    assert interpreted_all["glu_falls_back"] == {"gelu": True, "five rows": True, "one row": True}
+
+
+@pytest.mark.parametrize("model, message", [
+    ("gelu", "computes SiLU gates only (this model's activation is gelu); use linear_kernel=triton-gemv"),
+    ("moe", "computes dense MLP layers only (this model's are all mixture-of-experts); use linear_kernel=triton-gemv"),
+])
+def test_the_gate_up_gemv_on_a_model_it_would_never_apply_to_is_refused(monkeypatch, model, message):
+    """Not run as triton-gemv under another name (and another config hash): at construction and when a forward
+    takes the kernel later (with_linear_kernel); a SiLU model with dense layers takes it."""
+    from test_moe import moe_config
+    from transformers import AutoModelForCausalLM, LlamaConfig
+
+    from evalrun.engine import linear
+    from evalrun.engine.transformer import Transformer
+    from evalrun.models import RANDOM_SHAPES
+
+    monkeypatch.setattr(linear, "INTERPRETED", True)  # the GEMV needs no CUDA device here: only the model refuses
+    config = (LlamaConfig(**RANDOM_SHAPES["tiny"], hidden_act="gelu") if model == "gelu"
+              else moe_config())
+    hf_model = AutoModelForCausalLM.from_config(config)
+    with pytest.raises(ConfigError, match=re.escape(message)):
+        Transformer(hf_model, "sdpa", "triton-gemv-glu")
+    with pytest.raises(ConfigError, match=re.escape(message)):
+        Transformer(hf_model, "sdpa").with_linear_kernel("triton-gemv-glu")
+    assert Transformer(hf_model, "sdpa").with_linear_kernel("triton-gemv").variant.linear_kernel == "triton-gemv"
+    silu = AutoModelForCausalLM.from_config(LlamaConfig(**RANDOM_SHAPES["tiny"]))
+    assert Transformer(silu, "sdpa", "triton-gemv-glu").variant.linear_kernel == "triton-gemv-glu"
 
 
 def test_a_run_with_the_gemv_computes_other_bits_under_another_hash(tmp_path):

@@ -276,6 +276,7 @@ def test_a_compile_cache_is_kept_per_cpu_instruction_set(tmp_path):
         assert done.returncode == 0, done.stderr[-2000:]
         folders.append(json.loads(done.stdout)["evidence"]["compile_cache"]["folder"])
     assert folders[0] != folders[1] and "-cpu-DEFAULT-engine-" in folders[1], folders
+    assert all(folder.endswith("/inductor") for folder in folders), folders  # Inductor's, inside evalrun's folder
 
 
 def test_a_library_user_who_compiled_first_still_gets_the_cache_of_the_instruction_set(tmp_path):

@@ -3,10 +3,10 @@ Triton GEMV (linear_triton_kernel.py), chosen by the run's `linear_kernel` knob 
 
 At batch 1 a decode step's projections are matrix-vector products bound by reading the weights; cuBLAS
 reads the small ones (Llama-3-8B's q/k/v and o) at 2.9-3.1 and 2.4 of the H200's 4.3 TB/s, the GEMV at 3.4
-and 2.9. Of the large ones, gate/up and the head stay with cuBLAS, as fast or faster there
-(benchmarks/decode_breakdown.py --gemv-grid); a single row of a long-row product (Llama-3-8B's down, K =
-14336), which cuBLAS splits over two kernels, takes the GEMV with longer blocks: 4.00 TB/s against
-cuBLAS's 3.69 in two H200 runs (benchmarks/decode_breakdown.py). The GEMV is another reduction order,
+and 2.9. Of the large ones, gate/up (under triton-gemv; triton-gemv-glu below) and the head stay with cuBLAS,
+as fast or faster there (benchmarks/decode_breakdown.py --gemv-grid); a single row of a long-row product
+(Llama-3-8B's down, K = 14336), which cuBLAS splits over two kernels, takes the GEMV with longer blocks:
+4.00 TB/s against cuBLAS's 3.69 in two H200 runs (benchmarks/decode_breakdown.py). The GEMV is another reduction order,
 so other bits: a knob in the config hash, never on by default. Which calls it takes is decided by shape alone
 (rows <= GEMV_MAX_ROWS and a weight of at most GEMV_MAX_WEIGHT elements, or one row of a larger weight shaped
 like a down projection, is_long_row; contiguous rows): a prefill of more than 4 tokens stays on `F.linear`, and
@@ -42,8 +42,8 @@ GEMV_DTYPES = tuple(getattr(torch, name) for name in TRITON_DTYPE_NAMES)
 GEMV_BLOCKS = {1: (8, 512, 4), 2: (8, 512, 4), 4: (8, 256, 4)}
 # One row of a weight over GEMV_MAX_WEIGHT shaped like a down projection (rows at least this long, and longer
 # than there are rows: K >= GEMV_LONG_ROW and K > N) takes the GEMV with these blocks: the best of the grid for
-# Llama-3-8B's down on the H200 (8x1024x4: 4.00 TB/s, cuBLAS 3.69). Gate/up, q/k/v, o and the head of larger
-# models (K <= N) stay with cuBLAS: not measured.
+# Llama-3-8B's down on the H200 (8x1024x4: 4.00 TB/s, cuBLAS 3.69). Gate/up (but for triton-gemv-glu's, GLU_BLOCKS),
+# q/k/v, o and the head of larger models (K <= N) stay with cuBLAS: not measured.
 GEMV_LONG_ROW = 8192
 GEMV_LONG_BLOCKS = (8, 1024, 4)
 # The gate/up GEMV's (BLOCK_N, BLOCK_K, num_warps) by rows padded to a power of two: BLOCK_N outputs read

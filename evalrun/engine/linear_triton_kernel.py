@@ -11,8 +11,8 @@ and rounded again: the bits of adding it with torch after the product. Imported 
 `gemv_glu_kernel` (linear_kernel=triton-gemv-glu) is the same GEMV over a stacked gate/up weight [2I, K] that
 returns silu(gate) * up [M, I] instead of gate and up: each program streams BLOCK_N gate rows and the BLOCK_N up
 rows of the same outputs, and its epilogue applies the activation, so the MLP's activation is no kernel of its
-own. Its roundings are eager's: gate and up rounded to the output dtype as the product's, silu(gate) rounded,
-then the product rounded.
+own. It rounds where eager rounds: gate and up to the output dtype as the product's, silu(gate), then the
+product (the values may still differ: Triton's exp is not torch's, and the interpreter truncates its casts).
 """
 
 from __future__ import annotations

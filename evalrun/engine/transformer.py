@@ -166,6 +166,7 @@ class Transformer:
             self.local_rotary = (getattr(rotary_embedding, f"{SLIDING}_inv_freq").to(wide),
                                  float(getattr(rotary_embedding, f"{SLIDING}_attention_scaling", 1.0)))
         self.device = self.embed.device
+        self._refuse_glu_without_a_gated_mlp(linear_kernel)
         projections.prepare(linear_kernel, self.device)  # registers the GEMV before anything is compiled
         self.vocab_size = self.lm_head.shape[0]
         self.reduce: Callable | None = None  # tensor parallelism (tensor_parallel.py): sums row-parallel outputs
@@ -176,10 +177,23 @@ class Transformer:
         copy, so a forward already handed to another execution mode keeps its own choice."""
         if kernel == self.variant.linear_kernel:
             return self
+        self._refuse_glu_without_a_gated_mlp(kernel)
         projections.prepare(kernel, self.device)
         chosen = copy.copy(self)
         chosen.variant = replace(self.variant, linear_kernel=kernel)
         return chosen
+
+    def _refuse_glu_without_a_gated_mlp(self, kernel: str) -> None:
+        """linear_kernel=triton-gemv-glu on a model it would never apply to (another activation than SiLU, or no
+        dense MLP layer) is refused, not run as triton-gemv under another name in the config hash."""
+        if kernel != "triton-gemv-glu":
+            return
+        if self.activation not in projections.GLU_ACTIVATIONS:
+            raise ConfigError(f"linear_kernel=triton-gemv-glu computes SiLU gates only (this model's activation is "
+                              f"{self.activation}); use linear_kernel=triton-gemv")
+        if all(w.gate_up is None for w in self.layers):
+            raise ConfigError("linear_kernel=triton-gemv-glu computes dense MLP layers only (this model's are all "
+                              "mixture-of-experts); use linear_kernel=triton-gemv")
 
     def with_attention_kernel(self, kernel: str) -> "Transformer":
         """This forward over the same weights with a decode step's attention computed by `kernel`
