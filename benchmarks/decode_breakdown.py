@@ -17,7 +17,8 @@ and the engine's decode step under three modes with its kernel time by kind.
    combo kernels, and those levers together: as they are, with split-KV's chunks combined by a second kernel
    (before stop 19), with -O3's Inductor options (max-autotune, coordinate descent), those in Inductor's
    deterministic mode (no kernel chosen by timing where it changes numerics), with gate/up and the MLP's
-   activation by one GEMV (`linear_kernel=triton-gemv-glu`; and with -O3's options; with `--glu-grid`, that
+   activation by one GEMV (`linear_kernel=triton-gemv-glu`; and with -O3's options, and with only its coordinate
+   descent; with `--glu-grid`, that
    GEMV's blocks timed alone over GLU_GRID), and with the greedy token
    by its own argmax instead of the fused capture's top-1, with the capture's chunks merged by torch ops instead
    of its merge kernel, and with both (before stop 22), side by side.
@@ -254,8 +255,8 @@ def main() -> None:
                         "(the eager and graphless steps), o2 (-O2 without the GEMV), gemv (-O2 with it), split-kv (the "
                         "step with the split-KV attention), residual, kv-write (the step with the MLP's residual add, or "
                         "the KV write, separate), pdl-inductor, combo, levers, levers-glu, "
-                        "levers-combine-kernel, levers-o3, levers-o3-deterministic, levers-glu-o3, levers-argmax, "
-                        "levers-torch-merge, levers-both, levers-copies")
+                        "levers-combine-kernel, levers-o3, levers-o3-deterministic, levers-glu-o3, levers-glu-descent, "
+                        "levers-argmax, levers-torch-merge, levers-both, levers-copies")
     args = parser.parse_args()
     skip = set(args.skip.split(","))
     use_evalrun_cache()  # Inductor's caches keyed by the engine code, as a run's: no graph compiled by other code
@@ -288,6 +289,7 @@ def main() -> None:
     split_kv = gemv.with_attention_kernel("triton-split-kv")
     split_kv_glu = transformer.with_linear_kernel("triton-gemv-glu").with_attention_kernel("triton-split-kv")
     o3_deterministic = {"inductor_options": {**o3["inductor_options"], "deterministic": True}}
+    descent = {"inductor_options": {"combo_kernels": True, "coordinate_descent_tuning": True}}  # -O3 less max-autotune
     separate_residual = ((transformer_module, "RESIDUAL_IN_PROJECTION", False),)
     separate_combine = ((attention_triton, "COMBINE_IN_LAST_PROGRAM", False),)  # split-KV's second kernel (stop 19)
     own_argmax = ((generate_module, "GREEDY_FROM_CAPTURE", False),)  # the greedy token by argmax (before stop 22)
@@ -310,6 +312,8 @@ def main() -> None:
             ("levers-o3-deterministic", " +split-kv +combo, -O3's Inductor options in its deterministic mode", split_kv,
              o3_deterministic, ()),
             ("levers-glu-o3", " +split-kv +combo, -O3's Inductor options", split_kv_glu, o3, ()),
+            ("levers-glu-descent", " +split-kv +combo, coordinate descent without max-autotune", split_kv_glu, descent,
+             ()),
             ("levers-argmax", " +split-kv +combo, the greedy token by its own argmax (before stop 22)", split_kv, combo,
              own_argmax),
             ("levers-torch-merge", " +split-kv +combo, the capture's chunks merged by torch ops (before stop 22)",

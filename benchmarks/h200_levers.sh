@@ -6,7 +6,8 @@
 #    with PROBES=1 too, GPU 0 then runs decode_breakdown.py and fusion_candidates.py;
 #    with PROBES=1 FUSION=0 DISTRIBUTED=1 instead: GPU 1 runs decode_breakdown.py after the bench, and once
 #    both GPUs are done, the two-GPU tests (tests/test_distributed.py, NCCL: distributed-tests.json), timing nothing;
-#    ONE_GPU=1 on the nvidia-h200 kind: the tests, the bench of LEVERS and, with PROBES=1, decode_breakdown.py in turn)
+#    ONE_GPU=1 on the nvidia-h200 kind: the tests, the bench of LEVERS (not with BENCH=0) and, with PROBES=1,
+#    decode_breakdown.py in turn)
 # then poll /root/lev/stages.txt (`done` ends it). It first copies the repo to /root/repo, so a later
 # call's working-tree sync cannot change the scripts under it.
 #   GPU 0  every `pytest -m gpu` test but the NCCL ones; then `evalrun bench` of random:llama3-8b with the
@@ -45,7 +46,7 @@ gpu_tests() {
 }
 if [ "${ONE_GPU:-0}" = 1 ]; then  # the nvidia-h200 kind: the tests, the bench, then the probe breakdown, in turn
   gpu_tests
-  bench_levers
+  [ "${BENCH:-1}" = 1 ] && bench_levers
   [ "${PROBES:-0}" = 1 ] && probe_breakdown
   stage done
   exit 0
