@@ -25,14 +25,14 @@ import triton.language as tl
 @triton.jit
 def gemv_kernel(x_ptr, w_ptr, bias_ptr, residual_ptr, y_ptr, rows, n, x_stride, w_stride, y_stride,
                 k: tl.constexpr, HAS_BIAS: tl.constexpr, HAS_RESIDUAL: tl.constexpr, EVEN: tl.constexpr,
-                ROWS_POW2: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+                ROWS_POW2: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, STAGES: tl.constexpr):
     outs = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)  # [BN]
     ms = tl.arange(0, ROWS_POW2)  # [R]
     lanes = tl.arange(0, BLOCK_K)  # [BK]
     w_rows = w_ptr + outs.to(tl.int64)[:, None] * w_stride  # [BN, 1]
     x_rows = x_ptr + ms[:, None] * x_stride  # [R, 1]
     acc = tl.zeros((ROWS_POW2, BLOCK_N, BLOCK_K), dtype=tl.float32)
-    for start in range(0, k, BLOCK_K):
+    for start in tl.range(0, k, BLOCK_K, num_stages=STAGES):  # STAGES - 1 tiles in flight
         ks = start + lanes
         if EVEN:  # n and k multiples of the blocks: unmasked, vectorised weight loads
             w = tl.load(w_rows + ks[None, :])  # [BN, BK]
@@ -52,7 +52,7 @@ def gemv_kernel(x_ptr, w_ptr, bias_ptr, residual_ptr, y_ptr, rows, n, x_stride, 
 
 
 def launch(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, block_n: int, block_k: int,
-           num_warps: int, wrap=lambda kernel: kernel, residual: torch.Tensor | None = None) -> torch.Tensor:
+           num_warps: int, wrap=lambda kernel: kernel, residual: torch.Tensor | None = None, stages: int = 1) -> torch.Tensor:
     """x [M, K] (rows contiguous), weight [N, K] (rows contiguous), bias [N] or None, residual [M, N] (contiguous)
     or None -> y [M, N]."""
     rows, k = x.shape
@@ -62,14 +62,14 @@ def launch(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, blo
     wrap(gemv_kernel)[(triton.cdiv(n, block_n),)](
         x, weight, x if bias is None else bias, x if residual is None else residual, y, rows, n, x.stride(0),
         weight.stride(0), y.stride(0), k, HAS_BIAS=bias is not None, HAS_RESIDUAL=residual is not None, EVEN=even,
-        ROWS_POW2=triton.next_power_of_2(rows), BLOCK_N=block_n, BLOCK_K=block_k, num_warps=num_warps)
+        ROWS_POW2=triton.next_power_of_2(rows), BLOCK_N=block_n, BLOCK_K=block_k, STAGES=stages, num_warps=num_warps)
     return y
 
 
 @triton.jit
 def gemv_glu_kernel(x_ptr, w_ptr, bias_ptr, y_ptr, rows, n, x_stride, w_stride, y_stride, k: tl.constexpr,
                     HAS_BIAS: tl.constexpr, EVEN: tl.constexpr, ROWS_POW2: tl.constexpr, BLOCK_N: tl.constexpr,
-                    BLOCK_K: tl.constexpr):
+                    BLOCK_K: tl.constexpr, STAGES: tl.constexpr):
     outs = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)  # [BN]: outputs j, from gate row j and up row n + j
     ms = tl.arange(0, ROWS_POW2)  # [R]
     lanes = tl.arange(0, BLOCK_K)  # [BK]
@@ -78,7 +78,7 @@ def gemv_glu_kernel(x_ptr, w_ptr, bias_ptr, y_ptr, rows, n, x_stride, w_stride, 
     x_rows = x_ptr + ms[:, None] * x_stride  # [R, 1]
     gate_acc = tl.zeros((ROWS_POW2, BLOCK_N, BLOCK_K), dtype=tl.float32)
     up_acc = tl.zeros((ROWS_POW2, BLOCK_N, BLOCK_K), dtype=tl.float32)
-    for start in range(0, k, BLOCK_K):
+    for start in tl.range(0, k, BLOCK_K, num_stages=STAGES):  # STAGES - 1 tiles in flight
         ks = start + lanes
         if EVEN:  # n and k multiples of the blocks: unmasked, vectorised weight loads
             wg = tl.load(gate_rows + ks[None, :])  # [BN, BK]
@@ -105,7 +105,7 @@ def gemv_glu_kernel(x_ptr, w_ptr, bias_ptr, y_ptr, rows, n, x_stride, w_stride, 
 
 
 def launch_glu(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, block_n: int, block_k: int,
-               num_warps: int, wrap=lambda kernel: kernel) -> torch.Tensor:
+               num_warps: int, wrap=lambda kernel: kernel, stages: int = 1) -> torch.Tensor:
     """x [M, K] (rows contiguous), weight [2I, K] (gate rows, then up rows; rows contiguous), bias [2I] or None ->
     silu(gate) * up [M, I]."""
     rows, k = x.shape
@@ -115,5 +115,5 @@ def launch_glu(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
     wrap(gemv_glu_kernel)[(triton.cdiv(n, block_n),)](
         x, weight, x if bias is None else bias, y, rows, n, x.stride(0), weight.stride(0), y.stride(0), k,
         HAS_BIAS=bias is not None, EVEN=even, ROWS_POW2=triton.next_power_of_2(rows), BLOCK_N=block_n,
-        BLOCK_K=block_k, num_warps=num_warps)
+        BLOCK_K=block_k, STAGES=stages, num_warps=num_warps)
     return y
