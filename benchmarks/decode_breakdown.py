@@ -18,7 +18,7 @@ and the engine's decode step under three modes with its kernel time by kind.
    (before stop 19), with -O3's Inductor options (max-autotune, coordinate descent), those in Inductor's
    deterministic mode (no kernel chosen by timing where it changes numerics), with gate/up and the MLP's
    activation by one GEMV (`linear_kernel=triton-gemv-glu`; and with -O3's options, and with only its coordinate
-   descent, and with the GEMVs' K loop pipelined in 1-4 stages, linear.GEMV_STAGES; with `--glu-grid`, that
+   descent; with `--glu-grid`, that
    GEMV's blocks timed alone over GLU_GRID), and with the greedy token
    by its own argmax instead of the fused capture's top-1, with the capture's chunks merged by torch ops instead
    of its merge kernel, and with both (before stop 22), side by side.
@@ -256,7 +256,7 @@ def main() -> None:
                         "step with the split-KV attention), residual, kv-write (the step with the MLP's residual add, or "
                         "the KV write, separate), pdl-inductor, combo, levers, levers-glu, "
                         "levers-combine-kernel, levers-o3, levers-o3-deterministic, levers-glu-o3, levers-glu-descent, "
-                        "levers-glu-stages1..4, levers-argmax, levers-torch-merge, levers-both, levers-copies")
+                        "levers-argmax, levers-torch-merge, levers-both, levers-copies")
     args = parser.parse_args()
     skip = set(args.skip.split(","))
     use_evalrun_cache()  # Inductor's caches keyed by the engine code, as a run's: no graph compiled by other code
@@ -290,9 +290,6 @@ def main() -> None:
     split_kv_glu = transformer.with_linear_kernel("triton-gemv-glu").with_attention_kernel("triton-split-kv")
     o3_deterministic = {"inductor_options": {**o3["inductor_options"], "deterministic": True}}
     descent = {"inductor_options": {"combo_kernels": True, "coordinate_descent_tuning": True}}  # -O3 less max-autotune
-    # The GEMVs' K loop pipelined (linear.GEMV_STAGES): compiled without Inductor's caches, whose keys cover the op's
-    # kernel source and not the constants the Python beside it passes (stop 25), so no row replays another's graph
-    uncached = {"inductor_options": {"combo_kernels": True, "force_disable_caches": True}}
     separate_residual = ((transformer_module, "RESIDUAL_IN_PROJECTION", False),)
     separate_combine = ((attention_triton, "COMBINE_IN_LAST_PROGRAM", False),)  # split-KV's second kernel (stop 19)
     own_argmax = ((generate_module, "GREEDY_FROM_CAPTURE", False),)  # the greedy token by argmax (before stop 22)
@@ -317,8 +314,6 @@ def main() -> None:
             ("levers-glu-o3", " +split-kv +combo, -O3's Inductor options", split_kv_glu, o3, ()),
             ("levers-glu-descent", " +split-kv +combo, coordinate descent without max-autotune", split_kv_glu, descent,
              ()),
-            *((f"levers-glu-stages{stages}", f" +split-kv +combo, the GEMVs' K loop in {stages} stages", split_kv_glu,
-               uncached, ((linear, "GEMV_STAGES", stages),)) for stages in (1, 2, 3, 4)),
             ("levers-argmax", " +split-kv +combo, the greedy token by its own argmax (before stop 22)", split_kv, combo,
              own_argmax),
             ("levers-torch-merge", " +split-kv +combo, the capture's chunks merged by torch ops (before stop 22)",

@@ -50,9 +50,6 @@ GEMV_LONG_BLOCKS = (8, 1024, 4)
 # 2 * BLOCK_N weight rows. One row: the best of a grid for Llama-3-8B's gate/up on the H200 (4x1024x4: 4.14 TB/s,
 # 4x512x4 3.99; benchmarks/decode_breakdown.py --glu-grid); 2 and 4 rows: the accumulators' size of one row's.
 GLU_BLOCKS = {1: (4, 1024, 4), 2: (4, 512, 4), 4: (4, 256, 4)}
-# Tiles of weights in flight per program (the GEMVs' K loop pipelined by Triton into shared memory; 1: each tile
-# read once the one before is multiplied). The same products in the same order at any value: the bits do not change.
-GEMV_STAGES = 1
 GLU_ACTIVATIONS = ("silu", "swish")  # what gemv_glu_kernel's epilogue computes
 GEMV_KERNELS = ("triton-gemv", "triton-gemv-glu")  # linear_kernel values that run the Triton GEMV
 _OP: dict = {}  # "op", "glu": the registered torch ops, once prepare() ran on a CUDA device with Triton
@@ -70,13 +67,11 @@ def prepare(kernel: str, device: torch.device | str) -> None:
     @triton_op("evalrun::gemv", mutates_args={})
     def gemv(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor],  # noqa: UP045 (schema)
              residual: Optional[torch.Tensor]) -> torch.Tensor:  # noqa: UP045 (schema)
-        return linear_triton_kernel.launch(x, weight, bias, *blocks(x.shape[0], weight), wrap_triton, residual,
-                                           GEMV_STAGES)
+        return linear_triton_kernel.launch(x, weight, bias, *blocks(x.shape[0], weight), wrap_triton, residual)
 
     @triton_op("evalrun::gemv_glu", mutates_args={})
     def gemv_glu(x: torch.Tensor, gate_up: torch.Tensor, bias: Optional[torch.Tensor]) -> torch.Tensor:  # noqa: UP045
-        return linear_triton_kernel.launch_glu(x, gate_up, bias, *GLU_BLOCKS[_rows_pow2(x.shape[0])], wrap_triton,
-                                               GEMV_STAGES)
+        return linear_triton_kernel.launch_glu(x, gate_up, bias, *GLU_BLOCKS[_rows_pow2(x.shape[0])], wrap_triton)
 
     _OP["op"], _OP["glu"] = gemv, gemv_glu
 
@@ -131,7 +126,7 @@ def gated_linear(x: torch.Tensor, gate_up: torch.Tensor, bias: torch.Tensor | No
     if INTERPRETED:
         from .linear_triton_kernel import launch_glu
 
-        out = launch_glu(rows, gate_up, bias, *GLU_BLOCKS[_rows_pow2(rows.shape[0])], stages=GEMV_STAGES)
+        out = launch_glu(rows, gate_up, bias, *GLU_BLOCKS[_rows_pow2(rows.shape[0])])
     else:
         out = _OP["glu"](rows, gate_up, bias)  # [M, I]
     return out.view(*x.shape[:-1], gate_up.shape[0] // 2)
@@ -162,7 +157,7 @@ def linear(x: torch.Tensor, weight: "torch.Tensor | BlockWeight", bias: torch.Te
     if INTERPRETED:
         from .linear_triton_kernel import launch
 
-        out = launch(rows, weight, bias, *blocks(rows.shape[0], weight), residual=into, stages=GEMV_STAGES)
+        out = launch(rows, weight, bias, *blocks(rows.shape[0], weight), residual=into)
     else:
         out = _OP["op"](rows, weight, bias, into)  # [M, N]
     out = out.view(*x.shape[:-1], weight.shape[0])

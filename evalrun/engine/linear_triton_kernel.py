@@ -32,7 +32,7 @@ def gemv_kernel(x_ptr, w_ptr, bias_ptr, residual_ptr, y_ptr, rows, n, x_stride, 
     w_rows = w_ptr + outs.to(tl.int64)[:, None] * w_stride  # [BN, 1]
     x_rows = x_ptr + ms[:, None] * x_stride  # [R, 1]
     acc = tl.zeros((ROWS_POW2, BLOCK_N, BLOCK_K), dtype=tl.float32)
-    for start in tl.range(0, k, BLOCK_K, num_stages=STAGES):  # STAGES - 1 tiles in flight
+    for start in tl.range(0, k, BLOCK_K, num_stages=STAGES):  # STAGES - 1 tiles in flight (1 in the engine)
         ks = start + lanes
         if EVEN:  # n and k multiples of the blocks: unmasked, vectorised weight loads
             w = tl.load(w_rows + ks[None, :])  # [BN, BK]
@@ -78,7 +78,7 @@ def gemv_glu_kernel(x_ptr, w_ptr, bias_ptr, y_ptr, rows, n, x_stride, w_stride, 
     x_rows = x_ptr + ms[:, None] * x_stride  # [R, 1]
     gate_acc = tl.zeros((ROWS_POW2, BLOCK_N, BLOCK_K), dtype=tl.float32)
     up_acc = tl.zeros((ROWS_POW2, BLOCK_N, BLOCK_K), dtype=tl.float32)
-    for start in tl.range(0, k, BLOCK_K, num_stages=STAGES):  # STAGES - 1 tiles in flight
+    for start in tl.range(0, k, BLOCK_K, num_stages=STAGES):  # STAGES - 1 tiles in flight (1 in the engine)
         ks = start + lanes
         if EVEN:  # n and k multiples of the blocks: unmasked, vectorised weight loads
             wg = tl.load(gate_rows + ks[None, :])  # [BN, BK]
