@@ -5,7 +5,8 @@
 #   (BENCH_ONLY=1 LEVERS=O2,O3,... : only the tests on GPU 0 and the bench of LEVERS on GPU 1;
 #    with PROBES=1 too, GPU 0 then runs decode_breakdown.py and fusion_candidates.py;
 #    with PROBES=1 FUSION=0 DISTRIBUTED=1 instead: GPU 1 runs decode_breakdown.py after the bench, and once
-#    both GPUs are done, the two-GPU tests (tests/test_distributed.py, NCCL: distributed-tests.json), timing nothing;
+#    both GPUs are done, the two-GPU tests (tests/test_distributed.py, NCCL; pytest's output in
+#    distributed-tests.json), timing nothing;
 #    ONE_GPU=1 on the nvidia-h200 kind: the tests, the bench of LEVERS (not with BENCH=0) and, with PROBES=1,
 #    decode_breakdown.py in turn)
 # then poll /root/lev/stages.txt (`done` ends it). It first copies the repo to /root/repo, so a later
@@ -72,7 +73,9 @@ fi
   fi
   stage "gpu1 done" ) &
 wait
-if [ "${DISTRIBUTED:-0}" = 1 ]; then  # both GPUs, once neither is timed: NCCL's tests need two
+if [ "${DISTRIBUTED:-0}" = 1 ] && [ "$(left)" -lt 60 ]; then
+  stage "distributed tests not run: under a minute to the deadline"
+elif [ "${DISTRIBUTED:-0}" = 1 ]; then  # both GPUs, once neither is timed: NCCL's tests need two
   CUDA_VISIBLE_DEVICES=0,1 step distributed-tests python3 -m pytest -p no:cacheprovider -q -m gpu tests/test_distributed.py
 fi
 stage done

@@ -156,7 +156,8 @@ def test_the_gate_up_gemv_reads_rows_by_their_stride_and_leaves_what_it_cannot_c
 ])
 def test_the_gate_up_gemv_on_a_model_it_would_never_apply_to_is_refused(monkeypatch, model, message):
     """Not run as triton-gemv under another name (and another config hash): at construction and when a forward
-    takes the kernel later (with_linear_kernel); a SiLU model with dense layers takes it."""
+    takes the kernel later (with_linear_kernel); a SiLU model with dense layers takes it, a mixture-of-experts model
+    with one dense layer too."""
     from test_moe import moe_config
     from transformers import AutoModelForCausalLM, LlamaConfig
 
@@ -175,6 +176,8 @@ def test_the_gate_up_gemv_on_a_model_it_would_never_apply_to_is_refused(monkeypa
     assert Transformer(hf_model, "sdpa").with_linear_kernel("triton-gemv").variant.linear_kernel == "triton-gemv"
     silu = AutoModelForCausalLM.from_config(LlamaConfig(**RANDOM_SHAPES["tiny"]))
     assert Transformer(silu, "sdpa", "triton-gemv-glu").variant.linear_kernel == "triton-gemv-glu"
+    one_dense = AutoModelForCausalLM.from_config(moe_config(mlp_only_layers=[0]))
+    assert Transformer(one_dense, "sdpa", "triton-gemv-glu").variant.linear_kernel == "triton-gemv-glu"
 
 
 def test_a_run_with_the_gemv_computes_other_bits_under_another_hash(tmp_path):
