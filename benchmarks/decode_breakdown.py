@@ -289,7 +289,7 @@ def main() -> None:
     split_kv = gemv.with_attention_kernel("triton-split-kv")
     split_kv_glu = transformer.with_linear_kernel("triton-gemv-glu").with_attention_kernel("triton-split-kv")
     o3_deterministic = {"inductor_options": {**o3["inductor_options"], "deterministic": True}}
-    descent = {"inductor_options": {"combo_kernels": True, "coordinate_descent_tuning": True}}  # -O3 less max-autotune
+    descent = {"inductor_options": {**o3["inductor_options"], "max_autotune": False}}  # -O3 less max-autotune
     separate_residual = ((transformer_module, "RESIDUAL_IN_PROJECTION", False),)
     separate_combine = ((attention_triton, "COMBINE_IN_LAST_PROGRAM", False),)  # split-KV's second kernel (stop 19)
     own_argmax = ((generate_module, "GREEDY_FROM_CAPTURE", False),)  # the greedy token by argmax (before stop 22)

@@ -12,7 +12,7 @@ the engine's blocks and at others, for S = 1..4: time per layer, TB/s of weights
 the engine's bits (the same blocks and S = 1). A chain (each GEMV reading the one before's output) too at the
 engine's blocks. Same products in the same order at any S, so the same bits at the same BLOCK_K.
 
-Measured and dropped (stop 37, `benchmarks/results/h200-gemv-stages.json`): at the engine's blocks only o (11.32 ->
+Measured and dropped (stop 37, `benchmarks/results/h200-gemv-pipelined.json`): at the engine's blocks only o (11.32 ->
 10.64 us at S = 3) and gate/up (57.34 -> 56.37 at S = 2) gained, q/k/v and down lost; smaller tiles caught up with
 the engine's blocks when pipelined, to within 0.6%. The engine runs S = 1; the kernels keep the parameter for this
 benchmark. (The down chain pads each output to K with one more kernel, so its chain rows time that kernel too.)

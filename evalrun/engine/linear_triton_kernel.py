@@ -52,7 +52,8 @@ def gemv_kernel(x_ptr, w_ptr, bias_ptr, residual_ptr, y_ptr, rows, n, x_stride, 
 
 
 def launch(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, block_n: int, block_k: int,
-           num_warps: int, wrap=lambda kernel: kernel, residual: torch.Tensor | None = None, stages: int = 1) -> torch.Tensor:
+           num_warps: int, wrap=lambda kernel: kernel, residual: torch.Tensor | None = None,
+           stages: int = 1) -> torch.Tensor:
     """x [M, K] (rows contiguous), weight [N, K] (rows contiguous), bias [N] or None, residual [M, N] (contiguous)
     or None -> y [M, N]."""
     rows, k = x.shape
