@@ -25,7 +25,7 @@ demo: setup
 	$(BIN)/evalrun golden verify smollm2-cpu
 
 test: setup
-	$(BIN)/python -m pytest -n 2 -q
+	$(BIN)/python -m pytest -n 2 --dist worksteal -q
 
 # Against a real server nobody here wrote: llama.cpp's, through llama-cpp-python, which builds llama.cpp from
 # source on install (minutes on 2 cores; pip caches the wheel, and PIP_FIND_LINKS=DIR reuses one built before).

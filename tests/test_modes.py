@@ -2,6 +2,7 @@
 
 import json
 import os
+import shutil
 
 import pytest
 
@@ -230,6 +231,14 @@ def test_more_shapes_than_dynamos_default_recompile_limit(cli, tiny_args, write_
     assert json.loads(out)["evidence"]["fallbacks"] == []
 
 
+def one_prompt(tmp_path) -> str:
+    """A prompt set of one prompt: a cold compile of random:tiny in a fresh process compiles 8 graphs for it
+    where the smoke set's three prompt lengths take 12 (48 s against 59 on a 2-core machine)."""
+    path = tmp_path / "one.jsonl"
+    path.write_text(json.dumps({"id": "one", "prompt": "The cache"}) + "\n")
+    return str(path)
+
+
 def test_a_second_process_takes_compiled_graphs_from_evalruns_cache_with_the_same_bits(tmp_path):
     """Inductor's caches live under EVALRUN_CACHE; the first process compiles (misses), the second hits,
     each run's evidence says which, and the logits are the same bits."""
@@ -238,7 +247,7 @@ def test_a_second_process_takes_compiled_graphs_from_evalruns_cache_with_the_sam
 
     env = {key: value for key, value in os.environ.items() if not key.startswith(("TORCHINDUCTOR", "TRITON"))}
     env.update(EVALRUN_CACHE=str(tmp_path / "cache"), EVALRUN_STORE=str(tmp_path / "store.db"))
-    command = [sys.executable, "-m", "evalrun", "run", "--model", "random:tiny", "--prompts", "smoke",
+    command = [sys.executable, "-m", "evalrun", "run", "--model", "random:tiny", "--prompts", one_prompt(tmp_path),
                "--max-new-tokens", "3", "--compilation-mode", "piecewise", "--json", "--quiet"]
     runs = []
     for _ in range(2):
@@ -267,8 +276,8 @@ def test_a_compile_cache_is_kept_per_cpu_instruction_set(tmp_path):
     env = {key: value for key, value in os.environ.items()
            if not key.startswith(("TORCHINDUCTOR", "TRITON", "ATEN_CPU_CAPABILITY"))}
     env.update(EVALRUN_CACHE=str(tmp_path / "cache"), EVALRUN_STORE=str(tmp_path / "store.db"))
-    command = [sys.executable, "-m", "evalrun", "run", "--model", "random:tiny", "--prompts", "smoke", "--dtype",
-               "bfloat16", "--max-new-tokens", "3", "-O1", "--json", "--quiet"]
+    command = [sys.executable, "-m", "evalrun", "run", "--model", "random:tiny", "--prompts", one_prompt(tmp_path),
+               "--dtype", "bfloat16", "--max-new-tokens", "3", "-O1", "--json", "--quiet"]
     folders = []
     for capability in (None, "default"):
         done = subprocess.run(command, env={**env, **({"ATEN_CPU_CAPABILITY": capability} if capability else {})},
@@ -298,17 +307,20 @@ main(sys.argv[1:])
 """
     env = {key: value for key, value in os.environ.items() if not key.startswith(("TORCHINDUCTOR", "TRITON"))}
     env.update(EVALRUN_CACHE=str(tmp_path / "cache"), EVALRUN_STORE=str(tmp_path / "store.db"))
-    command = [sys.executable, "-c", script, "run", "--model", "random:tiny", "--prompts", "smoke", "--max-new-tokens",
-               "2", "-O1", "--json", "--quiet"]
+    command = [sys.executable, "-c", script, "run", "--model", "random:tiny", "--prompts", one_prompt(tmp_path),
+               "--max-new-tokens", "2", "-O1", "--json", "--quiet"]
     done = subprocess.run(command, env=env, capture_output=True, text=True, timeout=600)
     assert done.returncode == 0, done.stderr[-2000:]
-    folder = json.loads(done.stdout)["evidence"]["compile_cache"]["folder"]
-    assert folder.startswith(str(tmp_path / "cache" / "compile")) and folder.endswith("/inductor"), folder
+    first = json.loads(done.stdout)["evidence"]["compile_cache"]
+    assert first["folder"].startswith(str(tmp_path / "cache" / "compile")) and first["folder"].endswith("/inductor")
     chosen = tmp_path / "mine"
+    shutil.copytree(first["folder"], chosen)  # a copy of evalrun's folder: read from there, the run compiles nothing
     done = subprocess.run(command, env={**env, "TORCHINDUCTOR_CACHE_DIR": str(chosen)}, capture_output=True,
                           text=True, timeout=600)
     assert done.returncode == 0, done.stderr[-2000:]
-    assert json.loads(done.stdout)["evidence"]["compile_cache"]["folder"] == str(chosen)
+    second = json.loads(done.stdout)["evidence"]["compile_cache"]
+    assert second["folder"] == str(chosen)
+    assert first["misses"] > 0 and second["hits"] == first["misses"] and second["misses"] == 0, (first, second)
 
 
 def test_the_compile_cache_folder_is_one_per_engine_code(tmp_path, monkeypatch):

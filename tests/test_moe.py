@@ -29,14 +29,27 @@ def moe_config(**overrides):
     return Qwen3MoeConfig(**{**TINY, **MOE, "head_dim": 32, "architectures": ["Qwen3MoeForCausalLM"], **overrides})
 
 
-def moe_checkpoint(directory: Path, seed: int = 0, **overrides) -> Path:
-    """A tiny random Qwen3-MoE checkpoint saved by transformers (router, experts, norms all random)."""
+def moe_checkpoint(directory: Path, seed: int = 0, fused_experts: bool = False, **overrides) -> Path:
+    """A tiny random Qwen3-MoE checkpoint saved by transformers (router, experts, norms all random).
+
+    By default in the Hub's layout: one tensor per expert and projection, which transformers fuses as it loads.
+    `fused_experts` saves the experts as transformers holds them instead (one gate/up and one down tensor a
+    layer): the same model, bit for bit, loaded 10x faster at 128 experts x 24 layers (0.4 s against 4)."""
+    from safetensors.torch import save_file
     from transformers import AutoModelForCausalLM
 
     torch.manual_seed(seed)
     model = AutoModelForCausalLM.from_config(moe_config(**overrides))
     _randomize(model, seed)
-    model.save_pretrained(directory)
+    if fused_experts:
+        directory.mkdir(parents=True, exist_ok=True)
+        model.config.save_pretrained(directory)
+        state = {name: tensor.contiguous() for name, tensor in model.state_dict().items()}
+        if model.config.tie_word_embeddings:
+            state.pop("lm_head.weight")
+        save_file(state, directory / "model.safetensors", metadata={"format": "pt"})
+    else:
+        model.save_pretrained(directory)
     byte_tokenizer().save_pretrained(directory)
     return directory
 
@@ -64,6 +77,19 @@ def test_qwen3_moe_matches_transformers_over_a_32_token_greedy_decode(tmp_path, 
     assert np.abs(expected_logits).max() > 0.1
     dense_layers = sum(w.moe is None for w in transformer.layers)
     assert dense_layers == {"qwen3-moe-sparse-step-2": 2, "qwen3-moe-mlp-only-layer-0": 1}.get(case, 0)
+
+
+def test_a_checkpoint_with_fused_experts_loads_as_the_same_model_as_the_hubs_layout(tmp_path):
+    hub, fused = (moe_checkpoint(tmp_path / name, seed=3, fused_experts=name == "fused") for name in ("hub", "fused"))
+    from safetensors import safe_open
+
+    with safe_open(str(hub / "model.safetensors"), "pt") as handle:
+        assert "model.layers.0.mlp.experts.7.gate_proj.weight" in handle.keys()
+    with safe_open(str(fused / "model.safetensors"), "pt") as handle:
+        assert "model.layers.0.mlp.experts.gate_up_proj" in handle.keys()
+    states = [load_model(str(path), "cpu", "float32").model.state_dict() for path in (hub, fused)]
+    assert states[0].keys() == states[1].keys()
+    assert all(torch.equal(states[0][name], states[1][name]) for name in states[0])
 
 
 @pytest.fixture(scope="module")
