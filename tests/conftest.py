@@ -22,12 +22,13 @@ def share_cores_between_workers(worker_count: str | None) -> int | None:
     """Under pytest-xdist, give each worker its share of the cores (and the processes it starts, which
     inherit OMP_NUM_THREADS). Two workers each running OpenMP on both cores of a 2-core machine spin against
     each other: SmolLM2's eager decode took 2.5x longer so (13.4 s against 5.3 s, both workers busy). The
-    threads are part of a run's environment fingerprint, and a child inherits them, so fingerprints within
-    the suite agree. A thread count the caller set (OMP_NUM_THREADS) is kept."""
+    thread count is part of a run's environment fingerprint; a worker and the processes it starts run with
+    the same count (tests that set their own, like the torchrun ones, excepted). A thread count the caller
+    set (OMP_NUM_THREADS) is kept."""
     workers = int(worker_count or 1)
     if workers < 2 or "OMP_NUM_THREADS" in os.environ:
         return None
-    threads = max(1, (os.cpu_count() or 1) // workers)
+    threads = max(1, len(os.sched_getaffinity(0)) // workers)  # the cores this process may run on
     os.environ["OMP_NUM_THREADS"] = str(threads)
     torch.set_num_threads(threads)
     return threads
