@@ -11,12 +11,19 @@ from evalrun.engine.shapes import bucket_size
 MODES = ["stock", "trace-once", "piecewise"]
 
 
-def one_prompt(tmp_path) -> str:
-    """A prompt set of one prompt: a cold compile of random:tiny in a fresh process compiles 8 graphs for it
-    where the smoke set's three prompt lengths take 12 (48 s against 59 on a 2-core machine)."""
-    path = tmp_path / "one.jsonl"
-    path.write_text(json.dumps({"id": "one", "prompt": "The cache"}) + "\n")
-    return str(path)
+# A prompt set of one prompt: a cold compile of random:tiny in a fresh process compiles 8 graphs for it where the
+# smoke set's three prompt lengths take 12 (48 s against 59 on a 2-core machine).
+ONE_PROMPT = [{"id": "one", "prompt": "The cache"}]
+
+
+def child_environment(tmp_path, drop: tuple[str, ...] = ()) -> dict[str, str]:
+    """This process's environment for evalrun in a child process with a cache folder and a store of its own:
+    without Inductor's and Triton's settings (Inductor writes its cache folder into this environment), except the
+    compile threads conftest shares out (how many processes compile, not what they compile)."""
+    env = {key: value for key, value in os.environ.items()
+           if not key.startswith(("TORCHINDUCTOR", "TRITON", *drop)) or key == "TORCHINDUCTOR_COMPILE_THREADS"}
+    env.update(EVALRUN_CACHE=str(tmp_path / "cache"), EVALRUN_STORE=str(tmp_path / "store.db"))
+    return env
 
 
 @pytest.mark.parametrize("mode", MODES)
@@ -134,10 +141,10 @@ def test_first_request_without_warmup_carries_the_compile(cli, tiny_args):
     assert warm["evidence"]["dynamo_graphs"] > 0
 
 
-def test_bench_measures_side_by_side_with_baselines(cli, tmp_path):
+def test_bench_measures_side_by_side_with_baselines(cli, write_prompts):
     # one prompt: each compiled row (stock, transformers' static cache) compiles one prefill shape, not three
-    code, out, err = cli("bench", "--model", "random:tiny", "--prompts", one_prompt(tmp_path), "--max-new-tokens", "4",
-                         "--matrix", "O0,stock", "--json")
+    code, out, err = cli("bench", "--model", "random:tiny", "--prompts", str(write_prompts(ONE_PROMPT)),
+                         "--max-new-tokens", "4", "--matrix", "O0,stock", "--json")
     rows = json.loads(out)
     assert code == 0, err
     assert [row["config"] for row in rows] == ["O0", "stock", "transformers eager", "transformers static-compile"]
@@ -229,30 +236,32 @@ def test_the_runner_enqueues_the_next_batch_before_it_makes_a_batchs_results(mon
 
 
 @pytest.mark.parametrize("mode", ["piecewise", "trace-once"])
-def test_more_shapes_than_dynamos_default_recompile_limit(cli, tiny_args, write_prompts, mode):
-    """Nine prefill buckets, one per prompt: past Dynamo's default of 8 compiles per function, which
-    with fullgraph=True was a hard failure mid-run (seen on the H200 with SmolLM2's default prompts).
-    Dynamo's limits start at their defaults: an earlier run in this process raised them for its own buckets."""
+def test_more_shapes_than_dynamos_recompile_limit(cli, tiny_args, write_prompts, mode):
+    """More shapes than Dynamo's recompile limit per function, which with fullgraph=True was a hard failure
+    mid-run (seen on the H200 with SmolLM2's default prompts: 5 prefill buckets past the default limit of 8
+    compiles). The limit is set to 2 here, so three prefill buckets and the decode shape are past it, as nine
+    buckets are past the default (each bucket is a cold compile: three cost a third of nine). Both limits are
+    set: an earlier run in this process raised them for its own buckets."""
     import torch
 
-    path = write_prompts([{"id": f"p{n}", "prompt": "x" * (8 * n + 1)} for n in range(9)])
+    path = write_prompts([{"id": f"p{n}", "prompt": "x" * (8 * n + 1)} for n in range(3)])
     args = [a if a != "smoke" else str(path) for a in tiny_args]
-    with torch._dynamo.config.patch(recompile_limit=8, accumulated_recompile_limit=256):
+    with torch._dynamo.config.patch(recompile_limit=2, accumulated_recompile_limit=256):
         code, out, err = cli("run", *args, "--compilation-mode", mode, "--json", "--quiet",
-                             "--set", "prefill_buckets=8,16,24,32,40,48,56,64,72", "--max-new-tokens", "2")
+                             "--set", "prefill_buckets=8,16,24", "--max-new-tokens", "2")
     assert code == 0, err
     assert json.loads(out)["evidence"]["fallbacks"] == []
 
 
-def test_a_second_process_takes_compiled_graphs_from_evalruns_cache_with_the_same_bits(tmp_path):
+def test_a_second_process_takes_compiled_graphs_from_evalruns_cache_with_the_same_bits(tmp_path, write_prompts):
     """Inductor's caches live under EVALRUN_CACHE; the first process compiles (misses), the second hits,
     each run's evidence says which, and the logits are the same bits."""
     import subprocess
     import sys
 
-    env = {key: value for key, value in os.environ.items() if not key.startswith(("TORCHINDUCTOR", "TRITON"))}
-    env.update(EVALRUN_CACHE=str(tmp_path / "cache"), EVALRUN_STORE=str(tmp_path / "store.db"))
-    command = [sys.executable, "-m", "evalrun", "run", "--model", "random:tiny", "--prompts", one_prompt(tmp_path),
+    env = child_environment(tmp_path)
+    prompts = str(write_prompts(ONE_PROMPT))
+    command = [sys.executable, "-m", "evalrun", "run", "--model", "random:tiny", "--prompts", prompts,
                "--max-new-tokens", "3", "--compilation-mode", "piecewise", "--json", "--quiet"]
     runs = []
     for _ in range(2):
@@ -266,7 +275,7 @@ def test_a_second_process_takes_compiled_graphs_from_evalruns_cache_with_the_sam
     assert runs[0]["logits_digest"] == runs[1]["logits_digest"]
 
 
-def test_a_compile_cache_is_kept_per_cpu_instruction_set(tmp_path):
+def test_a_compile_cache_is_kept_per_cpu_instruction_set(tmp_path, write_prompts):
     """Inductor's cache keys miss ATEN_CPU_CAPABILITY: a bfloat16 -O1 run compiled with the machine's instruction
     set, then the same command with ATEN_CPU_CAPABILITY=default sharing one Inductor folder, failed to compile
     (exit 3; a bfloat16 MoE crashed with a segmentation fault under avx2). evalrun keeps a folder per
@@ -278,10 +287,9 @@ def test_a_compile_cache_is_kept_per_cpu_instruction_set(tmp_path):
 
     if torch.backends.cpu.get_cpu_capability() == "DEFAULT":
         pytest.skip("this CPU has no vector instruction set to differ from ATEN_CPU_CAPABILITY=default")
-    env = {key: value for key, value in os.environ.items()
-           if not key.startswith(("TORCHINDUCTOR", "TRITON", "ATEN_CPU_CAPABILITY"))}
-    env.update(EVALRUN_CACHE=str(tmp_path / "cache"), EVALRUN_STORE=str(tmp_path / "store.db"))
-    command = [sys.executable, "-m", "evalrun", "run", "--model", "random:tiny", "--prompts", one_prompt(tmp_path),
+    env = child_environment(tmp_path, drop=("ATEN_CPU_CAPABILITY",))
+    prompts = str(write_prompts(ONE_PROMPT))
+    command = [sys.executable, "-m", "evalrun", "run", "--model", "random:tiny", "--prompts", prompts,
                "--dtype", "bfloat16", "--max-new-tokens", "3", "-O1", "--json", "--quiet"]
     folders = []
     for capability in (None, "default"):
@@ -293,7 +301,7 @@ def test_a_compile_cache_is_kept_per_cpu_instruction_set(tmp_path):
     assert all(folder.endswith("/inductor") for folder in folders), folders  # Inductor's, inside evalrun's folder
 
 
-def test_a_library_user_who_compiled_first_still_gets_the_cache_of_the_instruction_set(tmp_path):
+def test_a_library_user_who_compiled_first_still_gets_the_cache_of_the_instruction_set(tmp_path, write_prompts):
     """A process that compiled something before evalrun's first run (a library user's torch.compile, a test) had
     Inductor write its own default folder into TORCHINDUCTOR_CACHE_DIR, which evalrun took for the user's choice:
     its runs then shared /tmp/torchinductor_<user> across CPU instruction sets (the crash above). That default
@@ -310,9 +318,9 @@ assert os.environ["TORCHINDUCTOR_CACHE_DIR"] == (chosen or os.path.abspath(defau
 from evalrun.cli import main
 main(sys.argv[1:])
 """
-    env = {key: value for key, value in os.environ.items() if not key.startswith(("TORCHINDUCTOR", "TRITON"))}
-    env.update(EVALRUN_CACHE=str(tmp_path / "cache"), EVALRUN_STORE=str(tmp_path / "store.db"))
-    command = [sys.executable, "-c", script, "run", "--model", "random:tiny", "--prompts", one_prompt(tmp_path),
+    env = child_environment(tmp_path)
+    prompts = str(write_prompts(ONE_PROMPT))
+    command = [sys.executable, "-c", script, "run", "--model", "random:tiny", "--prompts", prompts,
                "--max-new-tokens", "2", "-O1", "--json", "--quiet"]
     done = subprocess.run(command, env=env, capture_output=True, text=True, timeout=600)
     assert done.returncode == 0, done.stderr[-2000:]

@@ -8,13 +8,19 @@ from conftest import share_cores_between_workers
 
 
 def test_each_worker_of_several_gets_its_share_of_the_cores(monkeypatch):
+    import torch._inductor.config as inductor_config
+
     threads = torch.get_num_threads()
-    monkeypatch.setenv("OMP_NUM_THREADS", "0")  # recorded, so that the end of the test restores the variable
-    monkeypatch.delenv("OMP_NUM_THREADS")
+    for variable in ("OMP_NUM_THREADS", "TORCHINDUCTOR_COMPILE_THREADS"):
+        monkeypatch.setenv(variable, "0")  # recorded, so that the end of the test restores the variable
+        monkeypatch.delenv(variable)
     try:
-        share = share_cores_between_workers("2")
-        assert share == max(1, len(os.sched_getaffinity(0)) // 2)
-        assert torch.get_num_threads() == share and os.environ["OMP_NUM_THREADS"] == str(share)  # children inherit it
+        with inductor_config.patch(compile_threads=99):  # restored at its end (pytest's monkeypatch cannot)
+            share = share_cores_between_workers("2")
+            assert share == max(1, len(os.sched_getaffinity(0)) // 2)
+            assert torch.get_num_threads() == share and os.environ["OMP_NUM_THREADS"] == str(share)  # inherited
+            assert inductor_config.compile_threads == share
+            assert os.environ["TORCHINDUCTOR_COMPILE_THREADS"] == str(share)
     finally:
         torch.set_num_threads(threads)
 
@@ -32,3 +38,6 @@ def test_this_worker_runs_with_the_thread_count_its_children_inherit():
     if int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1")) < 2:
         pytest.skip("not a pytest-xdist worker of several (make test runs two)")
     assert torch.get_num_threads() == int(os.environ["OMP_NUM_THREADS"])
+    import torch._inductor.config as inductor_config
+
+    assert inductor_config.compile_threads == int(os.environ["TORCHINDUCTOR_COMPILE_THREADS"])
