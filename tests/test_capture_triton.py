@@ -40,7 +40,7 @@ def case(name, logits, top_k):
 g = torch.Generator().manual_seed(7)
 cases = []
 for dtype in (torch.float32, torch.bfloat16, torch.float16, torch.float64):
-    cases.append(case(f"random-{dtype}", (torch.randn(2, 2100, generator=g) * 5).to(dtype), 8))
+    cases.append(case(f"random-{dtype}", (torch.randn(2, 1500, generator=g) * 5).to(dtype), 8))
 small = torch.randn(1, 100, generator=g)
 cases.append(case("vocab-below-one-chunk", small, 5))
 ties = torch.zeros(1, 1500)
@@ -98,7 +98,7 @@ def interpreted() -> dict:
 
 
 def test_interpreted_chunks_are_smaller_than_the_vocabularies(interpreted):
-    assert interpreted["chunk"] < 2100  # the random rows span several chunks, the last one partial
+    assert interpreted["chunk"] < 1500 < 2 * interpreted["chunk"]  # the random rows span two chunks, the second partial
 
 
 def test_fused_digest_is_bit_identical_to_the_torch_digest(interpreted):
