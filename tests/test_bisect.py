@@ -16,6 +16,8 @@ from evalrun.errors import BisectError, ConfigError
 from conftest import one_line_exit_2
 
 TINY = {"model": "random:tiny", "prompts": "smoke", "max_new_tokens": 4}
+# The smoke set's first prompt alone: a compiled probe compiles one prefill shape for it, not three.
+CAPITAL = [{"id": "capital", "prompt": "The capital of France is"}]
 # Bit-neutral on CPU for random:tiny in float32 (measured): the fault hook decides which one matters.
 NEUTRAL = ("coordinate_descent_tuning=true,epilogue_fusion=false,emulate_precision_casts=true,tf32=true,"
            "deterministic=true")
@@ -124,11 +126,12 @@ def test_no_difference_and_skipped_prefixes():
 
 # ---------------------------------------------------------------- whole bisects with planted faults
 
-def test_a_fault_in_one_layers_mlp_switched_on_by_one_inductor_knob_is_found(store_path):
+def test_a_fault_in_one_layers_mlp_switched_on_by_one_inductor_knob_is_found(store_path, write_prompts):
     """Piecewise-compiled GOOD and BAD differ in five knobs; a 5% change of layer 1's MLP down projection
     exists only when epilogue_fusion is off: knob, layer and sub-block, within ceil(log2 5) + 2 runs."""
     hook = fault_hook(Fault("scale", 0.05, layer=1), only=lambda p: p.config.epilogue_fusion is False)
-    result = _bisect(store_path, "compilation_mode=piecewise", f"compilation_mode=piecewise,{NEUTRAL}", hook)
+    result = _bisect(store_path, "compilation_mode=piecewise", f"compilation_mode=piecewise,{NEUTRAL}", hook,
+                     prompts=str(write_prompts(CAPITAL)))
     assert len(result.knobs) == 5 and result.culprit.kind == "knob"
     assert [k.name for k in result.culprit_knobs] == ["epilogue_fusion"]
     assert result.runs == 4 and result.bound == 5  # GOOD, prefixes 2 and 1, the knob alone
@@ -261,13 +264,13 @@ def test_o0_to_o3_on_cuda_in_fresh_processes(store_path, golden_factory):
     assert verdict.probes[0].outcome == "good"  # an O0 golden's own config verifies
 
 
-def test_compiler_bisector_alone_is_run_beside_for_comparison(store_path):
+def test_compiler_bisector_alone_is_run_beside_for_comparison(store_path, write_prompts):
     """--compare-compiler-bisector: torch's bisector on BAD as a whole, its calls and answer beside ours."""
     from evalrun import bisect_report
 
-    request = BisectRequest("O0", "compilation_mode=piecewise", flags={**TINY, "max_new_tokens": 2},
-                            store_path=store_path, in_process=True, stages=("compiler",),
-                            compare_compiler_bisector=True)
+    flags = {**TINY, "max_new_tokens": 2, "prompts": str(write_prompts(CAPITAL))}
+    request = BisectRequest("O0", "compilation_mode=piecewise", flags=flags, store_path=store_path, in_process=True,
+                            stages=("compiler",), compare_compiler_bisector=True)
     result = run_bisect(request)
     ours, alone = result.compiler, result.compiler_alone
     assert ours.status in ("found", "before the compiler") and ours.calls > 0
