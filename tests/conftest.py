@@ -26,9 +26,11 @@ def share_cores_between_workers(worker_count: str | None) -> int | None:
     the same count (tests that set their own, like the torchrun ones, excepted). A thread count the caller
     set (OMP_NUM_THREADS) is kept.
 
-    Inductor's compile workers get the same share (TORCHINDUCTOR_COMPILE_THREADS; it does not change what
-    is compiled): with one thread a process compiles in itself rather than starting a pool of compile
-    processes beside each worker, and four tests that compile cold took 160-189 s against 198-208 s."""
+    Inductor's compile threads get the same share (TORCHINDUCTOR_COMPILE_THREADS, a count the caller set
+    kept; Inductor leaves it out of its cache keys, and it changes nothing compiled): with a share of one a
+    process compiles in itself rather than starting a pool of compile processes beside each worker (four tests
+    that compile cold took 160-189 s against 198-208 s on two cores); a share of two or more is a pool that
+    size."""
     workers = int(worker_count or 1)
     if workers < 2 or "OMP_NUM_THREADS" in os.environ:
         return None

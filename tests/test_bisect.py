@@ -16,8 +16,10 @@ from evalrun.errors import BisectError, ConfigError
 from conftest import one_line_exit_2
 
 TINY = {"model": "random:tiny", "prompts": "smoke", "max_new_tokens": 4}
-# The smoke set's first prompt alone: a compiled probe compiles one prefill shape for it, not three.
-CAPITAL = [{"id": "capital", "prompt": "The capital of France is"}]
+# The smoke set's first prompt and one of its prefill bucket: a compiled probe compiles one prefill shape for them,
+# not three, and the stages still pick one prompt of several.
+CAPITALS = [{"id": "capital", "prompt": "The capital of France is"},
+            {"id": "spain", "prompt": "The capital of Spain is"}]
 # Bit-neutral on CPU for random:tiny in float32 (measured): the fault hook decides which one matters.
 NEUTRAL = ("coordinate_descent_tuning=true,epilogue_fusion=false,emulate_precision_casts=true,tf32=true,"
            "deterministic=true")
@@ -131,7 +133,7 @@ def test_a_fault_in_one_layers_mlp_switched_on_by_one_inductor_knob_is_found(sto
     exists only when epilogue_fusion is off: knob, layer and sub-block, within ceil(log2 5) + 2 runs."""
     hook = fault_hook(Fault("scale", 0.05, layer=1), only=lambda p: p.config.epilogue_fusion is False)
     result = _bisect(store_path, "compilation_mode=piecewise", f"compilation_mode=piecewise,{NEUTRAL}", hook,
-                     prompts=str(write_prompts(CAPITAL)))
+                     prompts=str(write_prompts(CAPITALS)))
     assert len(result.knobs) == 5 and result.culprit.kind == "knob"
     assert [k.name for k in result.culprit_knobs] == ["epilogue_fusion"]
     assert result.runs == 4 and result.bound == 5  # GOOD, prefixes 2 and 1, the knob alone
@@ -268,7 +270,7 @@ def test_compiler_bisector_alone_is_run_beside_for_comparison(store_path, write_
     """--compare-compiler-bisector: torch's bisector on BAD as a whole, its calls and answer beside ours."""
     from evalrun import bisect_report
 
-    flags = {**TINY, "max_new_tokens": 2, "prompts": str(write_prompts(CAPITAL))}
+    flags = {**TINY, "max_new_tokens": 2, "prompts": str(write_prompts(CAPITALS))}
     request = BisectRequest("O0", "compilation_mode=piecewise", flags=flags, store_path=store_path, in_process=True,
                             stages=("compiler",), compare_compiler_bisector=True)
     result = run_bisect(request)

@@ -54,7 +54,7 @@ cases.append(case("signed-zeros", zeros, 3))
 nan = torch.randn(1, 1100, generator=g)
 nan[0, 1050] = float("nan")
 cases.append(case("nan", nan, 2))
-wide = torch.randn(2, 3, 1100, generator=g)[:, -1, :]  # not contiguous: rows 3*1100 apart
+wide = torch.randn(2, 3, 2100, generator=g)[:, -1, :]  # not contiguous: rows 3*2100 apart; three chunks
 cases.append(case("strided-rows", wide, 4))
 
 def at_step(logits, top_k, write_token):  # the merge into [B, 3, ...] buffers at step 1 against fused_capture's
@@ -97,8 +97,13 @@ def interpreted() -> dict:
     return run_under_triton_interpreter(INTERPRETED_CASES)
 
 
-def test_interpreted_chunks_are_smaller_than_the_vocabularies(interpreted):
-    assert interpreted["chunk"] < 1500 < 2 * interpreted["chunk"]  # the random rows span two chunks, the second partial
+def test_interpreted_rows_span_one_chunk_several_and_a_count_the_merge_pads(interpreted):
+    chunk = interpreted["chunk"]
+    widths = [len(case["logits"][0]) for case in interpreted["cases"]]
+    assert min(widths) < chunk, widths  # a row inside one chunk
+    chunks = [-(-width // chunk) for width in widths if width % chunk]  # rows whose last chunk is partial
+    # the merge pads a chunk count that is no power of two to one (masked slots): some row spans such a count
+    assert any(count > 1 for count in chunks) and any(count & (count - 1) for count in chunks), widths
 
 
 def test_fused_digest_is_bit_identical_to_the_torch_digest(interpreted):

@@ -281,13 +281,15 @@ def test_opt_levels_fill_whole_forward_modes_for_transformers_and_say_so():
 
 
 def test_trace_once_compiles_transformers_forward_with_a_static_cache_and_the_same_tokens(write_prompts):
-    one = str(write_prompts([{"id": "one", "prompt": "The capital of France is"}]))  # one prefill shape to compile
-    eager = _run("random:tiny", "transformers", max_new_tokens=3, prompts=one)
-    compiled = _run("random:tiny", "transformers", max_new_tokens=3, compilation_mode="trace-once", prompts=one)
+    # two prompts, two batches, one prefill bucket: one static cache reset between batches, one shape to compile
+    two = str(write_prompts([{"id": "france", "prompt": "The capital of France is"},
+                             {"id": "italy", "prompt": "The capital of Italy is"}]))
+    eager = _run("random:tiny", "transformers", max_new_tokens=3, prompts=two)
+    compiled = _run("random:tiny", "transformers", max_new_tokens=3, compilation_mode="trace-once", prompts=two)
     evidence = compiled.evidence
     assert evidence["kv_cache"] == "StaticCache" and evidence["fallbacks"] == []
     assert evidence["dynamo_graphs"] >= 2 and evidence["recompiles_after_warmup"] == 0  # prefill and decode shapes
-    assert _tokens(eager) == _tokens(compiled)
+    assert _tokens(eager) == _tokens(compiled) and len(compiled.results) == 2
 
 
 @pytest.mark.gpu

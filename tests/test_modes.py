@@ -239,9 +239,10 @@ def test_the_runner_enqueues_the_next_batch_before_it_makes_a_batchs_results(mon
 def test_more_shapes_than_dynamos_recompile_limit(cli, tiny_args, write_prompts, mode):
     """More shapes than Dynamo's recompile limit per function, which with fullgraph=True was a hard failure
     mid-run (seen on the H200 with SmolLM2's default prompts: 5 prefill buckets past the default limit of 8
-    compiles). The limit is set to 2 here, so three prefill buckets and the decode shape are past it, as nine
-    buckets are past the default (each bucket is a cold compile: three cost a third of nine). Both limits are
-    set: an earlier run in this process raised them for its own buckets."""
+    compiles). The limit is set to 2 here, so the three prefill buckets are past it (with trace-once, whose one
+    function also takes the decode shape, four shapes), as nine buckets are past the default (each bucket is a
+    cold compile: three cost a third of nine). Both limits are set: an earlier run in this process raised them
+    for its own buckets."""
     import torch
 
     path = write_prompts([{"id": f"p{n}", "prompt": "x" * (8 * n + 1)} for n in range(3)])
@@ -311,7 +312,7 @@ main(sys.argv[1:])
         return json.loads(done.stdout)
 
     runs = [run(env), run(env)]
-    cold, warm = (run["evidence"]["compile_cache"] for run in runs)
+    cold, warm = (done["evidence"]["compile_cache"] for done in runs)
     assert cold["folder"].startswith(str(tmp_path / "cache" / "compile" / "torch-")), cold
     assert cold["folder"].endswith("/inductor") and warm["folder"] == cold["folder"], (cold, warm)
     assert cold["misses"] > 0 and cold["hits"] == 0
@@ -322,7 +323,7 @@ main(sys.argv[1:])
     named = runs[2]["evidence"]["compile_cache"]
     assert named["folder"] == str(chosen)
     assert named["hits"] == cold["misses"] and named["misses"] == 0, (cold, named)
-    assert len({run["logits_digest"] for run in runs}) == 1
+    assert len({done["logits_digest"] for done in runs}) == 1
 
 
 def test_the_compile_cache_folder_is_one_per_engine_code(tmp_path, monkeypatch):

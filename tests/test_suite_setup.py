@@ -28,10 +28,28 @@ def test_each_worker_of_several_gets_its_share_of_the_cores(monkeypatch):
 def test_one_worker_or_a_thread_count_the_caller_set_is_left_alone(monkeypatch):
     monkeypatch.setenv("OMP_NUM_THREADS", "0")
     monkeypatch.delenv("OMP_NUM_THREADS")
+    monkeypatch.setenv("TORCHINDUCTOR_COMPILE_THREADS", "0")
+    monkeypatch.delenv("TORCHINDUCTOR_COMPILE_THREADS")
     assert share_cores_between_workers(None) is None and share_cores_between_workers("1") is None
-    assert "OMP_NUM_THREADS" not in os.environ
+    assert "OMP_NUM_THREADS" not in os.environ and "TORCHINDUCTOR_COMPILE_THREADS" not in os.environ
     monkeypatch.setenv("OMP_NUM_THREADS", "3")
     assert share_cores_between_workers("2") is None and os.environ["OMP_NUM_THREADS"] == "3"
+    assert "TORCHINDUCTOR_COMPILE_THREADS" not in os.environ
+
+
+def test_a_compile_thread_count_the_caller_set_is_kept(monkeypatch):
+    import torch._inductor.config as inductor_config
+
+    threads = torch.get_num_threads()
+    monkeypatch.setenv("OMP_NUM_THREADS", "0")
+    monkeypatch.delenv("OMP_NUM_THREADS")
+    monkeypatch.setenv("TORCHINDUCTOR_COMPILE_THREADS", "5")
+    try:
+        with inductor_config.patch(compile_threads=99):
+            assert share_cores_between_workers("2") is not None
+            assert inductor_config.compile_threads == 5 and os.environ["TORCHINDUCTOR_COMPILE_THREADS"] == "5"
+    finally:
+        torch.set_num_threads(threads)
 
 
 def test_this_worker_runs_with_the_thread_count_its_children_inherit():
@@ -40,4 +58,5 @@ def test_this_worker_runs_with_the_thread_count_its_children_inherit():
     assert torch.get_num_threads() == int(os.environ["OMP_NUM_THREADS"])
     import torch._inductor.config as inductor_config
 
-    assert inductor_config.compile_threads == int(os.environ["TORCHINDUCTOR_COMPILE_THREADS"])
+    if "TORCHINDUCTOR_COMPILE_THREADS" in os.environ:  # unset where the caller set OMP_NUM_THREADS
+        assert inductor_config.compile_threads == int(os.environ["TORCHINDUCTOR_COMPILE_THREADS"])
