@@ -77,19 +77,18 @@ def test_a_graph_break_is_a_reported_fallback_and_fails_strict(cli, store_path, 
     monkeypatch.setattr(transformer, "head", head_with_break)
     monkeypatch.setattr(transformer.Transformer, "__init__", _patched_init(transformer.Transformer.__init__, head_with_break))
     # one prompt: the stock mode compiles the forward around the break for one prefill shape, not three
-    tiny_args = ["--model", "random:tiny", "--prompts", str(write_prompts(ONE_PROMPT)), "--max-new-tokens", "3",
-                 "--store", str(store_path)]
-    code, out, err = cli("run", *tiny_args, "--compilation-mode", "stock", "--json", "--quiet")
+    stock = ["--model", "random:tiny", "--prompts", str(write_prompts(ONE_PROMPT)), "--max-new-tokens", "3",
+             "--compilation-mode", "stock"]
+    code, out, err = cli("run", *stock, "--store", str(store_path), "--json", "--quiet")
     evidence = json.loads(out)["evidence"]
     assert code == 0 and evidence["graph_breaks"]
     assert any(f.startswith("graph break") for f in evidence["fallbacks"])
-    code, out, err = cli("run", *tiny_args, "--compilation-mode", "stock", "--strict-config", "--quiet")
+    code, out, err = cli("run", *stock, "--store", str(store_path), "--strict-config", "--quiet")
     assert code == 2 and "fell back" in err and "graph break" in err and len(err.strip().splitlines()) == 1
-    code, out, _ = cli("store", "ls", "--store", tiny_args[-1], "--json")
+    code, out, _ = cli("store", "ls", "--store", str(store_path), "--json")
     assert json.loads(out)[0]["status"] == "failed"
     # --strict-config is the library's rule: golden create refuses a fallback too
-    code, _, err = cli("golden", "create", "g", *tiny_args[:6], "--compilation-mode", "stock", "--strict-config",
-                       "--dir", str(tmp_path), "--quiet")
+    code, _, err = cli("golden", "create", "g", *stock, "--strict-config", "--dir", str(tmp_path), "--quiet")
     assert code == 2 and "fell back" in err and not (tmp_path / "g.db").exists()
 
 
