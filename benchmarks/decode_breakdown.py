@@ -19,7 +19,8 @@ and the engine's decode step under three modes with its kernel time by kind.
    deterministic mode (no kernel chosen by timing where it changes numerics), with gate/up and the MLP's
    activation by one GEMV (`linear_kernel=triton-gemv-glu`; and with -O3's options, and with only its coordinate
    descent; with `--glu-grid`, that
-   GEMV's blocks timed alone over GLU_GRID), and with the greedy token
+   GEMV's blocks timed alone over GLU_GRID), those two with the norms by one Triton kernel (`norm_kernel=triton`),
+   and with the greedy token
    by its own argmax instead of the fused capture's top-1, with the capture's chunks merged by torch ops instead
    of its merge kernel, and with both (before stop 22), side by side.
    Each row also gives the time to first token of four more batches and one profiled prefill: host wall
@@ -256,6 +257,7 @@ def main() -> None:
                         "step with the split-KV attention), residual, kv-write (the step with the MLP's residual add, or "
                         "the KV write, separate), pdl-inductor, combo, levers, levers-glu, "
                         "levers-combine-kernel, levers-o3, levers-o3-deterministic, levers-glu-o3, levers-glu-descent, "
+                        "levers-glu-norm-kernel, levers-glu-o3-norm-kernel, "
                         "levers-argmax, levers-torch-merge, levers-both, levers-copies")
     args = parser.parse_args()
     skip = set(args.skip.split(","))
@@ -288,6 +290,7 @@ def main() -> None:
     o3 = {"inductor_options": {"combo_kernels": True, "max_autotune": True, "coordinate_descent_tuning": True}}
     split_kv = gemv.with_attention_kernel("triton-split-kv")
     split_kv_glu = transformer.with_linear_kernel("triton-gemv-glu").with_attention_kernel("triton-split-kv")
+    split_kv_glu_norm = split_kv_glu.with_norm_kernel("triton")  # the norms by norm_triton's kernel
     o3_deterministic = {"inductor_options": {**o3["inductor_options"], "deterministic": True}}
     descent = {"inductor_options": {**o3["inductor_options"], "max_autotune": False}}  # -O3 less max-autotune
     separate_residual = ((transformer_module, "RESIDUAL_IN_PROJECTION", False),)
@@ -314,6 +317,10 @@ def main() -> None:
             ("levers-glu-o3", " +split-kv +combo, -O3's Inductor options", split_kv_glu, o3, ()),
             ("levers-glu-descent", " +split-kv +combo, coordinate descent without max-autotune", split_kv_glu, descent,
              ()),
+            ("levers-glu-norm-kernel", " +split-kv +combo, gate/up by one GEMV, the norms by one Triton kernel",
+             split_kv_glu_norm, combo, ()),
+            ("levers-glu-o3-norm-kernel", " +split-kv +combo, -O3's Inductor options, the norms by one Triton kernel",
+             split_kv_glu_norm, o3, ()),
             ("levers-argmax", " +split-kv +combo, the greedy token by its own argmax (before stop 22)", split_kv, combo,
              own_argmax),
             ("levers-torch-merge", " +split-kv +combo, the capture's chunks merged by torch ops (before stop 22)",

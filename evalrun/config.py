@@ -82,7 +82,9 @@ ATTENTION_IMPLEMENTATIONS = ("sdpa", "eager")
 BLAS_LIBRARIES = ("cublas", "cublaslt")  # torch.backends.cuda.preferred_blas_library on CUDA
 LINEAR_KERNELS = ("aten", "triton-gemv", "triton-gemv-glu", "gguf-gemv")  # engine/linear.py: who computes a projection of 1-4 rows
 ATTENTION_KERNELS = ("sdpa", "triton-split-kv")  # engine/attention_triton.py: who computes a decode step's attention
-DECODE_LEVER_DEFAULTS = {"blas_library": "cublas", "linear_kernel": "aten", "attention_kernel": "sdpa"}
+NORM_KERNELS = ("aten", "triton")  # engine/norm_triton.py: who computes an RMSNorm (Inductor's kernel when compiled)
+DECODE_LEVER_DEFAULTS = {"blas_library": "cublas", "linear_kernel": "aten", "attention_kernel": "sdpa",
+                         "norm_kernel": "aten"}
 GEMV_MAX_ROWS = 4  # the GEMV's rows: decode at batch <= 4 (engine/linear.py)
 TRITON_DTYPE_NAMES = ("bfloat16", "float16", "float32")  # the dtypes evalrun's Triton kernels compute (GEMV, split-KV)
 KEEP_LOGITS_PATTERN = re.compile(r"none|all|([^,@\s]+(@\d+(-\d+)?)?)(,[^,@\s]+(@\d+(-\d+)?)?)*")
@@ -114,7 +116,7 @@ OPT_LEVEL_KNOBS = ("compilation_mode", "cudagraph_mode", *INDUCTOR_KNOBS)  # wha
 # The hashed factors, in the order bisect walks them: compilation before CUDA graphs before Inductor
 # knobs before precision flags before shapes (torch's bisector: backends before subsystems).
 NUMERICS_FACTORS = ("engine", "device", "tensor_parallel", "dtype", "compilation_mode", "cudagraph_mode", *INDUCTOR_KNOBS, "attn_implementation",
-                    "blas_library", "linear_kernel", "attention_kernel", "tf32", "deterministic", "batch_invariant", "batch_size", "prefill_buckets", "batch_buckets")
+                    "blas_library", "linear_kernel", "attention_kernel", "norm_kernel", "tf32", "deterministic", "batch_invariant", "batch_size", "prefill_buckets", "batch_buckets")
 WORKLOAD_FACTORS = ("model", "prompts", "max_new_tokens", "top_k", "temperature", "seed", "served_model",
                     "server_config")
 # Knobs added after runs and goldens were first stored: a stored config without one ran at this value.
@@ -152,6 +154,7 @@ class RunConfig:
     blas_library: str = "cublas"  # cublas | cublaslt: the library CUDA matrix products prefer (GPU only)
     linear_kernel: str = "aten"  # aten | triton-gemv | triton-gemv-glu (GPU) | gguf-gemv (CPU, GGUF): projections of 1-4 rows
     attention_kernel: str = "sdpa"  # sdpa | triton-split-kv (GPU): the attention of a decode step (one query token)
+    norm_kernel: str = "aten"  # aten | triton (GPU): the RMSNorms, by torch (Inductor when compiled) or one Triton kernel
     batch_size: int = 1
     max_new_tokens: int = 32
     top_k: int = 8
@@ -196,6 +199,7 @@ class EffectiveConfig:
     blas_library: str
     linear_kernel: str
     attention_kernel: str
+    norm_kernel: str
     batch_size: int
     max_new_tokens: int
     top_k: int
@@ -451,6 +455,7 @@ def normalize(config: RunConfig) -> RunConfig:
     config.blas_library = _choice("blas_library", config.blas_library, BLAS_LIBRARIES)
     config.linear_kernel = _choice("linear_kernel", config.linear_kernel, LINEAR_KERNELS)
     config.attention_kernel = _choice("attention_kernel", config.attention_kernel, ATTENTION_KERNELS)
+    config.norm_kernel = _choice("norm_kernel", config.norm_kernel, NORM_KERNELS)
     config.engine = parse_engine(config.engine)
     if not KEEP_LOGITS_PATTERN.fullmatch(str(config.keep_logits)):
         raise ConfigError(f"keep_logits={config.keep_logits!r} is not valid; use none, all, or prompt ids with "
@@ -608,6 +613,9 @@ def _check_decode_levers(config: EffectiveConfig) -> None:
         _refuse_other_engine(config, "attention_kernel", "sdpa", "attention")
         # its tl.dot in bfloat16: the interpreter computes it wrongly
         _check_triton_knob(config, "attention_kernel", "sdpa", "attention", interpreted_wrongly=("bfloat16",))
+    if config.norm_kernel != "aten":
+        _refuse_other_engine(config, "norm_kernel", "aten", "norms")
+        _check_triton_knob(config, "norm_kernel", "aten", "norms")
     if config.linear_kernel == "aten":
         return
     _refuse_other_engine(config, "linear_kernel", "aten", "projections")

@@ -285,7 +285,8 @@ def test_bisect_says_the_layer_stage_cannot_show_the_gemv():
 def test_the_levers_at_their_defaults_leave_every_stored_hash_as_it_was():
     effective = resolve(RunConfig(model="random:tiny"), cuda_available=False)
     assert (effective.blas_library, effective.linear_kernel, effective.attention_kernel) == ("cublas", "aten", "sdpa")
-    old = {k: v for k, v in effective.factors().items() if k not in ("blas_library", "linear_kernel", "attention_kernel")}
+    old = {k: v for k, v in effective.factors().items()
+           if k not in ("blas_library", "linear_kernel", "attention_kernel", "norm_kernel")}
     old = {k: v for k, v in old.items()
            if k not in ("engine", "tensor_parallel", "served_model", "server_config", "combo_kernels")}
     assert effective.compute_hash() == hash_value(old)

@@ -450,7 +450,7 @@ def test_combo_kernels_is_an_inductor_knob_hashed_only_when_set(cli, tiny_args):
     plain = resolve(RunConfig(model="random:tiny", opt_level=2), cuda_available=False)
     combo = resolve(RunConfig(model="random:tiny", opt_level=2, combo_kernels=True), cuda_available=False)
     unset = {k: v for k, v in plain.factors().items()
-             if k not in ("combo_kernels", "blas_library", "linear_kernel", "attention_kernel", "engine",
+             if k not in ("combo_kernels", "blas_library", "linear_kernel", "attention_kernel", "norm_kernel", "engine",
                           "tensor_parallel", "served_model", "server_config")}
     assert plain.combo_kernels is False and plain.compute_hash() == hash_value(unset)
     assert combo.compute_hash() != plain.compute_hash() and reference_config(combo).combo_kernels is False

@@ -190,6 +190,7 @@ def plant(prepared: Any, fault: Fault) -> None:
         raise ValueError("faults are not planted under linear_kernel=gguf-gemv")
     transformer = Transformer(prepared.loaded.model, prepared.config.attn_implementation,
                               prepared.config.linear_kernel).with_attention_kernel(prepared.config.attention_kernel)
+    transformer = transformer.with_norm_kernel(prepared.config.norm_kernel)
     apply(transformer, fault)
     prepared.mode = build_execution_mode(transformer, prepared.config)
 

@@ -39,7 +39,7 @@ import torch
 import torch.nn.functional as F
 
 from ..errors import ConfigError
-from . import attention_triton, moe
+from . import attention_triton, moe, norm_triton
 from . import linear as projections
 from .model_support import ACTIVATION_FIELD, FAMILIES, OFFSET_NORM_FAMILIES, WINDOWED_FAMILIES, check_config
 
@@ -59,6 +59,7 @@ class Variant:
     final_softcap: float | None = None  # Gemma 2: logits -> c * tanh(logits / c)
     sliding_window: int | None = None  # a query sees the keys of its last `sliding_window` slots
     linear_kernel: str = "aten"  # aten | triton-gemv[-glu] | gguf-gemv: who computes 1-4 rows' projections (linear.py)
+    norm_kernel: str = "aten"  # aten | triton: who computes the RMSNorms norm() computes (norm_triton.py)
 
 
 LLAMA_VARIANT = Variant()
@@ -194,6 +195,16 @@ class Transformer:
         if all(w.gate_up is None for w in self.layers):
             raise ConfigError("linear_kernel=triton-gemv-glu computes dense MLP layers only (this model's are all "
                               "mixture-of-experts); use linear_kernel=triton-gemv")
+
+    def with_norm_kernel(self, kernel: str) -> "Transformer":
+        """This forward over the same weights with its RMSNorms computed by `kernel` (norm_triton.py): a shallow
+        copy, like with_linear_kernel."""
+        if kernel == self.variant.norm_kernel:
+            return self
+        norm_triton.prepare(kernel, self.device)
+        chosen = copy.copy(self)
+        chosen.variant = replace(self.variant, norm_kernel=kernel)
+        return chosen
 
     def with_attention_kernel(self, kernel: str) -> "Transformer":
         """This forward over the same weights with a decode step's attention computed by `kernel`
@@ -412,7 +423,10 @@ def offset_rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.
 
 
 def norm(x: torch.Tensor, weight: torch.Tensor, eps: float, variant: Variant) -> torch.Tensor:
-    """The family's RMSNorm of x [..., n] with weight [n]."""
+    """The family's RMSNorm of x [..., n] with weight [n]: by norm_triton's kernel where the run's norm_kernel asks
+    for it and it applies, else by torch (Inductor's kernel when compiled), with the same roundings."""
+    if variant.norm_kernel == "triton" and norm_triton.applies(x, weight):
+        return norm_triton.rms_norm(x, weight, eps, variant.norm_offset)
     return offset_rms_norm(x, weight, eps) if variant.norm_offset else rms_norm(x, weight, eps)
 
 
@@ -471,8 +485,14 @@ def output_projection(x: torch.Tensor, attended: torch.Tensor, wo: torch.Tensor,
     """The attention sub-block's end: x [B, T, hidden] + the output projection of attended [B, H, T, D]
     (bo [hidden]: its bias, where the config has one; out_norm [hidden]: Gemma's norm of it before the add)."""
     batch, tokens, _ = x.shape
-    out = row_parallel_linear(attended.transpose(1, 2).reshape(batch, tokens, -1), wo, bo, reduce,
-                              variant.linear_kernel)
+    flat = attended.transpose(1, 2).reshape(batch, tokens, -1)  # [B, T, H*D]
+    if variant.norm_kernel == "triton" and out_norm is None and reduce is None:
+        # The norm after this add is then a kernel of its own that reads x stored in the model dtype, so the add
+        # goes into the GEMV's epilogue where the GEMV computes this projection (else it is a kernel of its own):
+        # the same bits, both round the sum once to the model dtype. (An MoE layer's norm stays with torch; its x
+        # is then stored rounded too, as eager stores it.)
+        return projections.linear(flat, wo, bo, variant.linear_kernel, residual=x)
+    out = row_parallel_linear(flat, wo, bo, reduce, variant.linear_kernel)
     return x + (out if out_norm is None else norm(out, out_norm, eps, variant))
 
 
