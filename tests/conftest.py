@@ -120,6 +120,46 @@ def tiny_hf_dir(tmp_path_factory) -> Path:
     return directory
 
 
+def tiny_gpu_run(level: int, dtype: str = "bfloat16", **knobs):
+    """An -O`level` run of random:tiny on CUDA (smoke prompts, 8 tokens), Dynamo reset after it: (each prompt's logits
+    digest, the run)."""
+    from evalrun.config import RunConfig
+    from evalrun.runner import execute_run
+
+    done = execute_run(RunConfig(model="random:tiny", device="cuda", dtype=dtype, prompts="smoke", max_new_tokens=8,
+                                 opt_level=level, **knobs), None)
+    torch._dynamo.reset()
+    return [r.logits_digest for r in done.results], done
+
+
+def residuals_seen(monkeypatch) -> list:
+    """From here on, transformer.py's projections.linear records whether each call was handed a residual (its GEMV's
+    epilogue adds it) in the list returned, then computes as before."""
+    from evalrun.engine import transformer
+
+    seen, original = [], transformer.projections.linear
+
+    def spy(*args, **kwargs):
+        seen.append(kwargs.get("residual") is not None)
+        return original(*args, **kwargs)
+
+    monkeypatch.setattr(transformer.projections, "linear", spy)
+    return seen
+
+
+def count_calls(monkeypatch, ops: dict, name: str) -> list:
+    """Replace the registered op ops[name] (a kernel module's _OP) by one that records each call, eager or while Dynamo
+    traces, in the list returned."""
+    calls, original = [], ops[name]
+
+    def counted(*args):
+        calls.append(1)
+        return original(*args)
+
+    monkeypatch.setitem(ops, name, counted)
+    return calls
+
+
 def one_line_exit_2(result, *needles):
     """A CLI result (code, out, err) that is exit 2 with one stderr line holding every needle."""
     code, out, err = result

@@ -17,7 +17,8 @@ import sys
 
 import pytest
 import torch
-from conftest import one_line_exit_2, run_under_triton_interpreter
+from conftest import (count_calls, one_line_exit_2, residuals_seen, run_under_triton_interpreter,
+                      tiny_gpu_run)
 
 from evalrun.bench import BenchRequest
 from evalrun.config import RunConfig, resolve
@@ -425,7 +426,7 @@ def test_the_gemv_adds_a_residual_with_the_bits_of_adding_it_afterwards():
     assert run_under_triton_interpreter(RESIDUAL_CASES) == [True] * 5
 
 
-def test_the_mlp_residual_is_passed_to_the_projection_only_where_nothing_comes_between():
+def test_the_mlp_residual_is_passed_to_the_projection_only_where_nothing_comes_between(monkeypatch):
     """mlp_block hands x to the down projection as its residual (the GEMV's epilogue adds it) unless the output
     is normed first (Gemma) or summed over tensor-parallel ranks; on the aten path the bits are x + F.linear's."""
     import torch.nn.functional as F
@@ -435,19 +436,10 @@ def test_the_mlp_residual_is_passed_to_the_projection_only_where_nothing_comes_b
     g = torch.Generator().manual_seed(1)
     x, norm_w = torch.randn(1, 1, 16, generator=g), torch.rand(16, generator=g) + 0.5
     gate_up, down = torch.randn(64, 16, generator=g), torch.randn(16, 32, generator=g)
-    seen = []
-    original = transformer.projections.linear
-
-    def spy(*args, **kwargs):
-        seen.append(kwargs.get("residual") is not None)
-        return original(*args, **kwargs)
-
-    import unittest.mock
-
-    with unittest.mock.patch.object(transformer.projections, "linear", spy):
-        fused = transformer.mlp_block(x, norm_w, gate_up, down, 1e-5)
-        transformer.mlp_block(x, norm_w, gate_up, down, 1e-5, out_norm=norm_w)
-        transformer.mlp_block(x, norm_w, gate_up, down, 1e-5, reduce=lambda t: t)
+    seen = residuals_seen(monkeypatch)
+    fused = transformer.mlp_block(x, norm_w, gate_up, down, 1e-5)
+    transformer.mlp_block(x, norm_w, gate_up, down, 1e-5, out_norm=norm_w)
+    transformer.mlp_block(x, norm_w, gate_up, down, 1e-5, reduce=lambda t: t)
     assert seen == [False, True, False, False, False, False]
     gate, up = F.linear(transformer.rms_norm(x, norm_w, 1e-5), gate_up).chunk(2, dim=-1)
     assert torch.equal(fused, x + F.linear(F.silu(gate) * up, down))
@@ -539,22 +531,12 @@ def test_gpu_the_gate_up_gemv_computes_each_decode_mlp_and_repeats_its_bits(leve
     (counted where the engine calls it, eagerly or while Dynamo traces) and repeats its digests; in float32 its
     bits differ from linear_kernel=triton-gemv's."""
     from evalrun.engine import linear
-    from evalrun.runner import execute_run
 
     def run(dtype="bfloat16", **knobs):
-        done = execute_run(RunConfig(model="random:tiny", device="cuda", dtype=dtype, prompts="smoke",
-                                     max_new_tokens=8, opt_level=level, **knobs), None)
-        torch._dynamo.reset()
-        return [r.logits_digest for r in done.results]
+        return tiny_gpu_run(level, dtype, **knobs)[0]
 
     linear.prepare("triton-gemv-glu", "cuda")
-    calls, original = [], linear._OP["glu"]
-
-    def counted(*args):
-        calls.append(1)
-        return original(*args)
-
-    monkeypatch.setitem(linear._OP, "glu", counted)
+    calls = count_calls(monkeypatch, linear._OP, "glu")
     run(linear_kernel="triton-gemv")
     assert not calls
     glu = run(linear_kernel="triton-gemv-glu")
@@ -572,22 +554,12 @@ def test_gpu_runs_with_each_lever_are_repeatable_and_recorded(level, monkeypatch
     from cuBLAS's (in bfloat16 the output rounding can hide the other order at this tiny model's K = 64); the
     applied flags name the library."""
     from evalrun.engine import linear
-    from evalrun.runner import execute_run
 
     def run(dtype="bfloat16", **knobs):
-        done = execute_run(RunConfig(model="random:tiny", device="cuda", dtype=dtype, prompts="smoke",
-                                     max_new_tokens=8, opt_level=level, **knobs), None)
-        torch._dynamo.reset()
-        return [r.logits_digest for r in done.results], done
+        return tiny_gpu_run(level, dtype, **knobs)
 
     linear.prepare("triton-gemv", "cuda")
-    calls, original = [], linear._OP["op"]
-
-    def counted(*args):
-        calls.append(1)
-        return original(*args)
-
-    monkeypatch.setitem(linear._OP, "op", counted)
+    calls = count_calls(monkeypatch, linear._OP, "op")
     plain, _ = run()
     assert not calls
     gemv, _ = run(linear_kernel="triton-gemv")

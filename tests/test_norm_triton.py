@@ -14,7 +14,8 @@ import sys
 
 import pytest
 import torch
-from conftest import one_line_exit_2, run_under_triton_interpreter
+from conftest import (count_calls, one_line_exit_2, residuals_seen, run_under_triton_interpreter,
+                      tiny_gpu_run)
 
 from evalrun.config import RunConfig, resolve
 
@@ -139,12 +140,10 @@ def test_the_kernel_asked_for_where_it_was_never_prepared_is_refused_not_run_as_
         norm_triton.rms_norm(torch.randn(1, 8), torch.ones(8), 1e-6, False)
 
 
-def test_under_the_norm_kernel_the_attention_residual_is_added_by_the_output_projection():
+def test_under_the_norm_kernel_the_attention_residual_is_added_by_the_output_projection(monkeypatch):
     """norm_kernel=triton makes the norm after the attention's residual add a kernel of its own, so output_projection
     hands x to the o projection as its residual (the GEMV's epilogue adds it; eagerly the bits of x + the product),
     unless the output is normed first (Gemma) or summed over ranks; without the knob it adds x itself."""
-    import unittest.mock
-
     import torch.nn.functional as F
 
     from evalrun.engine import transformer
@@ -153,18 +152,11 @@ def test_under_the_norm_kernel_the_attention_residual_is_added_by_the_output_pro
     x, attended = torch.randn(1, 1, 16, generator=g), torch.randn(1, 2, 1, 8, generator=g)
     wo, out_norm = torch.randn(16, 16, generator=g), torch.rand(16, generator=g) + 0.5
     fused, plain = transformer.Variant(norm_kernel="triton"), transformer.Variant()
-    seen = []
-    original = transformer.projections.linear
-
-    def spy(*args, **kwargs):
-        seen.append(kwargs.get("residual") is not None)
-        return original(*args, **kwargs)
-
-    with unittest.mock.patch.object(transformer.projections, "linear", spy):
-        added = transformer.output_projection(x, attended, wo, variant=fused)
-        transformer.output_projection(x, attended, wo, out_norm=out_norm, eps=1e-5, variant=plain)
-        transformer.output_projection(x, attended, wo, variant=fused, reduce=lambda t: t)
-        transformer.output_projection(x, attended, wo, variant=plain)
+    seen = residuals_seen(monkeypatch)
+    added = transformer.output_projection(x, attended, wo, variant=fused)
+    transformer.output_projection(x, attended, wo, out_norm=out_norm, eps=1e-5, variant=fused)
+    transformer.output_projection(x, attended, wo, variant=fused, reduce=lambda t: t)
+    transformer.output_projection(x, attended, wo, variant=plain)
     assert seen == [True, False, False, False]
     assert torch.equal(added, x + F.linear(attended.transpose(1, 2).reshape(1, 1, 16), wo))
 
@@ -219,22 +211,12 @@ def test_gpu_runs_with_the_norm_kernel_take_it_for_every_norm_and_repeat_their_b
     counting wrapper's list is state Dynamo guards on, so each run recompiles, and under -O3 a recompile inside the
     CUDA graph's capture tunes its kernels there, which CUDA refuses; the next test runs -O3 without it.)"""
     from evalrun.engine import norm_triton
-    from evalrun.runner import execute_run
 
     def run(**knobs):
-        done = execute_run(RunConfig(model="random:tiny", device="cuda", dtype="bfloat16", prompts="smoke",
-                                     max_new_tokens=8, opt_level=level, **knobs), None)
-        torch._dynamo.reset()
-        return [r.logits_digest for r in done.results]
+        return tiny_gpu_run(level, **knobs)[0]
 
     norm_triton.prepare("triton", "cuda")
-    calls, original = [], norm_triton._OP["op"]
-
-    def counted(*args):
-        calls.append(1)
-        return original(*args)
-
-    monkeypatch.setitem(norm_triton._OP, "op", counted)
+    calls = count_calls(monkeypatch, norm_triton._OP, "op")
     run()
     assert not calls
     fused = run(norm_kernel="triton")
@@ -248,16 +230,8 @@ def test_gpu_an_o3_run_with_the_norm_kernel_repeats_its_bits_and_records_the_kno
     """-O3 (Inductor's max-autotune and coordinate descent, which tune Inductor's own norms by timing; the knob's
     kernel is launched as it is) with norm_kernel=triton and the GEMVs (so o's GEMV adds the attention's residual):
     two runs, the same digests, the knobs in the config."""
-    from evalrun.runner import execute_run
-
-    def run():
-        done = execute_run(RunConfig(model="random:tiny", device="cuda", dtype="bfloat16", prompts="smoke",
-                                     max_new_tokens=8, opt_level=3, norm_kernel="triton",
-                                     linear_kernel="triton-gemv-glu"), None)
-        torch._dynamo.reset()
-        return done
-
-    first, second = run(), run()
-    config = first.header["config"]
+    first, run = tiny_gpu_run(3, norm_kernel="triton", linear_kernel="triton-gemv-glu")
+    second, _ = tiny_gpu_run(3, norm_kernel="triton", linear_kernel="triton-gemv-glu")
+    config = run.header["config"]
     assert config["norm_kernel"] == "triton" and config["max_autotune"] and config["coordinate_descent_tuning"]
-    assert [r.logits_digest for r in first.results] == [r.logits_digest for r in second.results]
+    assert first == second
