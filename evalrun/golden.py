@@ -73,7 +73,7 @@ def golden_path(name: str, directory: str | Path = DEFAULT_DIR) -> Path:
 
 def reference_config(config: EffectiveConfig) -> EffectiveConfig:
     """O0: eager, no CUDA graphs, deterministic, no TF32, Inductor knobs and decode levers (BLAS library,
-    projection and attention kernels) at their defaults; all else kept."""
+    projection, attention and norm kernels) at their defaults; all else kept."""
     return config.replace(opt_level=0, compilation_mode=CompilationMode.NONE, cudagraph_mode=CUDAGraphMode.NONE,
                           deterministic=True, tf32=False, adjustments=(), keep_logits="none", strict_config=False,
                           **INDUCTOR_DEFAULTS, **DECODE_LEVER_DEFAULTS)

@@ -54,7 +54,11 @@ refused = {"strided": norm_triton.applies(strided, w), "other dtype": norm_trito
            "too long": norm_triton.applies(torch.zeros(1, norm_triton.MAX_LENGTH + 1),
                                            torch.zeros(norm_triton.MAX_LENGTH + 1))}
 falls_back = torch.equal(norm(strided, w, 1e-6, Variant(norm_kernel="triton")), norm(strided, w, 1e-6, LLAMA_VARIANT))
-print(json.dumps({"cases": cases, "refused": refused, "falls_back": falls_back}))
+last = x[:, -1]  # [2, 64], rows 3 * 64 apart: a batch's last tokens before the head
+spaced = {"applies": norm_triton.applies(last, w),
+          "same_bits": torch.equal(norm_triton.rms_norm(last, w, 1e-6, False),
+                                   norm_triton.rms_norm(last.contiguous(), w, 1e-6, False))}
+print(json.dumps({"cases": cases, "refused": refused, "falls_back": falls_back, "spaced": spaced}))
 """
 
 
@@ -82,6 +86,35 @@ def test_what_the_norm_kernel_cannot_take_stays_with_torch(interpreted):
     assert interpreted["refused"] == {"strided": False, "other dtype": False, "other length": False,
                                       "float64": False, "too long": False}
     assert interpreted["falls_back"]
+    assert interpreted["spaced"] == {"applies": True, "same_bits": True}  # rows evenly spaced: taken, read in place
+
+
+def test_the_per_head_query_and_key_norms_stay_with_torch(monkeypatch):
+    """Qwen3's and Gemma 3's norms of each query and key head (fused by Inductor with the rotary after them) are
+    torch's under norm_kernel=triton, even where the heads are contiguous (one token); the input norm is the
+    kernel's."""
+    from evalrun.engine import norm_triton, transformer
+
+    monkeypatch.setattr(norm_triton, "INTERPRETED", True)  # CPU tensors count as a device it runs on
+    taken = []
+
+    def recorded(x, weight, eps, offset):
+        taken.append(tuple(x.shape))
+        return transformer.torch_norm(x, weight, eps, transformer.Variant(norm_offset=offset))
+
+    monkeypatch.setattr(norm_triton, "rms_norm", recorded)
+    g = torch.Generator().manual_seed(3)
+    heads, kv_heads, dim, hidden = 4, 2, 8, 32
+    x = torch.randn(1, 1, hidden, generator=g)
+    wqkv = torch.randn((heads + 2 * kv_heads) * dim, hidden, generator=g)
+    cos, sin = torch.ones(1, 1, 1, dim), torch.zeros(1, 1, 1, dim)
+    fused = transformer.Variant(norm_kernel="triton")
+    q, kv = transformer.pre_attention(x, cos, sin, torch.ones(hidden), wqkv, heads, kv_heads, dim, 1e-6,
+                                      q_norm=torch.ones(dim), k_norm=torch.ones(dim), variant=fused)
+    assert taken == [(1, 1, hidden)]
+    plain = transformer.pre_attention(x, cos, sin, torch.ones(hidden), wqkv, heads, kv_heads, dim, 1e-6,
+                                      q_norm=torch.ones(dim), k_norm=torch.ones(dim))
+    assert torch.equal(q, plain[0]) and torch.equal(kv, plain[1])
 
 
 def test_a_run_with_the_norm_kernel_computes_other_bits_under_another_hash(tmp_path):
@@ -215,12 +248,24 @@ def test_gpu_runs_with_the_norm_kernel_take_it_for_every_norm_and_repeat_their_b
     def run(**knobs):
         return tiny_gpu_run(level, **knobs)[0]
 
+    from evalrun.engine import transformer
+
     norm_triton.prepare("triton", "cuda")
     calls = count_calls(monkeypatch, norm_triton._OP, "op")
+    torch_norms, torch_norm = [], transformer.rms_norm
+
+    def counted_torch_norm(*args):
+        torch_norms.append(1)
+        return torch_norm(*args)
+
+    monkeypatch.setattr(transformer, "rms_norm", counted_torch_norm)
     run()
-    assert not calls
+    assert not calls and torch_norms
+    plain_norms, torch_norms[:] = len(torch_norms), []
     fused = run(norm_kernel="triton")
     assert calls
+    if level == 0:  # eagerly each norm is a call: every one torch computed without the knob, by the kernel
+        assert len(calls) == plain_norms and not torch_norms
     assert run(norm_kernel="triton") == fused
 
 

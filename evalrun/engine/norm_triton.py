@@ -7,9 +7,10 @@ the same), so -O3's step was slower than -O2's. `norm_kernel=triton` computes ev
 computes (the input and post-attention norms, the final norm, Gemma's sandwich norms) with a kernel of fixed
 blocks instead, registered as a torch op that Inductor launches as it is. It is another reduction order, so other
 bits: a knob in the config hash, never on by default, refused where it cannot run (config.validate), and the
-golden's reference and oracle run without it (golden.py). It takes rows of at most MAX_LENGTH elements with
-contiguous rows of a Triton dtype on a CUDA device (or interpreted); others (the per-head q/k norms of Qwen3 and
-Gemma 3, strided views Inductor fuses with the rotary; an MoE layer's norm) stay with torch.
+golden's reference and oracle run without it (golden.py). It takes rows of at most MAX_LENGTH elements of a
+Triton dtype on a CUDA device (or interpreted), contiguous or evenly spaced (a batch's last tokens before the head);
+other inputs stay with torch, as do the per-head q/k norms of Qwen3 and Gemma 3 (transformer.torch_norm, fused by
+Inductor with the rotary after them) and an MoE layer's norm.
 """
 
 from __future__ import annotations
@@ -42,17 +43,18 @@ def prepare(kernel: str, device: torch.device | str) -> None:
 
 
 def applies(x: torch.Tensor, weight: torch.Tensor) -> bool:
-    """Whether the kernel computes the norm of x [..., n] with weight [n]: contiguous, one Triton dtype, rows of at
-    most MAX_LENGTH, on a CUDA device (or interpreted)."""
+    """Whether the kernel computes the norm of x [..., n] with weight [n]: contiguous, or rows [M, n] evenly spaced;
+    one Triton dtype, rows of at most MAX_LENGTH, on a CUDA device (or interpreted)."""
     n = x.shape[-1]
-    return (x.is_contiguous() and x.numel() > 0 and 1 <= n <= MAX_LENGTH and x.dtype in DTYPES
+    rows_apart = x.dim() == 2 and x.stride(-1) == 1 and x.stride(0) >= n
+    return ((x.is_contiguous() or rows_apart) and x.numel() > 0 and 1 <= n <= MAX_LENGTH and x.dtype in DTYPES
             and weight.dim() == 1 and weight.shape[0] == n and weight.is_contiguous() and weight.dtype == x.dtype
             and (x.is_cuda or INTERPRETED))
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, offset: bool) -> torch.Tensor:
     """RMSNorm of x [..., n] scaled by weight [n] (Gemma's 1 + weight where `offset`), where applies() said so."""
-    rows = x.reshape(-1, x.shape[-1])  # [M, n], a view: x is contiguous
+    rows = x if x.dim() == 2 else x.reshape(-1, x.shape[-1])  # [M, n], a view: x is contiguous or rows [M, n]
     if INTERPRETED:
         from .norm_triton_kernel import launch
 

@@ -37,9 +37,10 @@ def warps_for(block: int) -> int:
 
 def launch(x: torch.Tensor, weight: torch.Tensor, eps: float, offset: bool,
            wrap=lambda kernel: kernel) -> torch.Tensor:
-    """x [M, n] (rows contiguous), weight [n] (contiguous) -> y [M, n] in x's dtype."""
+    """x [M, n] (each row contiguous, rows x.stride(0) apart), weight [n] (contiguous) -> y [M, n] (contiguous) in
+    x's dtype."""
     rows, n = x.shape
-    y = torch.empty_like(x)
+    y = torch.empty(rows, n, dtype=x.dtype, device=x.device)
     block = triton.next_power_of_2(n)
     wrap(rms_norm_kernel)[(rows,)](x, weight, y, x.stride(0), y.stride(0), n, EPS=float(eps), OFFSET=offset,
                                    BLOCK=block, num_warps=warps_for(block))

@@ -427,6 +427,12 @@ def norm(x: torch.Tensor, weight: torch.Tensor, eps: float, variant: Variant) ->
     for it and it applies, else by torch (Inductor's kernel when compiled), with the same roundings."""
     if variant.norm_kernel == "triton" and norm_triton.applies(x, weight):
         return norm_triton.rms_norm(x, weight, eps, variant.norm_offset)
+    return torch_norm(x, weight, eps, variant)
+
+
+def torch_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, variant: Variant) -> torch.Tensor:
+    """The family's RMSNorm by torch, whatever the run's norm_kernel: the per-head q/k norms, which Inductor fuses
+    with the rotary after them."""
     return offset_rms_norm(x, weight, eps) if variant.norm_offset else rms_norm(x, weight, eps)
 
 
@@ -449,7 +455,7 @@ def pre_attention(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, input_n
     qkv = projections.linear(norm(x, input_norm, eps, variant), wqkv, bqkv, variant.linear_kernel).view(batch, tokens, heads + 2 * kv_heads, head_dim)
     q, k, v = qkv.transpose(1, 2).split([heads, kv_heads, kv_heads], dim=1)
     if q_norm is not None:
-        q, k = norm(q, q_norm, eps, variant), norm(k, k_norm, eps, variant)
+        q, k = torch_norm(q, q_norm, eps, variant), torch_norm(k, k_norm, eps, variant)
     return apply_rotary(q, cos, sin), torch.stack((apply_rotary(k, cos, sin), v))
 
 
@@ -486,7 +492,7 @@ def output_projection(x: torch.Tensor, attended: torch.Tensor, wo: torch.Tensor,
     (bo [hidden]: its bias, where the config has one; out_norm [hidden]: Gemma's norm of it before the add)."""
     batch, tokens, _ = x.shape
     flat = attended.transpose(1, 2).reshape(batch, tokens, -1)  # [B, T, H*D]
-    if variant.norm_kernel == "triton" and out_norm is None and reduce is None:
+    if variant.norm_kernel == "triton" and out_norm is None and reduce is None and RESIDUAL_IN_PROJECTION:
         # The norm after this add is then a kernel of its own that reads x stored in the model dtype, so the add
         # goes into the GEMV's epilogue where the GEMV computes this projection (else it is a kernel of its own):
         # the same bits, both round the sum once to the model dtype. (An MoE layer's norm stays with torch; its x
@@ -520,7 +526,9 @@ def activate(x: torch.Tensor, name: str) -> torch.Tensor:
     raise AssertionError(f"activation {name!r} passed model_support but is not computed here")
 
 
-RESIDUAL_IN_PROJECTION = True  # mlp_block's residual added by the down projection; off only to measure it
+# mlp_block's residual added by the down projection (and under norm_kernel=triton output_projection's by o); off only
+# to measure it
+RESIDUAL_IN_PROJECTION = True
 
 
 def mlp_block(x: torch.Tensor, post_norm: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor,
