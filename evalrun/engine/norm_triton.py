@@ -2,8 +2,8 @@
 
 Why: compiled, a norm is an Inductor reduction whose launch configuration Inductor may choose by timing. Under
 -O3 (coordinate descent) that choice, made on each kernel alone, made the two norms a layer of Llama-3-8B's
-decode step twice as slow in the step as untuned (0.313 against 0.158 ms a step on the H200, stop 42; stop 37 saw
-the same), so -O3's step was slower than -O2's. `norm_kernel=triton` computes every norm the engine's `norm()`
+decode step up to twice as slow in the step as untuned (0.313 and 0.256 against 0.158 and 0.145 ms a step in two
+runs on the H200, stop 42; stop 37 saw the same), so -O3's step was slower than -O2's. `norm_kernel=triton` computes every norm the engine's `norm()`
 computes (the input and post-attention norms, the final norm, Gemma's sandwich norms) with a kernel of fixed
 blocks instead, registered as a torch op that Inductor launches as it is. It is another reduction order, so other
 bits: a knob in the config hash, never on by default, refused where it cannot run (config.validate), and the
