@@ -16,7 +16,7 @@ import sys
 
 import pytest
 import torch
-from conftest import one_line_exit_2, run_under_triton_interpreter
+from conftest import one_line_exit_2, run_under_triton_interpreter, tiny_gpu_run
 
 from evalrun.config import RunConfig, resolve
 from evalrun.errors import ConfigError
@@ -387,13 +387,8 @@ def test_gpu_the_op_launches_one_kernel_eagerly_and_two_when_traced():
 @needs_cuda
 @pytest.mark.parametrize("level", [0, 2])
 def test_gpu_runs_with_the_split_kv_kernel_are_repeatable_and_recorded(level):
-    from evalrun.runner import execute_run
-
     def run(**knobs):
-        done = execute_run(RunConfig(model="random:tiny", device="cuda", dtype="bfloat16", prompts="smoke",
-                                     max_new_tokens=8, opt_level=level, **knobs), None)
-        torch._dynamo.reset()
-        return [r.logits_digest for r in done.results], done
+        return tiny_gpu_run(level, **knobs)
 
     split, done = run(attention_kernel="triton-split-kv")
     assert run(attention_kernel="triton-split-kv")[0] == split

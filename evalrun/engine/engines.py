@@ -113,10 +113,8 @@ def build_engine(model: Any, config: EffectiveConfig, shard: tuple[int, int, Any
 
             assert shard is not None, "a tensor-parallel engine needs its rank, rank count and process group"
             transformer = sharded_transformer(model, config.attn_implementation, *shard)
-            chosen = transformer.with_linear_kernel(config.linear_kernel).with_attention_kernel(config.attention_kernel)
-            return build_execution_mode(chosen.with_norm_kernel(config.norm_kernel), config)
-        transformer = Transformer(model, config.attn_implementation, config.linear_kernel)
-        transformer = transformer.with_attention_kernel(config.attention_kernel).with_norm_kernel(config.norm_kernel)
+            return build_execution_mode(transformer.with_kernels(config), config)
+        transformer = Transformer(model, config.attn_implementation).with_kernels(config)
         if config.linear_kernel == "gguf-gemv":
             from .gguf_blocks import attach
 

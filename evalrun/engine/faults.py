@@ -188,9 +188,7 @@ def plant(prepared: Any, fault: Fault) -> None:
         raise ValueError(f"faults are not planted in engine {prepared.config.engine}")
     if prepared.config.linear_kernel == "gguf-gemv":  # the blocks it reads would not carry the planted change
         raise ValueError("faults are not planted under linear_kernel=gguf-gemv")
-    transformer = Transformer(prepared.loaded.model, prepared.config.attn_implementation,
-                              prepared.config.linear_kernel).with_attention_kernel(prepared.config.attention_kernel)
-    transformer = transformer.with_norm_kernel(prepared.config.norm_kernel)
+    transformer = Transformer(prepared.loaded.model, prepared.config.attn_implementation).with_kernels(prepared.config)
     apply(transformer, fault)
     prepared.mode = build_execution_mode(transformer, prepared.config)
 

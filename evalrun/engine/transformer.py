@@ -196,6 +196,12 @@ class Transformer:
             raise ConfigError("linear_kernel=triton-gemv-glu computes dense MLP layers only (this model's are all "
                               "mixture-of-experts); use linear_kernel=triton-gemv")
 
+    def with_kernels(self, config) -> "Transformer":
+        """This forward with the kernels a run's config chooses (its linear_kernel, attention_kernel and norm_kernel):
+        the one place an engine built from a config takes them."""
+        return (self.with_linear_kernel(config.linear_kernel).with_attention_kernel(config.attention_kernel)
+                .with_norm_kernel(config.norm_kernel))
+
     def with_norm_kernel(self, kernel: str) -> "Transformer":
         """This forward over the same weights with its RMSNorms computed by `kernel` (norm_triton.py): a shallow
         copy, like with_linear_kernel."""
