@@ -53,3 +53,42 @@ def test_this_worker_runs_with_the_thread_count_its_children_inherit():
     assert torch.get_num_threads() == int(os.environ["OMP_NUM_THREADS"])
     if "TORCHINDUCTOR_COMPILE_THREADS" in os.environ:  # unset where the caller set OMP_NUM_THREADS
         assert inductor_config.compile_threads == int(os.environ["TORCHINDUCTOR_COMPILE_THREADS"])
+
+
+def test_suite_cost_spies_count_each_tests_builds_and_processes(tmp_path):
+    """benchmarks/suite_cost.py's spies, for real: its g++ builds a file twice and one other under two tests, a
+    Python child exits; the summary charges each test its builds, g++ seconds and process, and counts the
+    second build of the same file as a duplicate."""
+    import importlib.util
+    import shutil
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    if shutil.which("g++") is None:
+        pytest.skip("needs g++")
+    path = Path(__file__).resolve().parent.parent / "benchmarks" / "suite_cost.py"
+    spec = importlib.util.spec_from_file_location("suite_cost", path)
+    suite_cost = importlib.util.module_from_spec(spec)
+    sys.modules.setdefault("suite_cost", suite_cost)  # its dataclass looks its module up there
+    spec.loader.exec_module(suite_cost)
+    env = {**os.environ, **suite_cost.install_spies(tmp_path / "spies")}
+    source = tmp_path / "k.cpp"
+    source.write_text('extern "C" int kernel() { return 2; }\n')
+    for output, test in [("k.so", "tests/a.py::one (call)"), ("k.so", "tests/a.py::two[x] (setup)"),
+                         ("j.so", "tests/a.py::two[x] (call)")]:
+        build = ["g++", "-shared", "-fPIC", str(source), "-o", str(tmp_path / output)]
+        subprocess.run(build, env={**env, "PYTEST_CURRENT_TEST": test}, check=True)
+    subprocess.run([sys.executable, "-c", "sum(range(10**6))"], check=True,
+                   env={**env, "PYTEST_CURRENT_TEST": "tests/a.py::one (call)"})
+    builds, processes = suite_cost.read_spies(tmp_path / "spies")
+    assert [(Path(b.output).name, b.test) for b in builds] == [
+        ("k.so", "tests/a.py::one"), ("k.so", "tests/a.py::two[x]"), ("j.so", "tests/a.py::two[x]")]
+    assert all(b.seconds > 0 for b in builds) and (tmp_path / "j.so").exists()
+    report = suite_cost.summarize(builds, processes, top=5)
+    assert report["builds"] == 3 and report["duplicate_builds"] == 1 and report["by_kind"] == {"libraries": 3}
+    rows = {row["test"]: row for row in report["tests"]}
+    assert rows["tests/a.py::two[x]"]["builds"] == 2 and rows["tests/a.py::one"]["builds"] == 1
+    assert rows["tests/a.py::one"]["processes"] == 1 and rows["tests/a.py::one"]["process_cpu_s"] >= 0
+    assert report["processes_started_by_tests"] == 1 and "tests/a.py::two[x]" not in [
+        p["test"] for p in processes]
