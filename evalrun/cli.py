@@ -697,16 +697,22 @@ FIX_BY_ERRNO = {errno.ENOSPC: "free space", errno.EDQUOT: "free space",  # the r
                 errno.EISDIR: "check the path (it names a folder where a file belongs)"}
 
 
-def one_line(text: str, limit: int = 500) -> str:
+def one_line(text: str, limit: int = 600) -> str:
     """Any message as one printable line: line breaks and control characters (which a damaged file can
-    put into a prompt id or a name) are shown as escapes, so stderr stays one line."""
+    put into a prompt id or a name) are shown as escapes, so stderr stays one line. Past `limit` characters
+    its middle gives way ("…"), never its end: a message names the problem first and the fix last, and what
+    makes one long is a value inside it (a deep path, a forged prompt id), as a golden under a long CI path
+    lost its `--force` when the end was cut."""
     flat = report.printable(text)
-    return flat if len(flat) <= limit else flat[: limit - 1] + "…"
+    if len(flat) <= limit:
+        return flat
+    tail = limit * 3 // 5  # the fix, and the end of the problem
+    return flat[: limit - tail - 1] + "…" + flat[-tail:]
 
 
 def _first_line(error: BaseException) -> str:
     text = str(error).strip().splitlines()
-    return one_line(text[0], 300) if text else type(error).__name__
+    return one_line(text[0], 500) if text else type(error).__name__
 
 
 def _crash(error: BaseException) -> int:

@@ -69,6 +69,17 @@ def test_bad_input_missing_prompt_file(cli, tiny_args):
     _one_line_exit_2(cli("run", *tiny_args, "--prompts", "/nonexistent/p.jsonl"), "does not exist")
 
 
+def test_a_long_value_in_an_error_gives_way_in_the_middle_keeping_the_problem_and_its_fix(cli, tiny_args):
+    """A deep path (CI workspaces nest deeply) made the one line too long; its end was cut, and with it the
+    fix (a golden's `--force`). Now the middle gives way: the line starts with the problem and ends with the fix."""
+    deep = "/nonexistent/" + "/".join(c * 200 for c in "def") + "/p.jsonl"
+    code, out, err = cli("run", *tiny_args, "--prompts", deep)
+    _one_line_exit_2((code, out, err), "prompt file /nonexistent/ddd", "…")
+    line = err.strip()
+    assert line.endswith("does not exist; pass a JSONL file or one of: default, smoke"), line
+    assert len(line) <= 600
+
+
 def test_bad_input_missing_gguf(cli, tiny_args):
     _one_line_exit_2(cli("run", *tiny_args, "--model", "/nonexistent/m.gguf"), "does not exist")
 
