@@ -147,7 +147,7 @@ def run_suite(pytest_args: list[str], warm: bool) -> tuple[dict, list[Build], li
     command = [sys.executable, "-m", "pytest", "-n", "2", "--dist", "worksteal", "-q", "-p", "no:cacheprovider",
                *pytest_args]
     started = time.perf_counter()
-    done = subprocess.run(command, cwd=REPO, env=env)
+    done = subprocess.run(command, cwd=REPO, env=env, stdout=sys.stderr)  # this report alone on stdout
     wall = time.perf_counter() - started
     builds, processes = read_spies(spies)
     shutil.rmtree(spies, ignore_errors=True)
