@@ -94,12 +94,11 @@ def summarize(builds: list[Build], processes: list[dict], top: int) -> dict:
         row = per_test[build.test or "(outside a test)"]
         row["builds"] += 1
         row["gxx_s"] += build.seconds
-    workers = [p for p in processes if not p["test"]]  # pytest itself and its xdist workers
-    for process in processes:
-        if process["test"]:
-            row = per_test[test_id(process["test"])]
-            row["processes"] += 1
-            row["process_cpu_s"] += process["cpu_s"]
+    started = [p for p in processes if p["test"]]  # by a test; the rest are pytest itself and its xdist workers
+    for process in started:
+        row = per_test[test_id(process["test"])]
+        row["processes"] += 1
+        row["process_cpu_s"] += process["cpu_s"]
     ranked = sorted(per_test.items(), key=lambda item: -(item[1]["gxx_s"] + item[1]["process_cpu_s"]))
     written = [build for build in builds if build.output]
     return {
@@ -107,9 +106,9 @@ def summarize(builds: list[Build], processes: list[dict], top: int) -> dict:
         "gxx_s": round(sum(build.seconds for build in builds), 1),
         "by_kind": dict(Counter(build_kind(build.output) for build in written)),
         "duplicate_builds": sum(count - 1 for count in made.values()),
-        "processes_started_by_tests": sum(1 for p in processes if p["test"]),
-        "their_cpu_s": round(sum(p["cpu_s"] for p in processes if p["test"]), 1),
-        "pytest_and_workers_cpu_s": round(sum(p["cpu_s"] for p in workers), 1),
+        "processes_started_by_tests": len(started),
+        "their_cpu_s": round(sum(p["cpu_s"] for p in started), 1),
+        "pytest_and_workers_cpu_s": round(sum(p["cpu_s"] for p in processes if not p["test"]), 1),
         "tests": [{"test": name, **{k: round(v, 1) if isinstance(v, float) else v for k, v in row.items()}}
                   for name, row in ranked[:top]],
     }
