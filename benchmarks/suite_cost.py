@@ -92,7 +92,7 @@ def summarize(builds: list[Build], processes: list[dict], top: int) -> dict:
     per_test: dict[str, dict] = defaultdict(lambda: {"builds": 0, "gxx_s": 0.0, "processes": 0, "process_cpu_s": 0.0})
     for build in builds:
         row = per_test[build.test or "(outside a test)"]
-        row["builds"] += 1
+        row["builds"] += bool(build.output)  # a probe like `g++ --version` writes nothing: its seconds only
         row["gxx_s"] += build.seconds
     started = [p for p in processes if p["test"]]  # by a test; the rest are pytest itself and its xdist workers
     for process in started:

@@ -58,7 +58,8 @@ def test_this_worker_runs_with_the_thread_count_its_children_inherit():
 def test_suite_cost_spies_count_each_tests_builds_and_processes(tmp_path):
     """benchmarks/suite_cost.py's spies, for real: its g++ builds a file twice and one other under two tests, a
     Python child exits; the summary charges each test its builds, g++ seconds and process, and counts the
-    second build of the same file as a duplicate."""
+    second build of the same file as a duplicate. A probe (`g++ --version`, as Inductor's checks run) costs its
+    test seconds, not a build: a test's builds add up to the total."""
     import importlib.util
     import shutil
     import subprocess
@@ -79,16 +80,20 @@ def test_suite_cost_spies_count_each_tests_builds_and_processes(tmp_path):
                          ("j.so", "tests/a.py::two[x] (call)")]:
         build = ["g++", "-shared", "-fPIC", str(source), "-o", str(tmp_path / output)]
         subprocess.run(build, env={**env, "PYTEST_CURRENT_TEST": test}, check=True)
+    subprocess.run(["g++", "--version"], env={**env, "PYTEST_CURRENT_TEST": "tests/a.py::one (call)"}, check=True,
+                   capture_output=True)
     subprocess.run([sys.executable, "-c", "sum(range(10**6))"], check=True,
                    env={**env, "PYTEST_CURRENT_TEST": "tests/a.py::one (call)"})
     builds, processes = suite_cost.read_spies(tmp_path / "spies")
-    assert [(Path(b.output).name, b.test) for b in builds] == [
-        ("k.so", "tests/a.py::one"), ("k.so", "tests/a.py::two[x]"), ("j.so", "tests/a.py::two[x]")]
+    assert [(Path(b.output).name if b.output else "", b.test) for b in builds] == [
+        ("k.so", "tests/a.py::one"), ("k.so", "tests/a.py::two[x]"), ("j.so", "tests/a.py::two[x]"),
+        ("", "tests/a.py::one")]
     assert all(b.seconds > 0 for b in builds) and (tmp_path / "j.so").exists()
     report = suite_cost.summarize(builds, processes, top=5)
     assert report["builds"] == 3 and report["duplicate_builds"] == 1 and report["by_kind"] == {"libraries": 3}
     rows = {row["test"]: row for row in report["tests"]}
     assert rows["tests/a.py::two[x]"]["builds"] == 2 and rows["tests/a.py::one"]["builds"] == 1
+    assert sum(row["builds"] for row in report["tests"]) == report["builds"]
     assert rows["tests/a.py::one"]["processes"] == 1 and rows["tests/a.py::one"]["process_cpu_s"] >= 0
     assert report["processes_started_by_tests"] == 1 and "tests/a.py::two[x]" not in [
         p["test"] for p in processes]
