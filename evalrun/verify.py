@@ -1,6 +1,7 @@
 """Verify a candidate config against a golden: gates, runs, the two checks, one verdict.
 
-1. Gates. Model identity differs -> changed, naming weights, config or tokenizer. Prompt records
+1. Gates. Model identity differs -> changed, naming weights, config or tokenizer. Tokens chosen another
+   way (greedy against sampled, another temperature or sampling seed) -> incomparable. Prompt records
    differ -> incomparable. More new tokens than the golden holds -> incomparable; fewer -> the
    prefix is verified, and the causes say so.
 2. The candidate runs free, probed at the golden's ids. Every digest and token equal -> identical,
@@ -223,6 +224,9 @@ def _gate(golden: Golden, candidate: Prepared, golden_results: list[PromptResult
                   if candidate.header["model"][part] != pinned.json["model"].get(part)]
     if model_diff:
         return "changed", "; ".join(f"model identity: {part} differ" for part in model_diff), model_diff
+    sampling = _sampling_gate(golden.config("pinned"), candidate.config)
+    if sampling:
+        return "incomparable", sampling, []
     records = [r.record for r in golden_results]
     if hash_value(records) != hash_value([r.as_dict() for r in candidate.prompt_set.records]):
         return ("incomparable", f"prompt set differs from the golden's ({pinned.json['prompt_set']['name']}): "
@@ -242,6 +246,25 @@ def _gate(golden: Golden, candidate: Prepared, golden_results: list[PromptResult
                     f"tokens, the candidate asks {wanted}; verify with --max-new-tokens {len(result.arrays['tokens'])} "
                     "or fewer, or re-create the golden", [])
     return None
+
+
+def _sampling(config) -> str:
+    return "greedily (temperature=0)" if not config.temperature else \
+        f"by sampling (temperature={config.temperature:g}, seed={config.seed})"
+
+
+def _sampling_gate(golden, candidate) -> str | None:
+    """Why the candidate's tokens cannot be compared with the golden's, when they are chosen another way: greedy
+    against sampled, or sampled at another temperature or seed (the seed matters only where tokens are sampled).
+    A greedy golden verified at temperature=1.0 was called `changed`, blaming the execution config for tokens
+    that chance chose; these are another workload, not a verdict on the numbers."""
+    way = lambda config: (config.temperature, config.seed if config.temperature else None)  # noqa: E731
+    if way(golden) == way(candidate):
+        return None
+    keep = "temperature=0" if not golden.temperature else f"temperature={golden.temperature:g},seed={golden.seed}"
+    return (f"the golden chose its tokens {_sampling(golden)} and the candidate chooses them {_sampling(candidate)}; "
+            f"verify with the golden's ({' '.join('--set ' + part for part in keep.split(','))}), or create a golden "
+            "that samples the same way")
 
 
 def _check_id_ranges(golden: Golden, golden_results: list[PromptResult], vocab: int, experts: int | None) -> None:

@@ -70,6 +70,27 @@ def test_more_tokens_than_the_golden_holds_is_incomparable(verify, o0):
     assert len(err.strip().splitlines()) == 1 and "Traceback" not in err
 
 
+def test_tokens_chosen_another_way_are_incomparable_not_changed(verify, o0, golden_factory):
+    """A greedy golden verified at temperature=1.0 was `changed` (exit 1), blamed on the execution config,
+    though its logits were within the envelope: sampled tokens are another workload. The seed counts only where
+    tokens are sampled; a golden that samples verifies at its own temperature and seed."""
+    code, verdict, err = verify(o0, "--set", "temperature=1.0")
+    assert (code, verdict["verdict"]) == (2, "incomparable"), verdict and verdict["causes"]
+    assert verdict["causes"][0].startswith("the golden chose its tokens greedily (temperature=0) and the candidate "
+                                           "chooses them by sampling (temperature=1, seed=0)")
+    assert "--set temperature=0" in verdict["causes"][0]
+    assert len(err.strip().splitlines()) == 1 and "Traceback" not in err
+    code, verdict, _ = verify(o0, "--set", "seed=5")  # greedy both: the seed chooses nothing
+    assert (code, verdict["verdict"]) == (0, "identical")
+    sampled = golden_factory("--set", "temperature=0.7", "--set", "seed=3", tokens=3)
+    code, verdict, _ = verify(sampled, "--max-new-tokens", "3")
+    assert (code, verdict["verdict"]) == (0, "identical")
+    for other in (("--set", "seed=4"), ("--set", "temperature=0.8"), ("--set", "temperature=0")):
+        code, verdict, _ = verify(sampled, "--max-new-tokens", "3", *other)
+        assert (code, verdict["verdict"]) == (2, "incomparable"), (other, verdict and verdict["causes"])
+        assert "--set temperature=0.7 --set seed=3" in verdict["causes"][0]
+
+
 def test_fewer_tokens_verify_the_prefix_and_say_so(verify, o0):
     code, verdict, _ = verify(o0, "--max-new-tokens", "4")
     assert code == 0 and verdict["verdict"] in ("identical", "drift") and verdict["steps_verified"] == 4
