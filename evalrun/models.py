@@ -25,6 +25,7 @@ import io
 import json
 import os
 import shutil
+import struct
 import tempfile
 from dataclasses import dataclass
 from pathlib import Path
@@ -200,6 +201,9 @@ def _quietly(function, *args, **kwargs):
         hf_logging.enable_progress_bar()
 
 
+GGUF_MAGIC = b"GGUF"  # a GGUF file's first four bytes
+
+
 def converted_gguf_dir(gguf: Path, digest: str | None = None) -> Path:
     """A Hugging Face directory converted from `gguf`, made once and reused.
 
@@ -214,11 +218,22 @@ def converted_gguf_dir(gguf: Path, digest: str | None = None) -> Path:
     target = cache_root() / "gguf" / f"{gguf.stem}-{key}"
     if (target / "config.json").exists():
         return target
+    with open(gguf, "rb") as handle:
+        if handle.read(4) != GGUF_MAGIC:
+            raise ModelError(f"{gguf.name} is not a GGUF file (it does not start with {GGUF_MAGIC.decode()}); "
+                             "pass a .gguf model file, or a Hugging Face model directory or id")
     target.parent.mkdir(parents=True, exist_ok=True)
     staging = Path(tempfile.mkdtemp(prefix=".tmp-", dir=target.parent))
     try:
-        tokenizer = _quietly(AutoTokenizer.from_pretrained, gguf.parent, gguf_file=gguf.name)
-        model = _quietly(AutoModelForCausalLM.from_pretrained, gguf.parent, gguf_file=gguf.name, dtype=torch.float32)
+        try:
+            tokenizer = _quietly(AutoTokenizer.from_pretrained, gguf.parent, gguf_file=gguf.name)
+            model = _quietly(AutoModelForCausalLM.from_pretrained, gguf.parent, gguf_file=gguf.name,
+                             dtype=torch.float32)
+        except (ValueError, IndexError, KeyError, EOFError, struct.error) as error:
+            # what gguf's reader and transformers' converter raise on a truncated or damaged file: the input's
+            # fault, not evalrun's (a 2 MB head of SmolLM2's file: "cannot reshape array of size 214336 ...")
+            raise ModelError(f"cannot read {gguf.name} as a GGUF model ({error}); the file "
+                             "is damaged or truncated: download it again") from error
         # transformers refuses to re-save a GGUF-loaded model; its weights are plain fp32 tensors by
         # now, so write them with safetensors and the config without the quantization entry.
         from safetensors.torch import save_model

@@ -84,6 +84,24 @@ def test_bad_input_missing_gguf(cli, tiny_args):
     _one_line_exit_2(cli("run", *tiny_args, "--model", "/nonexistent/m.gguf"), "does not exist")
 
 
+@pytest.mark.parametrize("damage,needle", [("not-gguf", "is not a GGUF file (it does not start with GGUF)"),
+                                           ("header-cut", "damaged or truncated: download it again"),
+                                           ("smollm2-head", "damaged or truncated: download it again")])
+def test_bad_input_a_damaged_gguf_is_named_with_its_fix_not_a_crash(cli, tiny_args, tmp_path, monkeypatch, damage,
+                                                                     needle):
+    """A truncated or forged .gguf crashed inside transformers' converter (exit 3, "internal error"): SmolLM2's
+    file cut to its first 2 MB raised "cannot reshape array ...". It is the input's fault: exit 2, one line."""
+    from evalrun.models import smollm2_gguf_path
+
+    monkeypatch.setenv("EVALRUN_CACHE", str(tmp_path / "cache"))
+    path = tmp_path / "m.gguf"
+    with open(smollm2_gguf_path(), "rb") as real:
+        path.write_bytes({"not-gguf": b"hello\n", "header-cut": b"GGUF garbage",
+                          "smollm2-head": real.read(2_000_000)}[damage])
+    _one_line_exit_2(cli("run", *tiny_args, "--model", str(path)), "m.gguf", needle)
+    assert not (tmp_path / "cache" / "gguf").exists() or not any((tmp_path / "cache" / "gguf").glob("m-*"))
+
+
 @pytest.mark.parametrize("text,needle", [('{"id": "a", "prompt": "x"}\n{"id": "b", "prompt": \n', ":2: not valid JSON"),
                                          ('{"prompt": "x"}\n', ":1: missing 'id'"),
                                          ('{"id": "a"}\n', ":1: give exactly one of"),
