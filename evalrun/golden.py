@@ -315,7 +315,7 @@ def _check_meta(name: str, path: Path, meta: dict[str, Any]) -> None:
     """The golden table's values, validated: format version, roles that name stored runs."""
     version = meta.get("format", 1)
     if version != GOLDEN_FORMAT:
-        raise GoldenError(f"golden {path} has format {version}; this evalrun reads format {GOLDEN_FORMAT}; "
+        raise GoldenError(f"golden {path} has format {version!r}; this evalrun reads format {GOLDEN_FORMAT!r}; "
                           f"re-create it with `evalrun golden create {name} --force`")
     roles = meta.get("roles")
     if not isinstance(roles, dict) or any(not isinstance(roles.get(role), str) for role in REQUIRED_ROLES):

@@ -164,3 +164,17 @@ def test_list_and_show(cli, tiny_golden):
 def test_bad_golden_name(cli, tmp_path):
     code, _, err = cli("golden", "verify", "../etc/passwd", "--dir", str(tmp_path))
     assert code == 2 and "not valid" in err
+
+
+def test_a_format_of_another_type_is_named_as_it_is_stored():
+    """A forged golden whose format is the string "2" was refused as "has format 2; this evalrun reads format 2":
+    the value shows its type, so the message names what differs."""
+    from pathlib import Path
+
+    from evalrun.errors import GoldenError
+    from evalrun.golden import _check_meta
+
+    with pytest.raises(GoldenError, match=rf"has format '{GOLDEN_FORMAT}'; this evalrun reads format {GOLDEN_FORMAT};"):
+        _check_meta("g", Path("/goldens/g.db"), {"format": str(GOLDEN_FORMAT), "roles": {}})
+    with pytest.raises(GoldenError, match=rf"has format 1; this evalrun reads format {GOLDEN_FORMAT};"):
+        _check_meta("g", Path("/goldens/g.db"), {"roles": {}})
