@@ -520,6 +520,31 @@ def keep_logits_steps(keep_logits: str, prompt_id: str, steps: int) -> list[int]
     return []
 
 
+def keep_logits_problem(keep_logits: str, steps_by_id: dict[str, int], prompt_set: str) -> str | None:
+    """Why `keep_logits` cannot keep what it names in a prompt set whose prompts run `steps_by_id` steps (in
+    file order), or None. An unknown id or a range past a prompt's steps kept nothing, silently: a typo lost
+    the logits asked for."""
+    if keep_logits in ("none", "all"):
+        return None
+    ids = list(steps_by_id)
+    named: set[str] = set()
+    for item in keep_logits.split(","):
+        name, _, span = item.partition("@")
+        if name not in steps_by_id:
+            shown = ", ".join(ids[:5]) + (", ..." if len(ids) > 5 else "")
+            return (f"keep_logits names prompt {name!r}, which prompt set {prompt_set} lacks; use its ids "
+                    f"({shown}) or all")
+        if name in named:
+            return f"keep_logits names prompt {name!r} twice; name each prompt once (ID or ID@A-B)"
+        named.add(name)
+        steps = steps_by_id[name]
+        low, _, high = span.partition("-")
+        if span and (int(high or low) < int(low) or int(high or low) >= steps):
+            return (f"keep_logits={item} asks steps {span} of prompt {name!r}, which runs {steps} steps; ask steps "
+                    f"within 0-{steps - 1} (A <= B)")
+    return None
+
+
 # ---------------------------------------------------------------- resolution
 
 def resolve(config: RunConfig, cuda_available: bool) -> EffectiveConfig:

@@ -17,7 +17,8 @@ import torch
 
 from . import distributed
 from .compile_cache import cache_counters, cache_evidence, use_evalrun_cache
-from .config import EffectiveConfig, RunConfig, is_server_engine, keep_logits_steps, resolve, validate
+from .config import (EffectiveConfig, RunConfig, is_server_engine, keep_logits_problem, keep_logits_steps, resolve,
+                     validate)
 from .engine.engines import Engine, build_engine, check_model, submit
 from .engine.capture_triton import capture_kernel
 from .engine.generate import BatchOutput, BatchSpec, PendingBatch, prompt_slots
@@ -142,6 +143,11 @@ def prepare(config: RunConfig | EffectiveConfig, reuse: Prepared | None = None) 
     vocab = loaded.vocab_size
     if effective.top_k > vocab:
         raise ConfigError(f"top_k={effective.top_k} is larger than the model's vocabulary ({vocab}); use a smaller top_k")
+    kept = keep_logits_problem(effective.keep_logits, {record.id: steps_for(prompt_set, index, effective)
+                                                       for index, record in enumerate(prompt_set.records)},
+                               prompt_set.name)
+    if kept:
+        raise ConfigError(kept)
     return Prepared(effective, applied, loaded, prompt_set, build_header(effective, applied, loaded, prompt_set),
                     load_seconds)
 

@@ -102,6 +102,21 @@ def test_bad_input_a_damaged_gguf_is_named_with_its_fix_not_a_crash(cli, tiny_ar
     assert not (tmp_path / "cache" / "gguf").exists() or not any((tmp_path / "cache" / "gguf").glob("m-*"))
 
 
+@pytest.mark.parametrize("keep,needle", [("nonexistent@0-1", "names prompt 'nonexistent', which prompt set smoke lacks; "
+                                                             "use its ids (capital, chat-hello, zh-short) or all"),
+                                        ("capital@6-9", "asks steps 6-9 of prompt 'capital', which runs 6 steps; ask "
+                                                        "steps within 0-5"),
+                                        ("capital@2-7", "asks steps 2-7"), ("capital@3-1", "asks steps 3-1"),
+                                        ("zh-short,capital@1,zh-short@2", "names prompt 'zh-short' twice")])
+def test_bad_input_keep_logits_naming_what_the_run_lacks(cli, tiny_args, keep, needle):
+    """A prompt id the set lacks, or steps past a prompt's, kept nothing and said nothing (exit 0): a typo lost the
+    logits asked for. Now refused before anything runs."""
+    _one_line_exit_2(cli("run", *tiny_args, "--keep-logits", keep), needle)
+    code, out, err = cli("run", *tiny_args, "--keep-logits", "capital@2-5,zh-short", "--json", "--quiet")
+    assert code == 0, err
+    assert json.loads(out)["config"]["keep_logits"] == "capital@2-5,zh-short"
+
+
 @pytest.mark.parametrize("text,needle", [('{"id": "a", "prompt": "x"}\n{"id": "b", "prompt": \n', ":2: not valid JSON"),
                                          ('{"prompt": "x"}\n', ":1: missing 'id'"),
                                          ('{"id": "a"}\n', ":1: give exactly one of"),
