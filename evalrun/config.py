@@ -520,6 +520,20 @@ def keep_logits_steps(keep_logits: str, prompt_id: str, steps: int) -> list[int]
     return []
 
 
+def inert_inductor_knobs(config: EffectiveConfig) -> list[str]:
+    """Inductor's options set away from Inductor's defaults in a config that compiles nothing: hashed and
+    recorded, they change no bit (`-O0 --set combo_kernels=true` ran eager under combo_kernels' name, its
+    logits those of plain -O0). The run's fallbacks say so, and --strict-config refuses it."""
+    if config.compilation_mode is not CompilationMode.NONE:
+        return []
+    changed = [f"{key}={str(getattr(config, key)).lower()}" for key in INDUCTOR_KNOBS
+               if getattr(config, key) != INDUCTOR_DEFAULTS[key]]
+    if not changed:
+        return []
+    return [f"{', '.join(changed)}: compilation_mode=none compiles nothing, so these Inductor options changed "
+            "nothing; pick a compiled mode (-O2) or drop them"]
+
+
 def keep_logits_problem(keep_logits: str, steps_by_id: dict[str, int], prompt_set: str) -> str | None:
     """Why `keep_logits` cannot keep what it names in a prompt set whose prompts run `steps_by_id` steps (in
     file order), or None. An unknown id or a range past a prompt's steps kept nothing, silently: a typo lost

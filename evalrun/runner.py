@@ -17,8 +17,8 @@ import torch
 
 from . import distributed
 from .compile_cache import cache_counters, cache_evidence, use_evalrun_cache
-from .config import (EffectiveConfig, RunConfig, is_server_engine, keep_logits_problem, keep_logits_steps, resolve,
-                     validate)
+from .config import (EffectiveConfig, RunConfig, inert_inductor_knobs, is_server_engine, keep_logits_problem,
+                     keep_logits_steps, resolve, validate)
 from .engine.engines import Engine, build_engine, check_model, submit
 from .engine.capture_triton import capture_kernel
 from .engine.generate import BatchOutput, BatchSpec, PendingBatch, prompt_slots
@@ -148,6 +148,9 @@ def prepare(config: RunConfig | EffectiveConfig, reuse: Prepared | None = None) 
                                prompt_set.name)
     if kept:
         raise ConfigError(kept)
+    inert = inert_inductor_knobs(effective)
+    if effective.strict_config and inert:  # a fallback known before anything runs
+        raise FallbackError(f"the requested mode falls back ({'; '.join(inert)}); drop --strict-config or fix the cause")
     return Prepared(effective, applied, loaded, prompt_set, build_header(effective, applied, loaded, prompt_set),
                     load_seconds)
 
@@ -345,6 +348,7 @@ def execute(prepared: Prepared, forced: dict[int, np.ndarray] | None = None, pro
                    "padded_length": int(output.padded_length)}
                   | ({"recorded_row": kept[number]} if kept[number] is not None else {})
                   for number, indices, output in zip(chosen, batches, outputs)]
+    evidence["fallbacks"] = evidence["fallbacks"] + inert_inductor_knobs(config)
     run = Run(prepared.header, results, timings, evidence, batch_plan)
     if config.strict_config and evidence["fallbacks"]:
         raise FallbackError("the requested mode fell back (" + "; ".join(evidence["fallbacks"])

@@ -5,6 +5,7 @@ import os
 import shutil
 
 import pytest
+from conftest import one_line_exit_2
 
 from evalrun.engine.shapes import bucket_size
 
@@ -450,6 +451,24 @@ def test_combo_kernels_is_an_inductor_knob_hashed_only_when_set(cli, tiny_args):
     assert code == 0, err
     run = json.loads(out)
     assert run["config"]["combo_kernels"] is True and run["evidence"]["fallbacks"] == []
+
+
+def test_inductor_knobs_where_nothing_compiles_are_a_fallback_that_strict_refuses(cli, tiny_args):
+    """`-O0 --set combo_kernels=true --set max_autotune=true` ran eagerly under those knobs' names and hash, its
+    logits plain -O0's, and said nothing: now the run's fallbacks name the knobs, and --strict-config refuses the
+    config before anything runs (exit 2, one line)."""
+    knobs = ("-O0", "--set", "combo_kernels=true", "--set", "max_autotune=true")
+    code, out, err = cli("run", *tiny_args, *knobs, "--json", "--quiet")
+    assert code == 0, err
+    run = json.loads(out)
+    assert run["evidence"]["fallbacks"] == [
+        "max_autotune=true, combo_kernels=true: compilation_mode=none compiles nothing, so these Inductor options "
+        "changed nothing; pick a compiled mode (-O2) or drop them"]
+    code, out, err = cli("run", *tiny_args, "-O0", "--json", "--quiet")
+    plain = json.loads(out)
+    assert plain["evidence"]["fallbacks"] == [] and plain["logits_digest"] == run["logits_digest"]
+    one_line_exit_2(cli("run", *tiny_args, *knobs, "--strict-config"), "falls back (max_autotune=true, "
+                    "combo_kernels=true: compilation_mode=none compiles nothing", "drop --strict-config")
 
 
 @pytest.mark.gpu
