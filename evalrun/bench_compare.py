@@ -5,7 +5,7 @@ The baseline is an earlier `evalrun bench --json` output (its rows, or a previou
 Rows are matched by config name; each `--fail-on` rule names a metric and the largest change for the
 worse it allows, in percent of the baseline: for tokens/s lower is worse, for times and memory higher
 is worse. A config or metric missing on either side is reported, never a failure (a new config has no
-baseline yet). Compare figures from the same machine: the rule is a ratio, the machine is not in it.
+baseline yet), unless no rule compared anything: that gate is refused (exit 2), not passed. Compare figures from the same machine: the rule is a ratio, the machine is not in it.
 """
 
 from __future__ import annotations
@@ -101,6 +101,12 @@ def compare(rows: list[dict[str, Any]], baseline: dict[str, dict[str, Any]], rul
             status = "reported" if rule.percent is None else "regressed" if change < -rule.percent else "ok"
             changes.append(MetricChange(row["config"], rule.metric, before, now, change, rule.percent, status))
     return changes
+
+
+def compared_nothing(changes: list[MetricChange], rules: list[FailRule]) -> bool:
+    """Whether --fail-on rules were given and not one of them met a figure on both sides: a gate that passes
+    because the baseline names other configs (or none) is no gate. One missing config stays a report."""
+    return bool(rules) and not any(change.status in ("ok", "regressed") for change in changes)
 
 
 def regressions(changes: list[MetricChange]) -> list[MetricChange]:

@@ -624,6 +624,11 @@ def bench(model, prompts, dtype, device, max_new_tokens, batch_size, matrix_name
     if failed:
         raise Exit(EXIT_UNUSABLE, f"evalrun: error: {len(failed)} of {len(rows)} bench configurations failed "
                                   f"({', '.join(failed)}); their rows say why")
+    if changes is not None and bench_compare.compared_nothing(changes, rules):
+        measured = ", ".join(row["config"] for row in rows)[:200]
+        raise Exit(EXIT_UNUSABLE, f"evalrun: error: --fail-on compared nothing: {baseline_path} has no figure of "
+                                  f"{', '.join(sorted({rule.metric for rule in rules}))} for the configs measured now "
+                                  f"({measured}); pass --compare a bench --json of these configs")
     worse = bench_compare.regressions(changes or [])
     if worse:
         raise Exit(EXIT_CHANGED, "evalrun: bench: " + "; ".join(

@@ -51,6 +51,13 @@ def test_bench_against_a_baseline_passes_or_exits_1_on_a_regression(cli, tmp_pat
     data = json.loads(out)
     assert code == 1 and "O0 tokens_per_s -100.0% (allowed -5%)" in err  # whatever this run measures
     assert data["comparison"][0]["status"] == "regressed" and data["rows"][0]["config"] == "O0"
+    other = tmp_path / "other.json"  # a gate whose baseline names other configs compared nothing: refused, not passed
+    other.write_text(json.dumps([{**measured[0], "config": "O2"}]))
+    code, out, err = _bench(cli, "--compare", str(other), "--fail-on", "tokens_per_s:5%", "--json")
+    assert code == 2 and "Traceback" not in err, err
+    assert err.strip().splitlines()[-1].startswith("evalrun: error: --fail-on compared nothing: ")  # after progress
+    assert "has no figure of tokens_per_s for the configs measured now (O0)" in err
+    assert json.loads(out)["comparison"][0]["status"] == "missing"  # the figures still printed: nothing lost
     slow = tmp_path / "slow.json"
     slow.write_text(json.dumps({"rows": [{**measured[0], "tokens_per_s": measured[0]["tokens_per_s"] / 1e6}]}))
     code, out, err = _bench(cli, "--compare", str(slow), "--fail-on", "tokens_per_s:5%")
