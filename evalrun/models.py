@@ -173,7 +173,9 @@ def smollm2_gguf_path() -> Path:
 
 
 def cache_root() -> Path:
-    return Path(os.environ.get("EVALRUN_CACHE", Path.home() / ".cache" / "evalrun"))
+    """EVALRUN_CACHE, or ~/.cache/evalrun where it is unset or empty (an empty value, as a CI variable left
+    blank gives, put the cache in whatever folder the command ran from)."""
+    return Path(os.environ.get("EVALRUN_CACHE") or Path.home() / ".cache" / "evalrun")
 
 
 def file_digest(path: Path) -> str:

@@ -177,3 +177,19 @@ def test_environment_names_the_cpp_compiler_inductor_builds_cpu_kernels_with(mon
     assert environment_hash(env) != environment_hash(before)
     monkeypatch.setenv("CXX", str(tmp_path / "no-such-compiler"))
     assert environment("cpu")["cpp_compiler"] is None
+
+
+def test_an_empty_evalrun_cache_is_the_default_folder_not_the_working_directory(monkeypatch, tmp_path):
+    """EVALRUN_CACHE= (a CI variable left blank) wrote the model conversions and compiled graphs into the folder
+    the command ran from."""
+    from pathlib import Path
+
+    from evalrun.compile_cache import cache_folder
+    from evalrun.models import cache_root
+
+    monkeypatch.setenv("HOME", str(tmp_path))
+    monkeypatch.setenv("EVALRUN_CACHE", "")
+    assert cache_root() == Path(tmp_path) / ".cache" / "evalrun"
+    assert cache_folder().is_relative_to(Path(tmp_path) / ".cache" / "evalrun" / "compile")
+    monkeypatch.setenv("EVALRUN_CACHE", str(tmp_path / "mine"))
+    assert cache_root() == tmp_path / "mine"
