@@ -5,7 +5,8 @@ The baseline is an earlier `evalrun bench --json` output (its rows, or a previou
 Rows are matched by config name; each `--fail-on` rule names a metric and the largest change for the
 worse it allows, in percent of the baseline: for tokens/s lower is worse, for times and memory higher
 is worse. A config or metric missing on either side is reported, never a failure (a new config has no
-baseline yet), unless no rule compared anything: that gate is refused (exit 2), not passed. Compare figures from the same machine: the rule is a ratio, the machine is not in it.
+baseline yet), unless no rule compared anything: that gate is refused (exit 2), not passed. Compare figures
+from the same machine: the rule is a ratio, the machine is not in it.
 """
 
 from __future__ import annotations
