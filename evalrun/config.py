@@ -503,20 +503,26 @@ def is_server_engine(engine: str) -> bool:
     return str(engine).startswith(OPENAI_ENGINE_PREFIX)
 
 
+def keep_logits_items(keep_logits: str) -> list[tuple[str, str, int | None, int | None]]:
+    """The ID[@A[-B]] items of a keep_logits spec other than none and all (see KEEP_LOGITS_PATTERN):
+    (the item as written, its prompt id, first step, last step), the steps None where it names none."""
+    items = []
+    for item in keep_logits.split(","):
+        name, _, span = item.partition("@")
+        low, _, high = span.partition("-")
+        items.append((item, name, int(low) if span else None, int(high or low) if span else None))
+    return items
+
+
 def keep_logits_steps(keep_logits: str, prompt_id: str, steps: int) -> list[int]:
     """Which steps of prompt `prompt_id` keep full logits under `keep_logits` (see KEEP_LOGITS_PATTERN)."""
     if keep_logits == "all":
         return list(range(steps))
     if keep_logits == "none":
         return []
-    for item in keep_logits.split(","):
-        name, _, span = item.partition("@")
-        if name != prompt_id:
-            continue
-        if not span:
-            return list(range(steps))
-        low, _, high = span.partition("-")
-        return list(range(int(low), min(steps, int(high or low) + 1)))
+    for _, name, low, high in keep_logits_items(keep_logits):
+        if name == prompt_id:
+            return list(range(steps)) if low is None else list(range(low, min(steps, high + 1)))
     return []
 
 
@@ -542,8 +548,7 @@ def keep_logits_problem(keep_logits: str, steps_by_id: dict[str, int], prompt_se
         return None
     ids = list(steps_by_id)
     named: set[str] = set()
-    for item in keep_logits.split(","):
-        name, _, span = item.partition("@")
+    for item, name, low, high in keep_logits_items(keep_logits):
         if name not in steps_by_id:
             shown = ", ".join(ids[:5]) + (", ..." if len(ids) > 5 else "")
             return (f"keep_logits names prompt {name!r}, which prompt set {prompt_set} lacks; use its ids "
@@ -552,10 +557,9 @@ def keep_logits_problem(keep_logits: str, steps_by_id: dict[str, int], prompt_se
             return f"keep_logits names prompt {name!r} twice; name each prompt once (ID or ID@A-B)"
         named.add(name)
         steps = steps_by_id[name]
-        low, _, high = span.partition("-")
-        if span and (int(high or low) < int(low) or int(high or low) >= steps):
-            return (f"keep_logits={item} asks steps {span} of prompt {name!r}, which runs {steps} steps; ask steps "
-                    f"within 0-{steps - 1} (A <= B)")
+        if low is not None and (high < low or high >= steps):
+            return (f"keep_logits={item} asks steps {item.partition('@')[2]} of prompt {name!r}, which runs {steps} "
+                    f"steps; ask steps within 0-{steps - 1} (A <= B)")
     return None
 
 

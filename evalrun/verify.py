@@ -261,9 +261,10 @@ def _sampling_gate(golden, candidate) -> str | None:
     way = lambda config: (config.temperature, config.seed if config.temperature else None)  # noqa: E731
     if way(golden) == way(candidate):
         return None
-    keep = "temperature=0" if not golden.temperature else f"temperature={golden.temperature:g},seed={golden.seed}"
+    keep = ["temperature=0"] if not golden.temperature else [f"temperature={golden.temperature:g}",
+                                                             f"seed={golden.seed}"]
     return (f"the golden chose its tokens {_sampling(golden)} and the candidate chooses them {_sampling(candidate)}; "
-            f"verify with the golden's ({' '.join('--set ' + part for part in keep.split(','))}), or create a golden "
+            f"verify with the golden's ({' '.join('--set ' + part for part in keep)}), or create a golden "
             "that samples the same way")
 
 
