@@ -16,6 +16,21 @@ from evalrun.cli import main
 
 def pytest_configure(config):
     share_cores_between_workers(os.environ.get("PYTEST_XDIST_WORKER_COUNT"))
+    trust_the_cpus_vector_instruction_sets()
+
+
+def trust_the_cpus_vector_instruction_sets() -> None:
+    """Tell Inductor that the vector instruction sets the CPU reports build here (TORCHINDUCTOR_VEC_ISA_OK=1), in
+    the workers and the processes they start. Without it each process whose Inductor folder is new (each test has a
+    cache folder of its own) first compiles and loads a probe program per instruction set: ten g++ builds and ten
+    Python processes, about 20 s of a 2-core machine, before its first kernel. The per-instruction-set cache test
+    took 192 s with them and 136 s without. It decides only whether Inductor vectorizes at all, which every
+    compiled kernel of the suite then checks by building; it is in no cache key of evalrun's nor in a run's
+    environment fingerprint (not a numerics variable). A value the caller set is kept."""
+    os.environ.setdefault("TORCHINDUCTOR_VEC_ISA_OK", "1")
+    import torch._inductor.config as inductor_config  # read its environment when first imported, maybe before
+
+    inductor_config.cpp.vec_isa_ok = {"1": True, "0": False}.get(os.environ["TORCHINDUCTOR_VEC_ISA_OK"])
 
 
 def share_cores_between_workers(worker_count: str | None) -> int | None:

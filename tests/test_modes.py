@@ -23,7 +23,8 @@ def child_environment(tmp_path, drop: tuple[str, ...] = ()) -> dict[str, str]:
     without Inductor's and Triton's settings (Inductor writes its cache folder into this environment), except the
     compile threads conftest shares out (how many processes compile, not what they compile)."""
     env = {key: value for key, value in os.environ.items()
-           if not key.startswith(("TORCHINDUCTOR", "TRITON", *drop)) or key == "TORCHINDUCTOR_COMPILE_THREADS"}
+           if not key.startswith(("TORCHINDUCTOR", "TRITON", *drop))
+           or key in ("TORCHINDUCTOR_COMPILE_THREADS", "TORCHINDUCTOR_VEC_ISA_OK")}
     env.update(EVALRUN_CACHE=str(tmp_path / "cache"), EVALRUN_STORE=str(tmp_path / "store.db"))
     return env
 

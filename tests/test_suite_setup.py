@@ -55,6 +55,21 @@ def test_this_worker_runs_with_the_thread_count_its_children_inherit():
         assert inductor_config.compile_threads == int(os.environ["TORCHINDUCTOR_COMPILE_THREADS"])
 
 
+def test_the_suite_and_the_processes_it_starts_skip_inductors_instruction_set_probes(tmp_path):
+    """conftest's TORCHINDUCTOR_VEC_ISA_OK=1 reaches Inductor here and in a child process started with the modes
+    tests' environment (which drops Inductor's other variables)."""
+    import subprocess
+    import sys
+
+    from test_modes import child_environment
+
+    assert inductor_config.cpp.vec_isa_ok is True
+    read = "import torch._inductor.config as c; print(c.cpp.vec_isa_ok)"
+    for env in (os.environ, child_environment(tmp_path)):
+        done = subprocess.run([sys.executable, "-c", read], env=env, capture_output=True, text=True, timeout=120)
+        assert done.stdout.strip() == "True", done.stderr[-2000:]
+
+
 def test_suite_cost_spies_count_each_tests_builds_and_processes(tmp_path):
     """benchmarks/suite_cost.py's spies, for real: its g++ builds a file twice and one other under two tests, a
     Python child exits; the summary charges each test its builds, g++ seconds and process, and counts the
