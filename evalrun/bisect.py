@@ -9,11 +9,11 @@ config is good: `bits` (every logits digest and token equal to GOOD's run), `ver
 verdict is not `changed`), `cmd:...` (a shell command: exit 0 good, 125 skip, else bad).
 
 Stage 1, the knob ladder, is a search over data (`bisect_search`, pure, tested with fake predicates):
-binary search over prefixes of the ladder (GOOD with the first n knobs of BAD) for the first bad one,
-assuming BAD bad; a prefix that is not a valid config (or that the predicate skips) is stepped over,
+BAD judged first (GOOD and BAD agreeing under the predicate is no culprit: a predicate need not be monotone),
+then a binary search over prefixes of the ladder (GOOD with the first n knobs of BAD) for the first bad one; a prefix that is not a valid config (or that the predicate skips) is stepped over,
 so the culprit may be a group of knobs that only change together. Then the culprit alone on GOOD:
 bad -> one culprit; good -> an interaction, minimised by delta debugging (ddmin) over the earlier
-knobs. One culprit among K knobs takes at most ceil(log2 K) + 2 runs, GOOD's included. Every probe is
+knobs. One culprit among K knobs takes at most ceil(log2 K) + 3 runs, GOOD's and BAD's included. Every probe is
 an ordinary stored run (`bisect_probe`), made in a fresh process unless asked otherwise, and reused
 when the store already holds it (an interrupted bisect resumes). Stages 2-4 (`bisect_stages`) look
 inside the culprit: the compiler pass, the layer and sub-block, the prompt and step.
@@ -146,7 +146,7 @@ class BisectResult:
     probes: list[Any]  # bisect_probe.ProbeReport
     culprit: Culprit
     runs: int  # stage 1's runs (made or reused), GOOD's included
-    bound: int  # ceil(log2 K) + 2: the most stage 1 takes for one culprit among K knobs
+    bound: int  # ceil(log2 K) + 3: the most stage 1 takes for one culprit among K knobs
     culprit_run: str | None = None  # the stored run of GOOD with the culprit knobs (stages 2-4 examine it)
     culprit_config: dict[str, Any] | None = None
     compiler: Any = None  # bisect_stages.CompilerReport

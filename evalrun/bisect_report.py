@@ -39,7 +39,7 @@ def _stage_one(result: BisectResult) -> list[str]:
     reused = f", {result.reused} reused from the store" if result.reused else ""
     ladder = "; ".join(knob.describe() for knob in result.knobs) or "none"
     return [f"stage 1, knob ladder: {len(result.knobs)} knob(s) differ: {ladder}",
-            f"  {result.runs} run(s){reused}; bound for one culprit: ceil(log2 K) + 2 = {result.bound}",
+            f"  {result.runs} run(s){reused}; bound for one culprit: ceil(log2 K) + 3 = {result.bound}",
             f"  {headline(result)}"]
 
 

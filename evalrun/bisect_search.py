@@ -160,19 +160,21 @@ def ddmin(items: list[int], fails: Callable[[list[int]], bool]) -> list[int]:
 
 def search_knobs(count: int, test: Callable[[frozenset[int]], Outcome]) -> Culprit:
     """Stage 1 over knob indices 0..count-1; `test(indices)` judges GOOD with those knobs of BAD
-    (memoise it: the search may ask for one set twice). GOOD itself is not tested here."""
+    (memoise it: the search may ask for one set twice). GOOD itself is not tested here; BAD is, first: a
+    predicate need not be monotone (batch_invariant=true undoes what batch_size=4 changes; a cmd: predicate is
+    anything), so a knob that turns GOOD bad alone is no culprit when BAD, with every knob, is good."""
+    everything = test(frozenset(range(count)))
+    if everything == "skip":
+        return Culprit("none", [], "the predicate could not judge BAD (it skipped it): nothing to bisect")
+    if everything != "bad":
+        return Culprit("none", [], "GOOD and BAD do not differ under the predicate")
     prefix = lambda n: test(frozenset(range(n)))  # noqa: E731
     lo, hi = first_bad_prefix(count, prefix)
     group = list(range(lo, hi))
-    alone = test(frozenset(group))  # when lo == 0 this is prefix hi itself
+    alone = test(frozenset(group))  # when lo == 0 this is prefix hi itself (BAD when hi == count)
     if alone == "bad":
         note = "" if len(group) == 1 else "these knobs only change together (configs between them are not valid)"
         return Culprit("knob", group, note)
-    last = alone if lo == 0 else prefix(hi)  # lo == 0: alone was prefix hi; else BAD itself, tested only now
-    if last == "skip":
-        return Culprit("none", [], "the predicate could not judge BAD (it skipped it): nothing to bisect")
-    if last != "bad":
-        return Culprit("none", [], "GOOD and BAD do not differ under the predicate")
     minimal = ddmin(list(range(lo)), lambda subset: test(frozenset(subset) | frozenset(group)) == "bad")
     note = "each knob alone keeps GOOD good; together they turn it bad"
     if alone == "skip":
@@ -181,5 +183,6 @@ def search_knobs(count: int, test: Callable[[frozenset[int]], Outcome]) -> Culpr
 
 
 def run_bound(count: int) -> int:
-    """The most runs stage 1 takes for one culprit among `count` knobs, GOOD's run included."""
-    return math.ceil(math.log2(count)) + 2 if count > 1 else 2
+    """The most runs stage 1 takes for one culprit among `count` knobs: GOOD, BAD, the prefixes' binary search
+    and the culprit's knobs alone."""
+    return math.ceil(math.log2(count)) + 3 if count > 1 else 2

@@ -105,7 +105,7 @@ def test_one_culprit_among_k_knobs_within_the_bound(count):
         test, asked = _counting(lambda s, c=culprit: c in s)
         found = search_knobs(count, test)
         assert (found.kind, found.indices) == ("knob", [culprit])
-        assert len(set(asked)) + 1 <= run_bound(count) == (math.ceil(math.log2(count)) + 2 if count > 1 else 2)
+        assert len(set(asked)) + 1 <= run_bound(count) == (math.ceil(math.log2(count)) + 3 if count > 1 else 2)
 
 
 def test_an_interaction_is_minimised_to_its_knobs():
@@ -118,12 +118,22 @@ def test_an_interaction_is_minimised_to_its_knobs():
 
 def test_no_difference_and_skipped_prefixes():
     assert search_knobs(4, lambda s: "good").kind == "none"
+    assert search_knobs(4, lambda s: "skip" if len(s) == 4 else "bad").kind == "none"  # BAD not judged: nothing
     outcomes = {2: "skip", 3: "skip"}  # prefixes 2 and 3 are not valid configs: knobs 1..3 change together
     lo, hi = first_bad_prefix(5, lambda n: outcomes.get(n, "good" if n < 4 else "bad"))
     assert (lo, hi) == (1, 4)
     found = search_knobs(5, lambda s: "skip" if len(s) in (2, 3) and s == frozenset(range(len(s)))
                          else "bad" if 3 in s else "good")
     assert found.kind == "knob" and 3 in found.indices
+
+
+def test_a_knob_bad_alone_is_no_culprit_when_bad_with_every_knob_is_good():
+    """A predicate need not be monotone: knob 1 alone turns GOOD bad, knob 0 undoes it, BAD (both) is good. BAD is
+    judged first, and the answer is no culprit, not knob 1."""
+    test, asked = _counting(lambda s: s == {1})
+    found = search_knobs(2, test)
+    assert found.kind == "none" and "do not differ" in found.note
+    assert asked == [frozenset({0, 1})]  # nothing else run once BAD passes
 
 
 # ---------------------------------------------------------------- whole bisects with planted faults
@@ -136,7 +146,7 @@ def test_a_fault_in_one_layers_mlp_switched_on_by_one_inductor_knob_is_found(sto
                      prompts=str(write_prompts(CAPITALS)))
     assert len(result.knobs) == 5 and result.culprit.kind == "knob"
     assert [k.name for k in result.culprit_knobs] == ["epilogue_fusion"]
-    assert result.runs == 4 and result.bound == 5  # GOOD, prefixes 2 and 1, the knob alone
+    assert result.runs == 5 and result.bound == 6  # GOOD, BAD, prefixes 2 and 1, the knob alone
     assert (result.layer.first_out.layer, result.layer.first_out.block) == (1, "MLP")
     assert result.layer.first_bits.name == "layer 1 MLP"
     assert all(p.bits_equal for p in result.layer.points[:3])
@@ -158,7 +168,7 @@ def test_a_fault_needing_two_knobs_is_reported_as_an_interaction(store_path):
 def test_resume_reuses_the_stored_probes_and_diff_works_between_them(store_path, cli):
     hook = fault_hook(Fault("scale", 0.05, layer=1), only=lambda p: p.config.tf32)
     first = _bisect(store_path, "O0", NEUTRAL, hook, stages=())
-    assert [k.name for k in first.culprit_knobs] == ["tf32"] and first.reused == 0 and first.runs == first.bound == 5
+    assert [k.name for k in first.culprit_knobs] == ["tf32"] and first.reused == 0 and first.runs == first.bound == 6
     second = _bisect(store_path, "O0", NEUTRAL, hook, stages=())
     assert second.session == first.session and second.reused == second.runs == first.runs
     assert [p.run_id for p in second.probes] == [p.run_id for p in first.probes]
@@ -179,13 +189,25 @@ def test_good_equal_to_bad_under_bits_says_so(cli, store_path):
     assert data["runs"] == len(data["probes"]) and all(p["outcome"] == "good" for p in data["probes"])
 
 
+def test_a_bad_that_agrees_with_good_names_no_culprit_though_one_of_its_knobs_alone_differs(cli, store_path):
+    """batch_invariant=true keeps batch 4's bits equal to batch 1's; batch_size=4 alone does not. BAD
+    (batch_invariant=true, batch_size=4) has GOOD's bits: no culprit (it named batch_size 1 -> 4)."""
+    code, out, err = cli("bisect", "--good", "batch_size=1", "--bad", "batch_invariant=true,batch_size=4",
+                         "--in-process", "--json", "--quiet", "--model", "random:tiny", "--prompts", "smoke",
+                         "--max-new-tokens", "4", "--store", str(store_path), "--skip", "compiler", "--skip", "layer")
+    assert code == 0, err
+    data = json.loads(out)
+    assert data["culprit"]["kind"] == "none" and "do not differ" in data["culprit"]["note"], data["culprit"]
+    assert [p["outcome"] for p in data["probes"]] == ["good", "good"] and data["runs"] == 2  # GOOD, BAD
+
+
 def test_verdict_predicate_finds_the_knob_that_makes_it_wrong(golden_factory, store_path):
     directory = golden_factory()
     hook = fault_hook(Fault("scale", 0.25), only=lambda p: p.config.tf32)  # never the function check's config
     request = BisectRequest("golden:g", "golden:g,deterministic=true,tf32=true", "verdict", golden_dir=directory,
                             store_path=store_path, in_process=True, hook=hook, stages=("compiler",))
     result = run_bisect(request)
-    assert [k.name for k in result.culprit_knobs] == ["tf32"] and (result.runs, result.bound) == (2, 3)
+    assert [k.name for k in result.culprit_knobs] == ["tf32"] and (result.runs, result.bound) == (3, 4)  # GOOD, BAD, tf32
     assert [p.note.split(":")[0] for p in result.probes[:2]] == ["verdict identical", "verdict changed"]
     assert result.step.verdict_reason.startswith("execution check")
     assert result.compiler.status == "not run" and "not a compilation knob" in result.compiler.summary
@@ -219,7 +241,7 @@ def test_cli_with_a_command_predicate_in_fresh_processes(cli, store_path, tmp_pa
     assert "| probe | knobs of BAD on GOOD |" in out and "<!--" not in out
     code, out, err = cli(*args, "--json")
     data = json.loads(out)
-    assert code == 0 and data["runs"] == data["bound"] == 3 and all(p["reused"] for p in data["probes"])
+    assert code == 0 and data["runs"] == data["bound"] == 4 and all(p["reused"] for p in data["probes"])
     assert data["compiler"]["status"] == "not run" and data["layer"]["first_out"] is None
 
 
