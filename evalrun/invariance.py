@@ -10,7 +10,8 @@ Per prompt: unique token sequences and logits digests over every run, the first 
 digest differs from the reference (alone, first repeat), the first step whose token differs, and the
 reference's top1-top2 margin there (a flip at a near-tie reads as such), and the cells that differ.
 Summary: batch-invariant when no cell adds a variant the alone cell does not have; run-to-run
-deterministic when every cell's repeats agree bit for bit.
+deterministic when every cell's repeats agree bit for bit. What was not measured is said so (null in JSON):
+determinism with one repeat, batch invariance with no batch size but 1; asking for neither is refused.
 """
 
 from __future__ import annotations
@@ -67,8 +68,8 @@ class InvarianceReport:
     repeats: int
     runs: list[dict[str, Any]]  # per run: cell, batch_size, position, repeat, run_id, tokens_per_s
     prompts: list[PromptInvariance]
-    batch_invariant: bool
-    run_to_run_deterministic: bool
+    batch_invariant: bool | None  # None: not measured (no batch size but 1)
+    run_to_run_deterministic: bool | None  # None: not measured (one repeat)
     seconds: float = 0.0
 
     def as_dict(self) -> dict[str, Any]:
@@ -121,6 +122,9 @@ def measure_invariance(config: RunConfig, batch_sizes: list[int], positions: lis
     started = time.perf_counter()
     effective = effective_config(config)
     cells = cells_for(batch_sizes, positions)
+    if len(cells) == 1 and repeats == 1:
+        raise ConfigError("invariance: batch size 1 alone, run once, compares nothing; add a batch size "
+                          "(--batch-sizes 1,4,16) or repeats (--repeats 2)")
     prompt_count = len(read_records(resolve_path(effective.prompts)))  # the bound, before any model loads
     rows_computed = repeats * prompt_count * sum(cell.batch_size for cell in cells)
     if rows_computed > MAX_ROWS:
@@ -139,8 +143,9 @@ def measure_invariance(config: RunConfig, batch_sizes: list[int], positions: lis
                          label=f"invariance {cell.name} repeat {repeat + 1}")
             runs.append((cell, repeat, run))
     prompts = analyse([(cell.name, run.results) for cell, _, run in runs])
-    deterministic = _deterministic([(cell.name, run.results) for cell, _, run in runs])
-    invariant = all(not p.differs_in for p in prompts) if deterministic else _no_new_variants(runs)
+    deterministic = _deterministic([(cell.name, run.results) for cell, _, run in runs]) if repeats > 1 else None
+    invariant = None if len(cells) == 1 else (
+        _no_new_variants(runs) if deterministic is False else all(not p.differs_in for p in prompts))
     rows = [{"cell": cell.name, "batch_size": cell.batch_size, "position": cell.position, "repeat": repeat + 1,
              "run_id": run.run_id, "tokens_per_s": run.timings["tokens_per_s"]} for cell, repeat, run in runs]
     return InvarianceReport(base.config.as_dict(), batch_sizes, positions, repeats, rows, prompts, invariant,

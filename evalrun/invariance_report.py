@@ -6,8 +6,8 @@ from .invariance import InvarianceReport, PromptInvariance
 from .report import config_line, markdown_cell, table
 
 
-def _yes(value: bool) -> str:
-    return "yes" if value else "no"
+def _yes(value: bool | None, unmeasured: str) -> str:
+    return f"not measured ({unmeasured})" if value is None else "yes" if value else "no"
 
 
 def _config(report: InvarianceReport) -> str:
@@ -15,8 +15,8 @@ def _config(report: InvarianceReport) -> str:
 
 
 def summary_line(report: InvarianceReport) -> str:
-    return (f"batch-invariant: {_yes(report.batch_invariant)}; "
-            f"run-to-run deterministic: {_yes(report.run_to_run_deterministic)}")
+    return (f"batch-invariant: {_yes(report.batch_invariant, 'no batch size but 1')}; "
+            f"run-to-run deterministic: {_yes(report.run_to_run_deterministic, 'one repeat')}")
 
 
 def _step(step: int) -> str:

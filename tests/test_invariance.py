@@ -96,7 +96,8 @@ def test_cli_markdown_names_the_summary_and_escapes_prompt_ids(cli, tiny_args):
     code, out, err = cli("invariance", *tiny_args, "--batch-sizes", "1,4", "--positions", "first", "--repeats", "1",
                          "--set", "batch_invariant=true", "--format", "markdown", "--quiet")
     assert code == 0, err
-    assert out.startswith("### evalrun invariance: batch-invariant: yes; run-to-run deterministic: yes")
+    assert out.startswith("### evalrun invariance: batch-invariant: yes; run-to-run deterministic: not measured "
+                          "(one repeat)")
     assert "| chat\\-hello | 1 | 1 |" in out
 
 
@@ -106,6 +107,21 @@ def test_cli_markdown_names_the_summary_and_escapes_prompt_ids(cli, tiny_args):
     (("--set", "batch_invariant=maybe"), "batch_invariant"),
     (("--batch-sizes", "1_000"), "--batch-sizes"), (("--batch-sizes", "\u0663"), "--batch-sizes"),
     (("--batch-sizes", "4096", "--repeats", "100"), "limit 20,000"),  # a time bomb, refused before any run
+    (("--batch-sizes", "1", "--repeats", "1"), "compares nothing"),  # it said deterministic and invariant: yes
 ])
 def test_cli_bad_input_is_one_line_and_exit_2(cli, tiny_args, options, needle):
     one_line_exit_2(cli("invariance", *tiny_args, *options, "--quiet"), needle)
+
+
+def test_what_one_repeat_or_no_batch_cannot_show_is_not_measured_not_yes(cli, tiny_args):
+    """One repeat cannot show run-to-run determinism and batch size 1 alone cannot show batch invariance: each is
+    null in JSON and "not measured" in the summary (both said yes, measuring nothing)."""
+    code, out, err = cli("invariance", *tiny_args, "--batch-sizes", "1,2", "--positions", "first", "--repeats", "1",
+                         "--json", "--quiet")
+    assert code == 0, err
+    data = json.loads(out)
+    assert data["run_to_run_deterministic"] is None and data["batch_invariant"] is False  # the engine's batch bits
+    code, out, err = cli("invariance", *tiny_args, "--batch-sizes", "1", "--repeats", "2", "--quiet")
+    assert code == 0, err
+    assert out.splitlines()[0] == ("batch-invariant: not measured (no batch size but 1); "
+                                   "run-to-run deterministic: yes")
