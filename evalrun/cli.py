@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import dataclasses
 import errno
+import importlib.util
 import os
 import signal
 import sqlite3
@@ -165,6 +166,27 @@ def writable_output(path: Path | None, what: str, *taken: Path | None) -> None:
             or _is_sqlite_file(path):
         raise OutputError(f"{what} {path} is a store or a golden (SQLite); writing there would destroy it: "
                           f"pass another path")
+    _try_opening_for_writing(path, what)
+
+
+def plot_output(path: Path | None) -> None:
+    """--plot checked before any run: a writable path, and matplotlib to draw with."""
+    writable_output(path, "--plot")
+    if path is not None and importlib.util.find_spec("matplotlib") is None:
+        raise OutputError("--plot needs matplotlib; install it with pip install 'evalrun[plot]', or drop --plot")
+
+
+def _try_opening_for_writing(path: Path, what: str) -> None:
+    """Open `path` for writing as the command will, neither truncating nor keeping a file it made: a folder's
+    permissions do not tell a dangling link, a read-only file or a file system that refuses new files
+    (/proc), which failed only after the whole run."""
+    existed = os.path.lexists(path)
+    try:
+        os.close(os.open(path, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644))
+    except OSError as error:
+        raise OutputError(f"{what} {path}: cannot write there ({error.strerror}); pass another path") from None
+    if not existed:
+        os.unlink(path)
 
 
 def _is_sqlite_file(path: Path) -> bool:
@@ -437,9 +459,17 @@ def golden_verify(name, directory, strict, output_format, as_json, junit_path, s
         return
     verdict = outcome
     click.echo(verdict_report.render(verdict, chosen))
-    _github_outputs(verdict, name, chosen)
+    unwritten = _github_outputs(verdict, name, chosen)
     if junit_path:
-        junit_path.write_text(verdict_report.junit(verdict, strict))
+        try:
+            junit_path.write_text(verdict_report.junit(verdict, strict))
+        except OSError as error:
+            unwritten.append(f"--junit {junit_path} ({error.strerror})")
+    if unwritten:  # the verdict stands: its exit code when it has one, else 2 (a report asked for is missing)
+        problem = f"golden {name}: {verdict.verdict}, but could not write {'; '.join(unwritten)}"
+        if not verdict.exit_code:
+            raise OutputError(f"{problem}; pass a writable path")
+        click.echo(f"evalrun: warning: {problem}", err=True)
     if verdict.exit_code:
         raise Exit(verdict.exit_code, f"evalrun: golden {name}: {verdict.verdict}: {verdict.causes[0]}"
                    if verdict.exit_code == EXIT_UNUSABLE else None)
@@ -458,17 +488,22 @@ def _kept_candidate(store_path: Path | None, stored: bool, candidate, name: str)
     return KeptCandidate(store_path, f"verify:{name}") if leader() else None
 
 
-def _github_outputs(verdict, name: str, output_format: str) -> None:
+def _github_outputs(verdict, name: str, output_format: str) -> list[str]:
     """On GitHub Actions: the Markdown verdict in the step summary, an annotation for drift/changed (text only:
-    stdout stays one JSON or Markdown document otherwise)."""
+    stdout stays one JSON or Markdown document otherwise). Returns what could not be written."""
     from . import ci_output, verdict_report
 
-    ci_output.append_step_summary(verdict_report.markdown(verdict))
+    unwritten = []
+    try:
+        ci_output.append_step_summary(verdict_report.markdown(verdict))
+    except OSError as error:
+        unwritten.append(f"GITHUB_STEP_SUMMARY {ci_output.step_summary_path()} ({error.strerror})")
     if ci_output.on_github_actions() and output_format == "text":
         line = ci_output.annotation(verdict.verdict, f"evalrun golden {name}",
                                     f"{verdict.verdict}: {verdict.causes[0] if verdict.causes else ''}")
         if line:
             click.echo(line)
+    return unwritten
 
 
 @golden.command("list")
@@ -528,7 +563,7 @@ def diff(run_a, run_b, store_path, golden_dir, prompt_ids, output_format, as_jso
     from .diff import diff_refs
     from .models import decoder_for
 
-    writable_output(plot_path, "--plot")
+    plot_output(plot_path)
     result = diff_refs(run_a, run_b, store_path or default_store_path(), golden_dir, tuple(prompt_ids), decoder_for)
     click.echo(diff_report.render(result, chosen_format(output_format, as_json)))
     if plot_path:
@@ -676,7 +711,7 @@ def bisect(good_spec, bad_spec, until, golden_name, golden_dir, store_path, skip
     from . import bisect_report
     from .bisect import STAGES, BisectRequest, run_bisect
 
-    writable_output(plot_path, "--plot")
+    plot_output(plot_path)
     if plot_path and "layer" in skipped:
         raise click.UsageError("--plot draws stage 3's per-layer errors; drop --skip layer or --plot")
     config_source, flags, sets = run_flags(kwargs)
@@ -686,10 +721,12 @@ def bisect(good_spec, bad_spec, until, golden_name, golden_dir, store_path, skip
                             progress=None if quiet else (lambda line: click.echo(f"bisect: {line}", err=True)))
     result = run_bisect(request)
     click.echo(bisect_report.render(result, chosen_format(output_format, as_json)))
-    if plot_path and result.layer is not None:
+    if plot_path and result.layer is not None and result.layer.points:
         bisect_report.plot(result, plot_path)
-    elif plot_path:
-        click.echo(f"bisect: no plot written to {plot_path}: there is no culprit to look into", err=True)
+    elif plot_path:  # the report stands (a culprit exits 0): why there is no plot is a warning
+        why = ("there is no culprit to look into" if result.layer is None else
+               f"the layer stage has no per-layer errors ({result.layer.summary})")
+        click.echo(f"bisect: no plot written to {plot_path}: {report.printable(why)}", err=True)
 
 
 # ---------------------------------------------------------------- the one place errors become exit codes

@@ -256,6 +256,19 @@ def test_text_report_and_plot(cli, store_path, tmp_path):
     assert plot.read_bytes()[:4] == b"\x89PNG"
 
 
+def test_a_culprit_the_layer_stage_cannot_look_into_is_reported_with_a_warning_not_exit_2(cli, store_path, tmp_path):
+    """The engine knob (the README's own example): stage 3 has no per-layer errors for transformers' forward. The
+    culprit's report exits 0 and says why no plot was written (it printed the report, then exit 2)."""
+    plot = tmp_path / "layers.png"
+    code, out, err = cli("bisect", "--good", "engine=evalrun", "--bad", "engine=transformers", "--in-process",
+                         "--quiet", "--model", "random:tiny", "--prompts", "smoke", "--max-new-tokens", "3", "--store",
+                         str(store_path), "--plot", str(plot), "--skip", "compiler")
+    assert code == 0, err
+    assert "culprit: engine evalrun -> transformers" in out
+    assert err.startswith(f"bisect: no plot written to {plot}: the layer stage has no per-layer errors")
+    assert len(err.strip().splitlines()) == 1 and not plot.exists()
+
+
 def test_forward_states_follow_the_forward_bit_for_bit():
     """The layer stage's states are the forward's own: the last MLP state, through the head, gives forward's logits."""
     import torch

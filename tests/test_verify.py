@@ -335,3 +335,26 @@ def test_an_unusable_store_is_refused_before_the_candidate_runs(cli, golden_fact
     (tmp_path / "not-sqlite.db").write_text("hello")
     one_line_exit_2(cli("golden", "verify", "g", "--dir", str(golden_factory()), "--quiet",
                         "--store", str(tmp_path / "not-sqlite.db")), "not-sqlite.db")
+
+
+def test_an_output_that_cannot_be_written_fails_before_the_run_and_never_hides_the_verdict(cli, o0, tmp_path,
+                                                                                            monkeypatch):
+    """--junit through a dangling link passed the folder check and failed after the whole verify, turning its
+    verdict (changed: exit 1, identical: exit 0) into exit 2. It is refused before any model runs now; a report
+    file that fails after the verdict (the step summary) keeps a verdict's exit code, and is exit 2 only where the
+    verdict has none."""
+    from conftest import one_line_exit_2
+
+    dangling = tmp_path / "r.xml"
+    dangling.symlink_to(tmp_path / "no-folder" / "r.xml")
+    verify = ("golden", "verify", "g", "--dir", str(o0), "--quiet")
+    code, out, err = cli(*verify, "--junit", str(dangling))
+    one_line_exit_2((code, out, err), "--junit", "cannot write there")
+    assert out == "" and not (tmp_path / "no-folder").exists()  # refused before the verify ran
+    monkeypatch.setenv("GITHUB_STEP_SUMMARY", str(tmp_path))  # a folder: appending to it fails
+    code, out, err = cli(*verify, "--model", "random:smollm2")
+    assert code == 1 and "CHANGED" in out, err  # the verdict's exit code stands
+    assert err.strip().startswith("evalrun: warning: golden g: changed, but could not write GITHUB_STEP_SUMMARY")
+    code, out, err = cli(*verify)
+    one_line_exit_2((code, out, err), "identical, but could not write GITHUB_STEP_SUMMARY")
+    assert "IDENTICAL" in out
