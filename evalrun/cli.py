@@ -433,6 +433,9 @@ def golden_verify(name, directory, strict, output_format, as_json, junit_path, s
     opened, shard = open_golden(name, directory), parsed_shard(shard_text)
     if from_shards and shard is not None:
         raise click.UsageError("--from-shards judges the stored shards; drop --shard")
+    if junit_path and shard is not None and not shard.whole:
+        raise click.UsageError("a --shard job stores its runs and gives no verdict; pass --junit to the "
+                               "--from-shards verify that judges them")
     candidate = candidate_config(opened, *run_flags(kwargs))
     if is_server_engine(candidate.engine):  # a server computes: one process, no shards (server_verify)
         if shard is not None or from_shards:
@@ -448,9 +451,12 @@ def golden_verify(name, directory, strict, output_format, as_json, junit_path, s
             outcome = dataclasses.replace(outcome, candidate_run={"run_id": keep.run_id, "store": str(keep.path)})
     chosen = chosen_format(output_format, as_json)
     if isinstance(outcome, ShardStored):
+        stored = f"{outcome.prompts} prompts run, stored in {outcome.store}"
         click.echo(report.to_json(outcome.as_dict()) if chosen == "json" else
-                   f"golden {name} shard {outcome.shard}: {outcome.prompts} prompts run, stored in {outcome.store}\n"
-                   f"next: {outcome.next_steps}")
+                   f"### evalrun golden {report.markdown_cell(name)} shard {outcome.shard}: "
+                   f"{report.markdown_cell(stored)}\n\nnext: {report.markdown_cell(outcome.next_steps)}"
+                   if chosen == "markdown" else
+                   f"golden {name} shard {outcome.shard}: {stored}\nnext: {outcome.next_steps}")
         return
     code = broadcast_int(outcome.exit_code if outcome is not None else 0)  # every rank exits as rank 0 does
     if outcome is None:

@@ -385,3 +385,17 @@ def test_tensor_parallel_on_two_gpus_with_nccl(tmp_path, level):
     run = json.loads(done.stdout)
     assert run["evidence"]["tensor_parallel"]["ranks"] == 2 and run["evidence"]["fallbacks"] == []
     assert len(run["timings"]["ranks_peak_memory"]) == 2
+
+
+def test_a_shard_job_refuses_junit_and_speaks_markdown(cli, tmp_path, golden_dir):
+    """A --shard job has no verdict: --junit there wrote nothing and said nothing (refused now; the --from-shards
+    verify writes it), and --format markdown printed text."""
+    from conftest import one_line_exit_2
+
+    verify = ["golden", "verify", "tiny", *TINY, "--dir", str(golden_dir), "--shard", "0/2", "--store",
+              str(tmp_path / "s0.db")]
+    one_line_exit_2(cli(*verify, "--junit", str(tmp_path / "j.xml")), "--from-shards")
+    assert not (tmp_path / "s0.db").exists()
+    code, out, err = cli(*verify, "--format", "markdown")
+    assert code == 0, err
+    assert out.startswith("### evalrun golden tiny shard 0/2: ") and "\n\nnext: " in out
