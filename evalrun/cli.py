@@ -182,7 +182,7 @@ def _try_opening_for_writing(path: Path, what: str) -> None:
     (/proc), which failed only after the whole run."""
     existed = os.path.lexists(path)
     try:
-        os.close(os.open(path, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644))
+        os.close(os.open(path, os.O_WRONLY | os.O_CREAT | os.O_APPEND | os.O_NONBLOCK, 0o644))  # a FIFO: no wait
     except OSError as error:
         raise OutputError(f"{what} {path}: cannot write there ({error.strerror}); pass another path") from None
     if not existed:
@@ -190,6 +190,8 @@ def _try_opening_for_writing(path: Path, what: str) -> None:
 
 
 def _is_sqlite_file(path: Path) -> bool:
+    if not path.is_file():  # reading a FIFO would wait for a writer
+        return False
     try:
         with open(path, "rb") as handle:
             return handle.read(16) == b"SQLite format 3\x00"

@@ -2,6 +2,7 @@
 forced decoding, the function check, the execution check, and planted faults."""
 
 import json
+import os
 import shutil
 
 import pytest
@@ -351,6 +352,9 @@ def test_an_output_that_cannot_be_written_fails_before_the_run_and_never_hides_t
     code, out, err = cli(*verify, "--junit", str(dangling))
     one_line_exit_2((code, out, err), "--junit", "cannot write there")
     assert out == "" and not (tmp_path / "no-folder").exists()  # refused before the verify ran
+    fifo = tmp_path / "fifo.xml"
+    os.mkfifo(fifo)  # nobody reads it: checking it waited forever, as writing it would after the verify
+    one_line_exit_2(cli(*verify, "--junit", str(fifo)), "--junit", "cannot write there")
     monkeypatch.setenv("GITHUB_STEP_SUMMARY", str(tmp_path))  # a folder: appending to it fails
     code, out, err = cli(*verify, "--model", "random:smollm2")
     assert code == 1 and "CHANGED" in out, err  # the verdict's exit code stands
