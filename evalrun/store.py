@@ -10,8 +10,8 @@ Tables
 Writes happen in explicit `BEGIN IMMEDIATE` transactions with a busy timeout, in WAL mode, so
 several processes can write one store at once and a killed process leaves it consistent. Read-only
 commands open the file read-only (no migration, no journal switch); goldens are opened immutable,
-so nothing is ever written beside them. Every array read is untrusted input: dtype, shape, size and
-compressed size are validated before any byte is decoded.
+so nothing is ever written beside them. Every array read is untrusted input: its stored bytes must match
+their stored digest, and dtype, shape, size and compressed size are validated before any byte is decoded.
 """
 
 from __future__ import annotations
@@ -392,8 +392,8 @@ class Store:
         return [self._record(row) for row in rows]
 
     def load_results(self, run_id: str, names: tuple[str, ...] | None = None) -> list[PromptResult]:
-        """All prompt results of a run, with their arrays (all, or only `names`), each one validated.
-        Declared sizes are checked against `max_array_bytes` each and `max_run_bytes` together before any
+        """All prompt results of a run, with their arrays (all, or only `names`), each one validated: its
+        stored bytes against the digest stored beside them, then dtype, shape and size. Declared sizes are checked against `max_array_bytes` each and `max_run_bytes` together before any
         array is decoded, so a file that claims huge arrays costs no memory."""
         results = {}
         self._check_declared_sizes(run_id, names)
@@ -410,8 +410,9 @@ class Store:
                 if names is None or row["name"] in names:
                     if row["prompt_index"] not in results:
                         raise ValueError(f"array {row['name']!r} belongs to no result")
+                    verify_digest(row)  # the bytes as read, one row at a time, before anything is decoded
                     results[row["prompt_index"]].arrays[str(row["name"])] = decode_array_row(row)
-        except (TypeError, ValueError, KeyError, RecursionError, sqlite3.DatabaseError) as error:
+        except (StoreError, TypeError, ValueError, KeyError, RecursionError, sqlite3.DatabaseError) as error:
             first = "JSON nested too deeply" if isinstance(error, RecursionError) else (
                 str(error).splitlines() or [type(error).__name__])[0][:200]
             raise StoreError(f"{self.path}: run {run_id[:12]} is damaged ({first}); "
@@ -574,6 +575,15 @@ def declared_shape(row: dict[str, Any]) -> tuple[list[int], int]:
         raise StoreError(f"array {name!r} has shape {str(row.get('shape'))[:60]!r}; expected a list of up to "
                          f"{MAX_DIMENSIONS} sizes")
     return shape, int(np.prod(shape, dtype=object)) * np.dtype(row["dtype"]).itemsize
+
+
+def verify_digest(row: dict[str, Any]) -> None:
+    """An array row's stored bytes against the digest stored beside them (schema 2): a flipped bit, or bytes
+    edited without their digest, is damage (StoreError), never a value a comparison reads."""
+    data = row.get("data")
+    if not isinstance(data, bytes) or hash_bytes(data) != row.get("digest"):
+        raise StoreError(f"array {row.get('name')!r} of prompt {row.get('prompt_index')}: bytes do not match "
+                         "their digest")
 
 
 def decode_array_row(row: dict[str, Any], max_bytes: int = MAX_ARRAY_BYTES) -> np.ndarray:

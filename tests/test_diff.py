@@ -141,3 +141,35 @@ def test_a_shorter_run_with_the_same_tokens_is_not_called_different(cli, tiny_ar
     assert code == 0 and "same 3, one run longer" in out and " differ " not in out
     data = json.loads(cli("diff", short, long, "--store", tiny_args[-1], "--format", "json")[1])
     assert all(p["first_divergent_step"] == 3 and not p["tokens_identical"] for p in data["prompts"])
+
+
+def _damage(store_path, run_id, statement, *values):
+    import sqlite3
+
+    with sqlite3.connect(store_path) as conn:
+        conn.execute(statement.replace("RUN", "?"), [*values, run_id])
+    conn.close()
+
+
+def _flip_a_bit(data: bytes) -> bytes:
+    flipped = bytearray(data)
+    flipped[5] ^= 0x01
+    return bytes(flipped)
+
+
+def test_diff_refuses_array_bytes_that_do_not_match_their_digest(cli, tiny_args):
+    """A flipped bit in a stored array (its digest left as written) is damage, never a difference: diff exits 2
+    naming the run and `store check`, rather than report digest-unequal steps between bit-identical runs."""
+    import sqlite3
+
+    a, b = _run(cli, tiny_args), _run(cli, tiny_args)
+    with sqlite3.connect(tiny_args[-1]) as conn:
+        data = conn.execute("SELECT data FROM arrays WHERE run_id = ? AND prompt_index = 0 AND name = 'digests'",
+                            [b]).fetchone()[0]
+    conn.close()
+    _damage(tiny_args[-1], b, "UPDATE arrays SET data = ? WHERE run_id = RUN AND prompt_index = 0 AND name = 'digests'",
+            _flip_a_bit(data))
+    code, out, err = cli("diff", a, b, "--store", tiny_args[-1])
+    assert code == 2 and not out and len(err.strip().splitlines()) == 1, (out, err)
+    assert b[:12] in err and "digest" in err and "evalrun store check" in err
+

@@ -210,6 +210,26 @@ def test_a_flipped_bit_inside_array_data_is_found(store_path):
     assert any("margins: bytes do not match their digest" in p for p in problems)
 
 
+def test_arrays_are_read_only_when_their_bytes_match_their_digest(store_path):
+    """Every reader of a run's arrays (diff, show, a golden, a sharded verify's --from-shards and the ranks'
+    results) goes through load_results, which checks each row's stored bytes against its digest as it is read."""
+    from evalrun.sharding import runs_from_bytes
+
+    run_id = _complete_store(store_path)
+    conn = sqlite3.connect(store_path)
+    data = bytearray(conn.execute("SELECT data FROM arrays WHERE name = 'digests'").fetchone()[0])
+    data[0] ^= 0x01
+    conn.execute("UPDATE arrays SET data = ? WHERE name = 'digests'", [bytes(data)])
+    conn.commit()
+    conn.close()
+    with pytest.raises(StoreError, match=f"run {run_id[:12]} is damaged .array 'digests' of prompt 0: bytes do not "
+                                         "match their digest.; `evalrun store check`"):
+        Store(store_path, readonly=True).load_results(run_id)
+    assert Store(store_path, readonly=True).load_results(run_id, names=("tokens",))[0].arrays.keys() == {"tokens"}
+    with pytest.raises(StoreError, match="bytes do not match their digest"):
+        runs_from_bytes(store_path.read_bytes())
+
+
 def test_reading_commands_never_write(cli, tiny_args):
     cli("run", *tiny_args, "--quiet")
     path = tiny_args[-1]
