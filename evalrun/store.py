@@ -86,11 +86,12 @@ def _migration_2(db: sqlite_utils.Database) -> None:
 MIGRATIONS = {1: _migration_1, 2: _migration_2}  # version -> function that brings the schema from version-1 to version
 REQUIRED_ARRAYS = ("input_ids", "tokens", "digests", "topk_ids", "topk_values", "margins")
 PROBE_ARRAYS = ("probe_ids", "probe_values")
+ID_ARRAYS = ("input_ids", "tokens", "digests", "topk_ids")  # integer ids and digest words: never floats
 
 
 def result_problem(result: "PromptResult", probed: bool = False) -> str:
     """What is wrong with one stored result's arrays ('' when nothing): each array a comparison reads,
-    with the shapes evalrun writes (N steps, K top-k ids, K' probe ids)."""
+    with the shapes evalrun writes (N steps, K top-k ids, K' probe ids), ids and digests of an integer dtype."""
     arrays = result.arrays
     needed = REQUIRED_ARRAYS + (PROBE_ARRAYS if probed else ())
     missing = [name for name in needed if name not in arrays]
@@ -107,6 +108,9 @@ def result_problem(result: "PromptResult", probed: bool = False) -> str:
             and arrays["probe_ids"].shape == arrays["probe_values"].shape and arrays["probe_ids"].shape[1] > 0
     if not fine:
         return f"has arrays of inconsistent shapes for prompt {result.prompt_id!r}"
+    for name in ID_ARRAYS + (("probe_ids",) if probed else ()):  # compared as ids: float bits would differ
+        if not np.issubdtype(arrays[name].dtype, np.integer):
+            return f"has {name} of dtype {arrays[name].dtype}, not integer ids, for prompt {result.prompt_id!r}"
     wrong = routing.problem(arrays, steps, len(arrays["input_ids"]))
     return f"has {wrong} for prompt {result.prompt_id!r}" if wrong else ""
 

@@ -173,3 +173,12 @@ def test_diff_refuses_array_bytes_that_do_not_match_their_digest(cli, tiny_args)
     assert code == 2 and not out and len(err.strip().splitlines()) == 1, (out, err)
     assert b[:12] in err and "digest" in err and "evalrun store check" in err
 
+
+def test_diff_refuses_tokens_stored_as_floats(cli, tiny_args):
+    """Token ids relabelled float64 (same bytes, same digest) are damage: comparing them as floats would call
+    identical runs different."""
+    a, b = _run(cli, tiny_args), _run(cli, tiny_args)
+    _damage(tiny_args[-1], b, "UPDATE arrays SET dtype = 'float64' WHERE run_id = RUN AND name = 'tokens'")
+    code, out, err = cli("diff", a, b, "--store", tiny_args[-1])
+    assert code == 2 and not out and len(err.strip().splitlines()) == 1, (out, err)
+    assert b[:12] in err and "tokens" in err and "evalrun store check" in err
