@@ -160,6 +160,44 @@ class RunRecord:
                 "opt_level": self.config.get("opt_level"), "logits_digest": self.logits_digest}
 
 
+def _reason(error: BaseException) -> str:
+    """Why a row could not be read, in a few words of one line."""
+    if isinstance(error, RecursionError):
+        return "JSON nested too deeply"
+    return (str(error).splitlines() or [type(error).__name__])[0][:200] or type(error).__name__
+
+
+REQUIRED_RUN_JSON = ("config", "environment", "model", "prompt_set")  # every run's header holds them (begin_run)
+
+
+def run_from_row(row: dict[str, Any]) -> RunRecord:
+    """A runs row as evalrun writes it, validated; ValueError (or TypeError, KeyError, RecursionError) when
+    it is not: the JSON columns objects (batches: a list) or empty, the header's objects present, id and
+    status text."""
+    blobs = {name: json.loads(row[f"{name}_json"]) if row[f"{name}_json"] else None for name in RUN_JSON_COLUMNS}
+    for name, value in blobs.items():  # what evalrun writes: objects (batches: a list), or nothing yet
+        if value is not None and not isinstance(value, list if name == "batches" else dict):
+            raise ValueError(f"{name} is not what evalrun writes")
+    missing = [name for name in REQUIRED_RUN_JSON if blobs[name] is None]
+    if missing:
+        raise ValueError(f"no {', '.join(missing)} record")
+    if not isinstance(row["id"], str) or not isinstance(row["status"], str):
+        raise ValueError("id or status is not text")
+    return RunRecord(row["id"], row["status"], row["created_at"], row["finished_at"], row["label"],
+                     row["config_hash"], row["environment_hash"], row["model_hash"], row["prompts_hash"],
+                     row["tokens_digest"], row["logits_digest"], row["error"], blobs)
+
+
+def result_from_row(row: dict[str, Any]) -> PromptResult:
+    """A results row as evalrun writes it (its arrays not yet read); ValueError when it is not."""
+    record = json.loads(row["record_json"])
+    if not isinstance(record, dict) or not isinstance(row["prompt_index"], int):
+        raise ValueError("a result row is not what evalrun writes")
+    return PromptResult(row["prompt_index"], str(row["prompt_id"]), record, row["batch_index"], row["batch_row"],
+                        row["input_tokens"], row["new_tokens"], row["eos_step"], str(row["output_text"]),
+                        str(row["tokens_digest"]), str(row["logits_digest"]))
+
+
 _OPEN_FOR_WRITING: list["Store"] = []  # held until closed: a dropped Store's connection stays open until collected
 
 
@@ -355,18 +393,9 @@ class Store:
 
     def _record(self, row: dict[str, Any]) -> RunRecord:
         try:
-            blobs = {name: json.loads(row[f"{name}_json"]) if row[f"{name}_json"] else None for name in RUN_JSON_COLUMNS}
-            for name, value in blobs.items():  # what evalrun writes: objects (batches: a list), or nothing yet
-                if value is not None and not isinstance(value, list if name == "batches" else dict):
-                    raise ValueError(f"{name} is not what evalrun writes")
-            if not isinstance(row["id"], str) or not isinstance(row["status"], str):
-                raise ValueError("id or status is not text")
-            return RunRecord(row["id"], row["status"], row["created_at"], row["finished_at"], row["label"],
-                             row["config_hash"], row["environment_hash"], row["model_hash"], row["prompts_hash"],
-                             row["tokens_digest"], row["logits_digest"], row["error"], blobs)
+            return run_from_row(row)
         except (TypeError, ValueError, KeyError, RecursionError) as error:
-            reason = "JSON nested too deeply" if isinstance(error, RecursionError) else (str(error)[:100] or type(error).__name__)
-            raise StoreError(f"{self.path}: run {str(row.get('id'))[:12]} is damaged ({reason}); "
+            raise StoreError(f"{self.path}: run {str(row.get('id'))[:12]} is damaged ({_reason(error)}); "
                              "`evalrun store check` lists what is wrong") from None
 
     def list_runs(self, limit: int | None = None) -> list[RunRecord]:
@@ -403,13 +432,7 @@ class Store:
         self._check_declared_sizes(run_id, names)
         try:
             for row in self.db["results"].rows_where("run_id = ?", [run_id], order_by="prompt_index"):
-                record = json.loads(row["record_json"])
-                if not isinstance(record, dict) or not isinstance(row["prompt_index"], int):
-                    raise ValueError("a result row is not what evalrun writes")
-                results[row["prompt_index"]] = PromptResult(
-                    row["prompt_index"], str(row["prompt_id"]), record, row["batch_index"], row["batch_row"],
-                    row["input_tokens"], row["new_tokens"], row["eos_step"], str(row["output_text"]),
-                    str(row["tokens_digest"]), str(row["logits_digest"]))
+                results[row["prompt_index"]] = result_from_row(row)
             for row in self.db["arrays"].rows_where("run_id = ?", [run_id]):
                 if names is None or row["name"] in names:
                     if row["prompt_index"] not in results:
@@ -417,9 +440,7 @@ class Store:
                     verify_digest(row)  # the bytes as read, one row at a time, before anything is decoded
                     results[row["prompt_index"]].arrays[str(row["name"])] = decode_array_row(row)
         except (StoreError, TypeError, ValueError, KeyError, RecursionError, sqlite3.DatabaseError) as error:
-            first = "JSON nested too deeply" if isinstance(error, RecursionError) else (
-                str(error).splitlines() or [type(error).__name__])[0][:200]
-            raise StoreError(f"{self.path}: run {run_id[:12]} is damaged ({first}); "
+            raise StoreError(f"{self.path}: run {run_id[:12]} is damaged ({_reason(error)}); "
                              "`evalrun store check` lists what is wrong") from None
         return [results[index] for index in sorted(results)]
 
@@ -440,8 +461,9 @@ class Store:
     # ------------------------------------------------------------ checking
 
     def check(self) -> dict[str, Any]:
-        """integrity_check, schema, orphans, incomplete runs, missing arrays, array bytes against their
-        digests, results against their token and logits digests. `ok` is False on any real problem;
+        """integrity_check, schema, every run and result row read as the readers read them, orphans,
+        incomplete runs, missing arrays, array bytes against their digests, results against their token and
+        logits digests. `ok` is False on any real problem;
         a damaged file is reported, never a crash."""
         problems: list[str] = []
         try:
@@ -458,7 +480,7 @@ class Store:
             problems.append(f"schema version {version} != {SCHEMA_VERSION}")
         statuses: dict[str, int] = {}
         if not missing:
-            for check in (self._check_orphans, self._check_complete_runs, self._check_array_bytes):
+            for check in (self._check_rows, self._check_orphans, self._check_complete_runs, self._check_array_bytes):
                 self._checked(problems, lambda: check(problems), None)
             statuses = self._checked(problems, lambda: dict(self.db.execute(
                 "SELECT status, count(*) FROM runs GROUP BY status").fetchall()), {})
@@ -474,6 +496,23 @@ class Store:
         except (sqlite3.DatabaseError, StoreError, ValueError, TypeError, UnicodeError, RecursionError) as error:
             problems.append(f"cannot check: {(str(error).splitlines() or [type(error).__name__])[0]}")
             return fallback
+
+    def _check_rows(self, problems: list[str]) -> None:
+        """Every run row and result row parsed as `ls`, `show` and `diff` read them: what they refuse as
+        damaged is listed here (the first 10 of each table)."""
+        for table, parse, where in (("runs", run_from_row, lambda row: f"run {str(row.get('id'))[:12]}"),
+                                    ("results", result_from_row, lambda row: f"run {str(row.get('run_id'))[:12]} "
+                                                                             f"prompt {row.get('prompt_index')}")):
+            damaged = 0
+            for row in self.db[table].rows:
+                try:
+                    parse(row)
+                except (TypeError, ValueError, KeyError, RecursionError) as error:
+                    damaged += 1
+                    if damaged <= 10:
+                        problems.append(f"{where(row)}: the row is damaged ({_reason(error)})")
+            if damaged > 10:
+                problems.append(f"... {damaged - 10} more damaged rows in {table}")
 
     def _check_orphans(self, problems: list[str]) -> None:
         for table in ("results", "arrays"):

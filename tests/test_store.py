@@ -198,6 +198,33 @@ def test_check_finds_damage_and_never_crashes(store_path, damage, needle):
     assert not outcome["ok"] and needle in " ".join(outcome["problems"]), outcome["problems"]
 
 
+@pytest.mark.parametrize("damage", [
+    "UPDATE runs SET config_json = '{bad'", "UPDATE runs SET config_json = '[1]'", "UPDATE runs SET status = NULL",
+    "UPDATE runs SET model_json = NULL", "UPDATE results SET record_json = '{bad'",
+])
+def test_check_lists_every_row_the_readers_refuse(store_path, damage):
+    """What `ls`, `show` and `diff` refuse as damaged (pointing at `store check`), check lists: it parses every
+    run and result row as they do."""
+    run_id = _complete_store(store_path)
+    _sql(store_path, damage)
+    store = Store(store_path, readonly=True)
+    with pytest.raises(StoreError, match="is damaged .*`evalrun store check` lists what is wrong"):
+        store.load_results(store.get_run(run_id).id)
+    outcome = store.check()
+    assert not outcome["ok"] and any(p.startswith(f"run {run_id[:12]}") and "damaged" in p
+                                     for p in outcome["problems"]), outcome["problems"]
+
+
+def test_store_merge_refuses_a_run_row_the_readers_refuse(cli, store_path, tmp_path):
+    run_id = _complete_store(store_path)
+    _sql(store_path, "UPDATE runs SET config_json = '{bad'")
+    code, out, _ = cli("store", "check", "--store", str(store_path))
+    assert code == 1 and f"run {run_id[:12]}: the row is damaged" in out
+    code, _, err = cli("store", "merge", str(tmp_path / "all.db"), str(store_path))
+    assert code == 2 and "fails `evalrun store check`" in err and run_id[:12] in err
+    assert not (tmp_path / "all.db").exists()
+
+
 def test_a_flipped_bit_inside_array_data_is_found(store_path):
     _complete_store(store_path)
     conn = sqlite3.connect(store_path)
