@@ -215,6 +215,16 @@ def test_check_lists_every_row_the_readers_refuse(store_path, damage):
                                      for p in outcome["problems"]), outcome["problems"]
 
 
+def test_a_run_without_its_creation_time_is_damaged_not_a_crash(cli, store_path):
+    run_id = _complete_store(store_path)
+    _sql(store_path, "UPDATE runs SET created_at = NULL")
+    code, out, err = cli("store", "ls", "--store", str(store_path))
+    assert code == 2 and not out and len(err.strip().splitlines()) == 1, err
+    assert f"run {run_id[:12]} is damaged" in err and "`evalrun store check`" in err
+    assert any(p.startswith(f"run {run_id[:12]}") and "created_at" in p
+               for p in Store(store_path, readonly=True).check()["problems"])
+
+
 def test_store_merge_refuses_a_run_row_the_readers_refuse(cli, store_path, tmp_path):
     run_id = _complete_store(store_path)
     _sql(store_path, "UPDATE runs SET config_json = '{bad'")
