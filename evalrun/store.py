@@ -172,8 +172,8 @@ REQUIRED_RUN_JSON = ("config", "environment", "model", "prompt_set")  # every ru
 
 def run_from_row(row: dict[str, Any]) -> RunRecord:
     """A runs row as evalrun writes it, validated; ValueError (or TypeError, KeyError, RecursionError) when
-    it is not: the JSON columns objects (batches: a list) or empty, the header's objects present, id,
-    status and created_at text."""
+    it is not: the JSON columns objects (batches: a list) or empty, the header's objects present, the prompt
+    set's hash and name text, id, status and created_at text."""
     blobs = {name: json.loads(row[f"{name}_json"]) if row[f"{name}_json"] else None for name in RUN_JSON_COLUMNS}
     for name, value in blobs.items():  # what evalrun writes: objects (batches: a list), or nothing yet
         if value is not None and not isinstance(value, list if name == "batches" else dict):
@@ -181,6 +181,8 @@ def run_from_row(row: dict[str, Any]) -> RunRecord:
     missing = [name for name in REQUIRED_RUN_JSON if blobs[name] is None]
     if missing:
         raise ValueError(f"no {', '.join(missing)} record")
+    if not all(isinstance(blobs["prompt_set"].get(key), str) for key in ("hash", "name")):
+        raise ValueError("its prompt-set record lacks a text hash or name")
     if not all(isinstance(row[column], str) for column in ("id", "status", "created_at")):
         raise ValueError("id, status or created_at is not text")
     return RunRecord(row["id"], row["status"], row["created_at"], row["finished_at"], row["label"],

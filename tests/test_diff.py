@@ -182,3 +182,14 @@ def test_diff_refuses_tokens_stored_as_floats(cli, tiny_args):
     code, out, err = cli("diff", a, b, "--store", tiny_args[-1])
     assert code == 2 and not out and len(err.strip().splitlines()) == 1, (out, err)
     assert b[:12] in err and "tokens" in err and "evalrun store check" in err
+
+
+def test_diff_refuses_a_prompt_set_record_without_a_name(cli, tiny_args):
+    """Prompt sets that differ are named in the note: a record with a hash but no name is damage (exit 2), not a
+    KeyError (exit 3)."""
+    a, b = _run(cli, tiny_args), _run(cli, tiny_args)
+    _damage(tiny_args[-1], a, "UPDATE runs SET prompt_set_json = json_set(json_remove(prompt_set_json, '$.name'), "
+                              "'$.hash', 'other') WHERE id = RUN")
+    code, out, err = cli("diff", a, b, "--store", tiny_args[-1])
+    assert code == 2 and not out and len(err.strip().splitlines()) == 1, (out, err)
+    assert a[:12] in err and "prompt-set record" in err and "evalrun store check" in err
