@@ -11,7 +11,7 @@ import numpy as np
 
 from .diff import PromptDiff, RunDiff
 from .errors import EvalrunError
-from .report import markdown_cell, markdown_code, table, to_json
+from .report import markdown_cell, markdown_code, printable, table, to_json
 
 
 def _value(value: Any, width: int = 60) -> str:
@@ -59,31 +59,38 @@ def _tokens_cell(prompt: PromptDiff) -> str:
 
 
 def _divergence_lines(diff: RunDiff, prompt: PromptDiff) -> list[str]:
-    lines = [f"{prompt.prompt_id}: tokens part at step {prompt.first_divergent_step}",
-             f"  {diff.a}: {prompt.context_a!r}  (margin {prompt.margin_a:.4f})",
-             f"  {diff.b}: {prompt.context_b!r}  (margin {prompt.margin_b:.4f})"]
-    rows = [[rank + 1, f"{a['id']} {a['token']!r}", f"{a['value']:.4f}", f"{b['id']} {b['token']!r}", f"{b['value']:.4f}"]
-            for rank, (a, b) in enumerate(zip(prompt.top_a, prompt.top_b))]
-    lines.append("  " + table(["#", f"{diff.a} token", "value", f"{diff.b} token", "value"], rows).replace("\n", "\n  "))
+    """Where one prompt's tokens part; every value from a run (ids, names, decoded text) through `printable`."""
+    a, b = printable(diff.a), printable(diff.b)
+    lines = [printable(f"{prompt.prompt_id}: tokens part at step {prompt.first_divergent_step}"),
+             printable(f"  {a}: {prompt.context_a!r}  (margin {prompt.margin_a:.4f})"),
+             printable(f"  {b}: {prompt.context_b!r}  (margin {prompt.margin_b:.4f})")]
+    rows = [[rank + 1, f"{x['id']} {x['token']!r}", f"{x['value']:.4f}", f"{y['id']} {y['token']!r}", f"{y['value']:.4f}"]
+            for rank, (x, y) in enumerate(zip(prompt.top_a, prompt.top_b))]
+    lines.append("  " + table(["#", f"{a} token", "value", f"{b} token", "value"], rows).replace("\n", "\n  "))
     return lines
 
 
 def _logits_lines(prompt: PromptDiff) -> list[str]:
     figures = prompt.logits
     histogram = ", ".join(f"{k}: {v}" for k, v in figures["ulp_histogram"].items() if v) or "n/a (two dtypes)"
-    return [f"{prompt.prompt_id}: full logits over {len(figures['steps'])} steps, {figures['elements']:,} elements: "
-            f"{figures['bit_identical_share']:.2%} bit-identical; max |delta| {figures['max_abs_delta']:.4g} at step "
-            f"{figures['max_at_step']}, token id {figures['max_at_token_id']}; ULPs {histogram}"]
+    return [printable(f"{prompt.prompt_id}: full logits over {len(figures['steps'])} steps, {figures['elements']:,} "
+                      f"elements: {figures['bit_identical_share']:.2%} bit-identical; max |delta| "
+                      f"{figures['max_abs_delta']:.4g} at step {figures['max_at_step']}, token id "
+                      f"{figures['max_at_token_id']}; ULPs {histogram}")]
 
 
 def text(diff: RunDiff) -> str:
-    lines = [f"diff {diff.a} vs {diff.b}"]
+    """The terminal rendering: every value from a run (ids, names, prompt ids, decoded text) goes through
+    `printable` (a table's cells do in `table`), so no stored text can add a line or a control character."""
+    a, b = printable(diff.a), printable(diff.b)
+    lines = [f"diff {a} vs {b}"]
     key_rows = _key_rows(diff)
-    lines.append(table(["section", "key", diff.a, diff.b], key_rows) if key_rows else "same config, environment, model and prompt set")
+    lines.append(table(["section", "key", a, b], key_rows) if key_rows else "same config, environment, model and prompt set")
     if diff.note:
-        lines.append(f"note: {diff.note}")
+        lines.append(printable(f"note: {diff.note}"))
     if diff.not_comparable:
-        lines.append(f"not comparable (in one run only, or different input tokens): {', '.join(diff.not_comparable)}")
+        lines.append(printable(f"not comparable (in one run only, or different input tokens): "
+                               f"{', '.join(diff.not_comparable)}"))
     if diff.prompts:
         lines.append(table(PROMPT_HEADERS, _prompt_rows(diff)))
     for prompt in diff.prompts:
@@ -97,7 +104,7 @@ def text(diff: RunDiff) -> str:
 
 def _routing_lines(diff: RunDiff, prompt: PromptDiff) -> list[str]:
     """MoE models: where the prompt's tokens, then the steps' tokens, were routed to other experts."""
-    return [f"{prompt.prompt_id}: {where.describe(diff.a, diff.b)}"
+    return [printable(f"{prompt.prompt_id}: {where.describe(diff.a, diff.b)}")
             for where in (prompt.prompt_routing, prompt.routing) if where is not None]
 
 
@@ -118,7 +125,7 @@ def markdown(diff: RunDiff) -> str:
     lines = [f"### evalrun diff {_md(diff.a)} vs {_md(diff.b)}", ""]
     key_rows = _key_rows(diff)
     if key_rows:
-        lines += [f"| section | key | {diff.a} | {diff.b} |", "|---|---|---|---|"]
+        lines += [f"| section | key | {_md(diff.a)} | {_md(diff.b)} |", "|---|---|---|---|"]
         lines += ["| " + " | ".join(_md(c) for c in row) + " |" for row in key_rows]
         lines.append("")
     if diff.note:

@@ -90,21 +90,22 @@ def human_bytes(count: float) -> str:
 
 def config_line(config: dict[str, Any]) -> str:
     """The stored config's main knobs, and the engine, combo kernels and decode levers where they are not the
-    defaults."""
+    defaults: one printable line, whatever a stored config holds."""
     keys = ("model", "device", "dtype", "opt_level", "compilation_mode", "cudagraph_mode", "batch_size", "deterministic")
     levers = {"engine": "evalrun", "combo_kernels": INDUCTOR_DEFAULTS["combo_kernels"], **DECODE_LEVER_DEFAULTS}
-    return " ".join([f"{key}={config.get(key)}" for key in keys]
-                    + [f"{key}={config[key]}" for key, default in levers.items() if config.get(key, default) != default])
+    return printable(" ".join([f"{key}={config.get(key)}" for key in keys]
+                              + [f"{key}={config[key]}" for key, default in levers.items()
+                                 if config.get(key, default) != default]))
 
 
 def timings_text(timings: dict[str, Any]) -> str:
     """One line of timings; a stored record without them (damaged, or from a failed run) says so."""
     try:
         latency, memory = timings["step_latency"], timings["peak_memory"]
-        return (f"load {timings['load_s']:.2f}s  compile {timings['compile_s']:.2f}s  warm-up {timings['warmup_s']:.2f}s  "
-                f"TTFT p50 {timings['ttft_ms']['p50']:.1f} ms  step p50/p95/p99 {latency['p50_ms']:.2f}/"
-                f"{latency['p95_ms']:.2f}/{latency['p99_ms']:.2f} ms  {timings['tokens_per_s']:.1f} tok/s  "
-                f"peak {human_bytes(memory['bytes'])} ({memory['kind']})")
+        return printable(f"load {timings['load_s']:.2f}s  compile {timings['compile_s']:.2f}s  warm-up "
+                         f"{timings['warmup_s']:.2f}s  TTFT p50 {timings['ttft_ms']['p50']:.1f} ms  step p50/p95/p99 "
+                         f"{latency['p50_ms']:.2f}/{latency['p95_ms']:.2f}/{latency['p99_ms']:.2f} ms  "
+                         f"{timings['tokens_per_s']:.1f} tok/s  peak {human_bytes(memory['bytes'])} ({memory['kind']})")
     except (KeyError, TypeError, ValueError):
         return "timings: not readable in this record"
 
@@ -153,12 +154,13 @@ def run_record_json(record: RunRecord, results: list[PromptResult]) -> dict[str,
 
 
 def store_check_text(outcome: dict[str, Any]) -> str:
+    """One printable line per problem (they quote run ids and values read from the store)."""
     lines = [f"{outcome['path']}: {'ok' if outcome['ok'] else 'PROBLEMS'}  schema {outcome['schema_version']}  "
              f"runs {outcome['runs']}"]
     lines += [f"  {problem}" for problem in outcome["problems"]]
     lines += [f"  note: run {run_id[:12]} was interrupted (stopped, or its process is gone); never complete"
               for run_id in outcome["interrupted"]]
-    return "\n".join(lines)
+    return "\n".join(printable(line) for line in lines)
 
 
 def golden_created_text(summary: dict[str, Any]) -> str:
@@ -184,9 +186,10 @@ def golden_json(golden, results: list[PromptResult]) -> dict[str, Any]:
 def golden_text(golden, results: list[PromptResult]) -> str:
     summary = golden.summary()
     routing = ", every run along the pinned routing" if summary["routing"] else ""
-    return "\n".join([f"golden {golden.name} ({summary['path']}, {summary['bytes']:,} bytes), format "
-                      f"{summary['format']}, oracle {summary['oracle_dtype']}{routing}, created {summary['created_at']} "
-                      f"by evalrun {summary['evalrun']}", run_record_text(golden.pinned, results)])
+    return "\n".join([printable(f"golden {golden.name} ({summary['path']}, {summary['bytes']:,} bytes), format "
+                                f"{summary['format']}, oracle {summary['oracle_dtype']}{routing}, created "
+                                f"{summary['created_at']} by evalrun {summary['evalrun']}"),
+                      run_record_text(golden.pinned, results)])
 
 
 BENCH_COLUMNS = [("config", "config"), ("compile s", "compile_s"), ("peak GiB", "peak_memory_gib"),
@@ -221,14 +224,17 @@ def runs_table(runs: list[RunRecord]) -> str:
 
 
 def run_record_text(record: RunRecord, results: list[PromptResult]) -> str:
-    lines = [f"run {record.id}  {record.status}  created {record.created_at}  finished {record.finished_at or '-'}"]
+    """A stored run (`store show`, `golden show`): every value read from the file printed with `printable`, so
+    none can add a line (a forged `::error::` workflow command) or a control character."""
+    lines = [printable(f"run {record.id}  {record.status}  created {record.created_at}  finished "
+                       f"{record.finished_at or '-'}")]
     if record.config:
         lines.append(config_line(record.config))
-    lines.append("hashes: " + "  ".join(f"{name} {str(value)[:12]}" for name, value in (
+    lines.append(printable("hashes: " + "  ".join(f"{name} {str(value)[:12]}" for name, value in (
         ("config", record.config_hash), ("environment", record.environment_hash), ("model", record.model_hash),
-        ("prompts", record.prompts_hash))))
+        ("prompts", record.prompts_hash)))))
     if record.error:
-        lines.append(f"error: {record.error}")
+        lines.append(printable(f"error: {record.error}"))
     if results:
         lines.append(results_table(results))
     if record.json.get("timings"):

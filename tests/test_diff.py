@@ -193,3 +193,20 @@ def test_diff_refuses_a_prompt_set_record_without_a_name(cli, tiny_args):
     code, out, err = cli("diff", a, b, "--store", tiny_args[-1])
     assert code == 2 and not out and len(err.strip().splitlines()) == 1, (out, err)
     assert a[:12] in err and "prompt-set record" in err and "evalrun store check" in err
+
+
+def test_stored_text_cannot_add_a_line_to_diff_text(cli, tiny_args):
+    """A prompt id forged with a line break (a GitHub `::error::` workflow command after it) is printed escaped
+    in every line of the text report: the divergence, the full-logits figures, the not-comparable list."""
+    a = _run(cli, tiny_args, "--keep-logits", "all")
+    b = _run(cli, tiny_args, "--keep-logits", "all", "--set", "temperature=1.0")
+    forged = "capital\n::error::forged\x1b[2J"
+    for run in (a, b):
+        _damage(tiny_args[-1], run, "UPDATE results SET prompt_id = ? WHERE prompt_id = 'capital' AND run_id = RUN", forged)
+    _damage(tiny_args[-1], a, "UPDATE results SET prompt_id = 'zh\n::error::one run only' WHERE run_id = RUN "
+                              "AND prompt_id = 'zh-short'")
+    code, out, err = cli("diff", a, b, "--store", tiny_args[-1])
+    assert code == 0, err
+    assert "capital\\n::error::forged\\x1b[2J: tokens part at step" in out and "full logits over" in out
+    assert "zh\\n::error::one run only" in out
+    assert not any(line.startswith("::error::") for line in out.splitlines()) and "\x1b" not in out, out

@@ -267,6 +267,25 @@ def test_arrays_are_read_only_when_their_bytes_match_their_digest(store_path):
         runs_from_bytes(store_path.read_bytes())
 
 
+def test_stored_text_cannot_add_a_line_to_store_show_or_check(cli, store_path):
+    """Text read from a store (error, status, created_at, hashes, config values, run ids) is printed escaped: a
+    forged line break cannot start a GitHub `::error::` workflow command on a line of its own."""
+    run_id = _complete_store(store_path)
+    forge = "'x' || char(10) || '::error::forged' || char(27)"
+    _sql(store_path, f"UPDATE runs SET error = {forge}, status = {forge}, created_at = {forge}, "
+                     f"finished_at = {forge}, config_hash = {forge}, model_hash = 'ab' || char(13) || '::error::m', "
+                     "config_json = json_set(config_json, '$.dtype', 'f' || char(10) || '::error::dtype', "
+                     "'$.engine', 'e' || char(10) || '::error::engine')",
+         "INSERT INTO runs (id, status) VALUES ('f' || char(10) || '::error::id', 'failed')")
+    code, out, err = cli("store", "show", run_id, "--store", str(store_path))
+    assert code == 0, err
+    assert "x\\n::error::forged\\x1b" in out and "f\\n::error::dtype" in out and "e\\n::error::engine" in out
+    code, check, _ = cli("store", "check", "--store", str(store_path))
+    assert code == 1 and "run f\\n::error::i: the row is damaged" in check
+    for text in (out, check):
+        assert not any(line.startswith("::error::") for line in text.splitlines()) and "\x1b" not in text, text
+
+
 def test_reading_commands_never_write(cli, tiny_args):
     cli("run", *tiny_args, "--quiet")
     path = tiny_args[-1]
