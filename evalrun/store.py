@@ -9,8 +9,9 @@ Tables
 
 Writes happen in explicit `BEGIN IMMEDIATE` transactions with a busy timeout, in WAL mode, so
 several processes can write one store at once and a killed process leaves it consistent. Read-only
-commands open the file read-only (no migration, no journal switch); goldens are opened immutable,
-so nothing is ever written beside them. Every array read is untrusted input: its stored bytes must match
+commands open the file read-only (no migration, no journal switch), never immutable (that would read
+past a concurrent writer's log): the .db bytes stay as they were, while SQLite may leave an empty -wal
+and its -shm index beside a WAL store. Goldens are opened immutable, so nothing is ever written beside them. Every array read is untrusted input: its stored bytes must match
 their stored digest, and dtype, shape, size and compressed size are validated before any byte is decoded.
 """
 
