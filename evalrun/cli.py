@@ -279,9 +279,13 @@ def store() -> None:
     """
 
 
+MAX_LISTED_RUNS = 1_000_000_000  # SQLite's LIMIT is a 64-bit integer: a larger --limit is the flag's fault
+
+
 @store.command("ls")
 @store_option
-@click.option("--limit", type=click.IntRange(min=1), default=50, show_default=True, help="Newest runs to list.")
+@click.option("--limit", type=click.IntRange(min=1, max=MAX_LISTED_RUNS), default=50, show_default=True,
+              help="Newest runs to list.")
 @output_options("text", "json")
 def store_ls(store_path, limit, output_format, as_json) -> None:
     """List runs, newest first.

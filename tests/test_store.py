@@ -354,6 +354,13 @@ def test_store_check_cli_lists_a_dropped_table_and_exits_1(cli, tiny_args):
     assert code == 2 and "missing table arrays" in err and len(err.strip().splitlines()) == 1
 
 
+def test_a_limit_past_sqlites_integers_blames_the_flag(cli, store_path):
+    _complete_store(store_path)
+    code, out, err = cli("store", "ls", "--limit", str(2**63), "--store", str(store_path))
+    assert code == 2 and not out and len(err.strip().splitlines()) == 1 and "--limit" in err, err
+    assert "damaged" not in err
+
+
 def test_a_command_leaves_every_run_in_the_db_file_alone(cli, tiny_args, store_path, tmp_path):
     """The command closes the stores it opened, so the write-ahead log is folded in: a copy of the .db file
     alone (a CI artifact, a shard file moved for `store merge`) holds the run, even read as immutable."""
