@@ -273,8 +273,11 @@ class Store:
         self.max_run_bytes = MAX_RUN_BYTES
         try:
             if readonly and require_schema:
-                if self.schema_version() != SCHEMA_VERSION:
-                    raise StoreError(f"{self.path} has schema {self.schema_version()}, this evalrun reads "
+                version = self.schema_version()
+                if version > SCHEMA_VERSION:
+                    raise self._newer_schema(version)
+                if version != SCHEMA_VERSION:
+                    raise StoreError(f"{self.path} has schema {version}, this evalrun reads "
                                      f"{SCHEMA_VERSION}; open it once with a writing command (evalrun run) to migrate")
                 lacking = self.schema_problems()
                 if lacking:
@@ -337,6 +340,11 @@ class Store:
         except (TypeError, ValueError):
             raise StoreError(f"{self.path}: schema_version {row[0]!r} is not a number; the file is damaged") from None
 
+    def _newer_schema(self, version: int) -> StoreError:
+        """A store written by a newer evalrun: no migration goes backwards; the fix is to upgrade."""
+        return StoreError(f"store {self.path} has schema {version}, newer than this evalrun ({SCHEMA_VERSION}); "
+                          "upgrade evalrun")
+
     def migrate(self) -> None:
         """Apply pending migrations in order, each in its own transaction."""
         if self.schema_version() == SCHEMA_VERSION:
@@ -344,8 +352,7 @@ class Store:
         with self.transaction():
             current = self.schema_version()
             if current > SCHEMA_VERSION:
-                raise StoreError(f"store {self.path} has schema {current}, newer than this evalrun "
-                                 f"({SCHEMA_VERSION}); upgrade evalrun")
+                raise self._newer_schema(current)
             if "meta" not in self.db.table_names():
                 self.db["meta"].create({"key": str, "value": str}, pk="key")
             for version in range(current + 1, SCHEMA_VERSION + 1):

@@ -110,6 +110,8 @@ def test_newer_schema_is_refused(store_path):
     conn.commit()
     with pytest.raises(StoreError, match="newer than this evalrun"):
         Store(store_path)
+    with pytest.raises(StoreError, match="newer than this evalrun .2.; upgrade evalrun$"):
+        Store(store_path, readonly=True)  # not "open it with a writing command to migrate": that cannot help
 
 
 def _evalrun(*args):
