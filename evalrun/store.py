@@ -11,8 +11,9 @@ Writes happen in explicit `BEGIN IMMEDIATE` transactions with a busy timeout, in
 several processes can write one store at once and a killed process leaves it consistent. Read-only
 commands open the file read-only (no migration, no journal switch), never immutable (that would read
 past a concurrent writer's log): the .db bytes stay as they were, while SQLite may leave an empty -wal
-and its -shm index beside a WAL store. Goldens are opened immutable, so nothing is ever written beside them. Every array read is untrusted input: its stored bytes must match
-their stored digest, and dtype, shape, size and compressed size are validated before any byte is decoded.
+and its -shm index beside a WAL store. Goldens are opened immutable, so nothing is ever written beside
+them. Every array read is untrusted input: its stored bytes must match their stored digest, and dtype,
+shape, size and compressed size are validated before any byte is decoded.
 """
 
 from __future__ import annotations
@@ -436,8 +437,9 @@ class Store:
 
     def load_results(self, run_id: str, names: tuple[str, ...] | None = None) -> list[PromptResult]:
         """All prompt results of a run, with their arrays (all, or only `names`), each one validated: its
-        stored bytes against the digest stored beside them, then dtype, shape and size. Declared sizes are checked against `max_array_bytes` each and `max_run_bytes` together before any
-        array is decoded, so a file that claims huge arrays costs no memory."""
+        stored bytes against the digest stored beside them, then dtype, shape and size. Declared sizes are
+        checked against `max_array_bytes` each and `max_run_bytes` together before any array is decoded,
+        so a file that claims huge arrays costs no memory."""
         results = {}
         self._check_declared_sizes(run_id, names)
         try:
