@@ -27,7 +27,7 @@ from .errors import StoreError
 from .golden import Golden
 from .hashing import hash_value
 from .runner import Prepared, Run, NullBar, plan_batches, record
-from .store import PromptResult, Store
+from .store import PromptResult, Store, result_problem
 from .verify import Verdict, VerifyRuns, _envelope_roles, _function_config, begin, compute_runs, judge_runs
 
 
@@ -267,7 +267,11 @@ def _stored_shards(golden: Golden, context, store: Store | None) -> VerifyRuns:
         label = verify_label(golden, context.candidate.header, phase)
         for stored in store.list_runs():  # newest first: the first result seen for a prompt wins
             if stored.label == label and stored.status == "complete":
-                for result in store.load_results(stored.id):
+                for result in store.load_results(stored.id):  # each array's bytes checked against its digest
+                    problem = result_problem(result)  # then what a verdict reads: shapes, integer ids
+                    if problem:
+                        raise StoreError(f"{store.path}: run {stored.id[:12]} is damaged (it {problem}); "
+                                         "`evalrun store check` lists what is wrong")
                     newest.setdefault(phase, {}).setdefault(result.prompt_index, result)
     wanted = {r.prompt_index for r in context.golden_results}
     needed = ["free", "forced"]

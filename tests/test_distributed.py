@@ -271,6 +271,27 @@ def test_shard_jobs_merged_give_the_unsharded_results_and_verdict(cli, tmp_path,
     assert code == 2 and "run the missing `golden verify --shard I/N` jobs" in err
 
 
+@pytest.mark.parametrize("damage,needle", [
+    ("UPDATE arrays SET dtype = 'float64' WHERE name = 'tokens' AND prompt_index = 0", "tokens of dtype float64"),
+    ("UPDATE arrays SET digest = 'x' WHERE name = 'digests' AND prompt_index = 0", "bytes do not match their digest"),
+])
+def test_damaged_shards_are_refused_not_judged(cli, tmp_path, golden_dir, damage, needle):
+    """--from-shards reads the shards' arrays as `diff` does: bytes that do not match their digest, or ids of a
+    float dtype, are a damaged run (exit 2, `store check`), never a verdict."""
+    import sqlite3
+
+    verify = ["golden", "verify", "tiny", *TINY, "--dir", str(golden_dir), "--json"]
+    for index in range(2):
+        assert cli(*verify, "--shard", f"{index}/2", "--store", str(tmp_path / f"verify{index}.db"))[0] == 0
+    merge_stores(tmp_path / "all.db", [tmp_path / "verify0.db", tmp_path / "verify1.db"])
+    with sqlite3.connect(tmp_path / "all.db") as conn:
+        conn.execute(damage)
+    conn.close()
+    code, out, err = cli(*verify, "--store", str(tmp_path / "all.db"), "--from-shards")
+    assert code == 2 and not out and len(err.strip().splitlines()) == 1, (out, err)
+    assert needle in err and "is damaged" in err and "`evalrun store check`" in err, err
+
+
 def test_shards_of_an_older_scheme_of_runs_are_missing_not_mixed_in(cli, tmp_path, golden_dir, monkeypatch):
     """Shards an older evalrun stored (another SHARD_SCHEME: it made other runs, e.g. before every run of a routing
     golden followed its pinned routing) are not this verification's: judged from them, the shards are missing."""
