@@ -322,7 +322,8 @@ def store_show(run_id, store_path, output_format, as_json) -> None:
 @store_option
 @output_options("text", "json")
 def store_check(store_path, output_format, as_json) -> None:
-    """Check the store: SQLite integrity, schema, orphans, incomplete runs, array bytes (exit 1 on a problem).
+    """Check the store: SQLite integrity, schema, orphans, incomplete runs, every run and result row as the readers
+    parse it, array bytes against their digests (exit 1 on a problem).
 
     \b
     Example:
