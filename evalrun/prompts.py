@@ -71,6 +71,9 @@ def _parse_record(path: Path, number: int, line: str) -> PromptRecord:
         raise PromptError(f"{where}: not valid JSON ({error.msg}); each line must be one JSON object") from None
     except RecursionError:
         raise PromptError(f"{where}: JSON nested too deeply; each line must be one flat JSON object") from None
+    except ValueError:  # an integer of more than 4300 digits (Python's limit on converting text to int)
+        raise PromptError(f"{where}: a number too long to read (over 4300 digits); max_new_tokens is an integer "
+                          f"from 1 to {MAX_NEW_TOKENS_LIMIT}, fix the record") from None
     if not isinstance(data, dict):
         raise PromptError(f"{where}: expected a JSON object with 'id' and 'prompt' or 'messages'")
     unknown = set(data) - ALLOWED_KEYS

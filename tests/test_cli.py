@@ -123,7 +123,9 @@ def test_bad_input_keep_logits_naming_what_the_run_lacks(cli, tiny_args, keep, n
                                          ('{"id": "a", "prompt": "x", "colour": 1}\n', "unknown keys"),
                                          ('{"id": "a", "prompt": "x"}\n{"id": "a", "prompt": "y"}\n', "duplicate id"),
                                          ('{"id": "a\\n::error::z", "prompt": "x"}\n', ":1: the id"),
-                                         ('{"id": "a\\u202eb", "prompt": "x"}\n', "bidirectional")])
+                                         ('{"id": "a\\u202eb", "prompt": "x"}\n', "bidirectional"),
+                                         pytest.param('{"id": "a", "prompt": "x"}\n{"id": "b", "prompt": "x", "max_new_tokens": 1'
+                                                      + "0" * 5000 + '}\n', ":2: a number too long to read", id="huge-int")])
 def test_bad_input_broken_jsonl_names_file_and_line(cli, tiny_args, write_prompts, text, needle):
     path = write_prompts(text)
     args = [a if a != "smoke" else str(path) for a in tiny_args]
