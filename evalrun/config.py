@@ -393,6 +393,8 @@ def load_config_source(name_or_path: str) -> dict[str, Any]:
         raise ConfigError(f"{path}: not valid TOML ({str(error).splitlines()[0]}); fix the file") from None
     except RecursionError:
         raise ConfigError(f"{path}: TOML nested too deeply; a config file holds flat keys") from None
+    except ValueError:  # an integer of more than 4300 digits (Python's limit on converting text to int)
+        raise ConfigError(f"{path}: a number too long to read (over 4300 digits); fix the file") from None
     except OSError as error:
         raise ConfigError(f"{path}: cannot be read ({error.strerror}); check the path") from None
     data.pop("description", None)

@@ -132,6 +132,16 @@ def test_bad_input_broken_jsonl_names_file_and_line(cli, tiny_args, write_prompt
     _one_line_exit_2(cli("run", *args), str(path), needle)
 
 
+def test_bad_input_a_config_file_with_an_integer_past_4300_digits(cli, tiny_args, tmp_path):
+    """tomllib raises ValueError (Python's limit on converting text to int) for such a number: it was an internal
+    error (exit 3) in run, bisect and wherever a TOML config is read."""
+    path = tmp_path / "big.toml"
+    path.write_text("max_new_tokens = 1" + "0" * 5000 + "\n")
+    _one_line_exit_2(cli("run", *tiny_args, "--config", str(path)), "big.toml: a number too long to read")
+    _one_line_exit_2(cli("bisect", "--good", "O0", "--bad", str(path), "--model", "random:tiny", "--prompts", "smoke",
+                         "--in-process", "--quiet"), "big.toml: a number too long to read")
+
+
 def test_bad_input_unknown_key(cli, tiny_args):
     _one_line_exit_2(cli("run", *tiny_args, "--set", "bogus=1"), "unknown config key 'bogus'", "valid keys")
 
