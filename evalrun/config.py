@@ -87,7 +87,8 @@ DECODE_LEVER_DEFAULTS = {"blas_library": "cublas", "linear_kernel": "aten", "att
                          "norm_kernel": "aten"}
 GEMV_MAX_ROWS = 4  # the GEMV's rows: decode at batch <= 4 (engine/linear.py)
 TRITON_DTYPE_NAMES = ("bfloat16", "float16", "float32")  # the dtypes evalrun's Triton kernels compute (GEMV, split-KV)
-KEEP_LOGITS_PATTERN = re.compile(r"none|all|([^,@\s]+(@\d+(-\d+)?)?)(,[^,@\s]+(@\d+(-\d+)?)?)*")
+# Steps of at most 9 digits (a prompt runs at most MAX_NEW_TOKENS_LIMIT): int() refuses text past 4300 digits.
+KEEP_LOGITS_PATTERN = re.compile(r"none|all|([^,@\s]+(@\d{1,9}(-\d{1,9})?)?)(,[^,@\s]+(@\d{1,9}(-\d{1,9})?)?)*")
 MAX_NEW_TOKENS_LIMIT = 8192  # past any context the shipped models have; larger asks are typos
 MAX_BATCH_SIZE = 4096
 MAX_TOP_K = 1024
@@ -460,7 +461,7 @@ def normalize(config: RunConfig) -> RunConfig:
     config.norm_kernel = _choice("norm_kernel", config.norm_kernel, NORM_KERNELS)
     config.engine = parse_engine(config.engine)
     if not KEEP_LOGITS_PATTERN.fullmatch(str(config.keep_logits)):
-        raise ConfigError(f"keep_logits={config.keep_logits!r} is not valid; use none, all, or prompt ids with "
+        raise ConfigError(f"keep_logits={str(config.keep_logits)[:80]!r} is not valid; use none, all, or prompt ids with "
                           "optional steps, e.g. zh-deploy@0-15,code-fib")
     device = config.device
     if not (device in ("auto", "cpu", "cuda") or (device.startswith("cuda:") and device[5:].isdigit())):

@@ -142,6 +142,11 @@ def test_bad_input_a_config_file_with_an_integer_past_4300_digits(cli, tiny_args
                          "--in-process", "--quiet"), "big.toml: a number too long to read")
 
 
+def test_bad_input_keep_logits_steps_past_4300_digits(cli, tiny_args):
+    """The steps' digits went to int(), which refuses text past 4300 digits: an internal error (exit 3)."""
+    _one_line_exit_2(cli("run", *tiny_args, "--keep-logits", "capital@1" + "0" * 5000), "keep_logits=", "is not valid")
+
+
 def test_bad_input_unknown_key(cli, tiny_args):
     _one_line_exit_2(cli("run", *tiny_args, "--set", "bogus=1"), "unknown config key 'bogus'", "valid keys")
 
