@@ -62,6 +62,9 @@ def load_baseline(path: Path) -> dict[str, dict[str, Any]]:
     except (OSError, UnicodeDecodeError, json.JSONDecodeError) as error:
         raise ConfigError(f"--compare {path}: cannot read a bench baseline ({error}); pass the output of "
                           "`evalrun bench --json`") from None
+    except ValueError:  # an integer of more than 4300 digits (Python's limit on converting text to int)
+        raise ConfigError(f"--compare {path}: a number too long to read (over 4300 digits); pass the output of "
+                          "`evalrun bench --json`") from None
     rows = data.get("rows") if isinstance(data, dict) else data
     if not isinstance(rows, list) or not all(isinstance(r, dict) and isinstance(r.get("config"), str) for r in rows):
         raise ConfigError(f"--compare {path}: not a bench baseline (a list of rows with a 'config' each); pass the "
@@ -74,17 +77,27 @@ def load_baseline(path: Path) -> dict[str, dict[str, Any]]:
         for metric in HIGHER_IS_BETTER:
             value = row.get(metric)
             least = 0 if metric != "tokens_per_s" else math.ulp(0)  # an eager run compiles in 0 s; no speed is 0
-            if value is not None and not (isinstance(value, (int, float)) and not isinstance(value, bool)
-                                          and math.isfinite(value) and value >= least):
+            if value is not None and not (_finite_number(value) and value >= least):
                 raise ConfigError(f"--compare {path}: config {row['config'][:60]!r} has {metric} = {str(value)[:40]}; "
-                                  "a measured figure is a finite number, at least 0 (tokens/s above 0), or absent")
+                                  "a measured figure is a number from 0 to 1e308 (tokens/s above 0), or absent")
         baseline[row["config"]] = row
     return baseline
 
 
+def _finite_number(value: Any) -> bool:
+    """A JSON number (not a boolean) that is finite as a float: an integer past 1e308 is not (math.isfinite
+    raises OverflowError on it)."""
+    if not isinstance(value, (int, float)) or isinstance(value, bool):
+        return False
+    try:
+        return math.isfinite(value)
+    except OverflowError:
+        return False
+
+
 def _figure(row: dict[str, Any] | None, metric: str) -> float | None:
     value = (row or {}).get(metric)
-    usable = isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value) and value > 0
+    usable = _finite_number(value) and value > 0
     return float(value) if usable else None  # 0 (an eager run's compile time): no ratio to judge, reported
 
 

@@ -75,10 +75,13 @@ _one_line_exit_2 = one_line_exit_2
     ([{"config": "O0", "tokens_per_s": 0}], "tokens_per_s = 0"),
     ([{"config": "O0", "ttft_ms": -1}], "ttft_ms = -1"),
     ('[{"config": "O0", "tokens_per_s": NaN}]', "tokens_per_s = nan"),
+    pytest.param('[{"config": "O0", "tokens_per_s": 1' + "0" * 400 + '}]', "tokens_per_s = 1000", id="past-1e308"),
+    pytest.param('[{"config": "O0", "tokens_per_s": 1' + "0" * 5000 + '}]', "a number too long to read", id="5000-digits"),
 ])
 def test_a_baseline_that_could_disable_the_check_is_refused(tmp_path, rows, needle):
     """A hostile or broken baseline (duplicates, negatives, booleans, zero, NaN) must not turn a regression
-    into a pass: each is one line, exit 2."""
+    into a pass: each is one line, exit 2. An integer past 1e308 (math.isfinite raised OverflowError) or past
+    4300 digits (json raised ValueError) was an internal error (exit 3)."""
     from evalrun.bench_compare import load_baseline
 
     path = tmp_path / "baseline.json"
