@@ -80,10 +80,12 @@ def parse_batch_sizes(text: str) -> list[int]:
     """'1,4,16' -> [1, 4, 16] (sorted, unique, 1 always included: the reference is the prompt alone)."""
     items = [item.strip() for item in str(text).split(",") if item.strip()]
     if not all(item.isascii() and item.isdigit() for item in items):  # int() would take '1_000' and other digits
-        raise ConfigError(f"--batch-sizes {text!r} is not a list of integers; use e.g. 1,4,16")
-    sizes = {int(item) for item in items}
+        raise ConfigError(f"--batch-sizes {str(text)[:60]!r} is not a list of integers; use e.g. 1,4,16")
+    # int() refuses text past 4300 digits (zeros too): leading zeros dropped, a longer item is out of range unread
+    digits = [item.lstrip("0") or "0" for item in items]
+    sizes = {int(item) if len(item) <= len(str(MAX_BATCH_SIZE)) else MAX_BATCH_SIZE + 1 for item in digits}
     if not sizes or any(not 1 <= size <= MAX_BATCH_SIZE for size in sizes):
-        raise ConfigError(f"--batch-sizes {text!r}: give sizes from 1 to {MAX_BATCH_SIZE}, e.g. 1,4,16")
+        raise ConfigError(f"--batch-sizes {str(text)[:60]!r}: give sizes from 1 to {MAX_BATCH_SIZE}, e.g. 1,4,16")
     return sorted(sizes | {1})
 
 

@@ -17,7 +17,7 @@ def test_batch_sizes_and_positions_parse_and_alone_is_always_the_reference():
     assert parse_batch_sizes("16,4") == [1, 4, 16]
     assert parse_positions("last, first") == ["first", "last"]
     assert [c.name for c in cells_for([1, 4], ["first", "last"])] == ["alone", "b4/first", "b4/last"]
-    for bad in ("", "0", "a,b", "1,99999"):
+    for bad in ("", "0", "a,b", "1,99999", "1" * 5000, "4," + "0" * 5000):  # 5000 digits: int() raised ValueError
         with pytest.raises(ConfigError):
             parse_batch_sizes(bad)
     with pytest.raises(ConfigError):
@@ -108,6 +108,7 @@ def test_cli_markdown_names_the_summary_and_escapes_prompt_ids(cli, tiny_args):
     (("--batch-sizes", "1_000"), "--batch-sizes"), (("--batch-sizes", "\u0663"), "--batch-sizes"),
     (("--batch-sizes", "4096", "--repeats", "100"), "limit 20,000"),  # a time bomb, refused before any run
     (("--batch-sizes", "1", "--repeats", "1"), "compares nothing"),  # it said deterministic and invariant: yes
+    (("--batch-sizes", "1" * 5000), "give sizes from 1 to 4096"),  # int() raised ValueError past 4300 digits: exit 3
 ])
 def test_cli_bad_input_is_one_line_and_exit_2(cli, tiny_args, options, needle):
     one_line_exit_2(cli("invariance", *tiny_args, *options, "--quiet"), needle)
