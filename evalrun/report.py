@@ -106,7 +106,7 @@ def timings_text(timings: dict[str, Any]) -> str:
                          f"{timings['warmup_s']:.2f}s  TTFT p50 {timings['ttft_ms']['p50']:.1f} ms  step p50/p95/p99 "
                          f"{latency['p50_ms']:.2f}/{latency['p95_ms']:.2f}/{latency['p99_ms']:.2f} ms  "
                          f"{timings['tokens_per_s']:.1f} tok/s  peak {human_bytes(memory['bytes'])} ({memory['kind']})")
-    except (KeyError, TypeError, ValueError):
+    except (KeyError, TypeError, ValueError, OverflowError):  # OverflowError: an integer past 1e308 as a float
         return "timings: not readable in this record"
 
 

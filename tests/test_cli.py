@@ -147,6 +147,20 @@ def test_bad_input_keep_logits_steps_past_4300_digits(cli, tiny_args):
     _one_line_exit_2(cli("run", *tiny_args, "--keep-logits", "capital@1" + "0" * 5000), "keep_logits=", "is not valid")
 
 
+def test_store_show_of_a_run_whose_timings_hold_an_integer_past_1e308(cli, tiny_args, store_path):
+    """A store is untrusted input: formatting such a figure as a float raised OverflowError (exit 3). Its timings
+    are now "not readable", like any other damaged timings."""
+    import sqlite3
+
+    code, out, err = cli("run", *tiny_args, "--json", "--quiet")
+    assert code == 0, err
+    run_id = json.loads(out)["run_id"]
+    with sqlite3.connect(store_path) as conn:
+        conn.execute("UPDATE runs SET timings_json = json_set(timings_json, '$.tokens_per_s', json(?))", ["1" + "0" * 400])
+    code, out, err = cli("store", "show", run_id[:8], "--store", str(store_path))
+    assert code == 0 and "timings: not readable in this record" in out, err
+
+
 def test_bad_input_unknown_key(cli, tiny_args):
     _one_line_exit_2(cli("run", *tiny_args, "--set", "bogus=1"), "unknown config key 'bogus'", "valid keys")
 
