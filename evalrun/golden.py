@@ -212,9 +212,13 @@ def create_seconds(value: Any) -> dict[str, float] | None:
     """The time `golden create` spent per phase (pinned_s, oracle_s, envelope_s), as stored; None when the
     golden does not say or says something else (a golden is untrusted input)."""
     if not isinstance(value, dict) or not all(isinstance(k, str) and isinstance(v, (int, float)) and
-                                              not isinstance(v, bool) and math.isfinite(v) for k, v in value.items()):
+                                              not isinstance(v, bool) for k, v in value.items()):
         return None
-    return {key: float(seconds) for key, seconds in value.items()}
+    try:
+        seconds = {key: float(figure) for key, figure in value.items()}  # OverflowError: an integer past 1e308
+    except OverflowError:
+        return None
+    return seconds if all(math.isfinite(figure) for figure in seconds.values()) else None
 
 
 PROBED_ROLES = ("oracle", *ENVELOPE_ROLES, "function")

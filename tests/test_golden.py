@@ -30,8 +30,10 @@ def test_golden_file_is_small_self_contained_and_versioned(tiny_golden):
     assert golden.summary()["create_seconds"] == golden.meta["create_seconds"]  # in `golden show/create --json`
 
 
-@pytest.mark.parametrize("stored", [None, "fast", {"pinned_s": "1"}, {"pinned_s": float("nan")}, {"x": True}, [1.0]])
+@pytest.mark.parametrize("stored", [None, "fast", {"pinned_s": "1"}, {"pinned_s": float("nan")}, {"x": True}, [1.0],
+                                    {"pinned_s": 10 ** 400}])
 def test_a_golden_that_misstates_its_create_time_reads_as_not_saying(stored):
+    """An integer past 1e308 made math.isfinite raise OverflowError: golden list and show exited 3."""
     from evalrun.golden import create_seconds
 
     assert create_seconds(stored) is None
