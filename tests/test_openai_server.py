@@ -133,6 +133,13 @@ def test_a_misbehaving_server_gives_one_line_exit_2_and_nothing_complete(cli, be
     assert code == 2 and len(err.strip().splitlines()) == 1 and "server" in err
 
 
+def test_a_server_answering_a_number_past_4300_digits_is_one_line_exit_2(cli, behaving, store_path):
+    """json.loads raised ValueError, not JSONDecodeError, on it: an internal error (exit 3)."""
+    behaving.behaviour = "huge-number"
+    code, out, err = cli("run", "--engine", f"openai:{behaving.url}", *LOCAL, "--store", str(store_path), "-q")
+    assert (code, out) == (2, "") and len(err.strip().splitlines()) == 1 and "over 4300 digits" in err, err
+
+
 def test_the_fingerprint_of_a_server_holds_its_identity(cli, stub):
     code, out, err = cli("fingerprint", "--engine", f"openai:{stub.url}", "--model", "random:tiny", "--prompts", "smoke",
                          "--set", "server_config=vllm -O3", "--json")

@@ -96,6 +96,8 @@ class OpenAIClient:
             return json.loads(raw.decode("utf-8")), headers
         except (UnicodeDecodeError, json.JSONDecodeError, RecursionError) as error:
             raise _Retryable(f"malformed JSON in the response ({str(error)[:80]})") from None
+        except ValueError:  # an integer of more than 4300 digits (Python's limit on converting text to int)
+            raise _Retryable("malformed JSON in the response (a number of over 4300 digits)") from None
 
     # ------------------------------------------------------------ endpoints
 
