@@ -111,11 +111,17 @@ def _encodable(text: str) -> bool:
 
 
 def read_records(path: Path) -> list[PromptRecord]:
+    """The records of a JSONL file, read a line at a time. Lines end at "\n" only (a "\r" before it is
+    dropped): U+2028, U+2029 and U+0085 are legal inside a JSON string, where str.splitlines broke them."""
+    records = []
     try:
-        lines = path.read_text(encoding="utf-8").splitlines()
+        with path.open(encoding="utf-8", newline="\n") as lines:
+            for number, line in enumerate(lines, 1):
+                line = line.removesuffix("\n").removesuffix("\r")
+                if line.strip():
+                    records.append(_parse_record(path, number, line))
     except UnicodeDecodeError:
         raise PromptError(f"{path}: not UTF-8 text; save the prompt file as UTF-8") from None
-    records = [_parse_record(path, number, line) for number, line in enumerate(lines, 1) if line.strip()]
     if not records:
         raise PromptError(f"{path}: no prompts; add one JSON object per line")
     seen: set[str] = set()

@@ -161,6 +161,23 @@ def test_store_show_of_a_run_whose_timings_hold_an_integer_past_1e308(cli, tiny_
     assert code == 0 and "timings: not readable in this record" in out, err
 
 
+def test_a_prompt_file_with_raw_line_separators_inside_strings_is_read_line_by_line(cli, tiny_args, tmp_path):
+    """U+2028, U+2029 and U+0085 are legal unescaped in a JSON string; str.splitlines split records on them ("not
+    valid JSON (Unterminated string...)"). Lines end at "\n" (a "\r" before it dropped) and keep their numbers."""
+    from evalrun.prompts import read_records
+
+    texts = ["a\u2028b", "c\u2029d", "e\x85f", "g\rh"]
+    path = tmp_path / "separators.jsonl"
+    lines = [json.dumps({"id": f"p{i}", "prompt": text}, ensure_ascii=False) for i, text in enumerate(texts)]
+    path.write_bytes(("\r\n".join(lines) + "\r\n\n").encode("utf-8"))
+    assert [r.prompt for r in read_records(path)] == texts
+    args = [a if a != "smoke" else str(path) for a in tiny_args]
+    code, out, err = cli("run", *args, "--json", "--quiet")
+    assert code == 0 and [r["prompt_id"] for r in json.loads(out)["results"]] == ["p0", "p1", "p2", "p3"], err
+    path.write_bytes(("\n".join(lines) + '\n\n{"id": "broken", "prompt": \n').encode("utf-8"))
+    _one_line_exit_2(cli("run", *args), f"{path}:6: not valid JSON")
+
+
 def test_bad_input_unknown_key(cli, tiny_args):
     _one_line_exit_2(cli("run", *tiny_args, "--set", "bogus=1"), "unknown config key 'bogus'", "valid keys")
 
