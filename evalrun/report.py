@@ -37,11 +37,18 @@ def to_json(value: Any) -> str:
 _MARKDOWN_SPECIALS = re.compile(r"([\\`*_{}\[\]()#+\-.!|<>~])")
 
 
+# A zero-width space after "@" and "#": GitHub links "@name" (a ping) and "#1" (a backlink on issue 1) in text,
+# the entity decoded (what Renovate's PR bodies do); the reader sees the same text.
+_GITHUB_REFERENCE = re.compile(r"([@#])")
+
+
 def markdown_cell(value: Any) -> str:
-    """Text that came from a file, safe inside a Markdown table cell or list item of a PR comment:
-    HTML escaped (no comments, no tags), every Markdown special escaped, line breaks and control
-    characters shown as escapes, so nothing can add structure or hide text."""
-    return _MARKDOWN_SPECIALS.sub(r"\\\1", html.escape(printable(value), quote=True))
+    """Text that came from a file, safe inside a Markdown table cell or list item of a PR comment, rendered
+    as the text itself: line breaks and control characters shown as escapes, then `&`, `<` and `>` as HTML
+    entities (no comment, no tag; quotes stay text), then every Markdown special backslash-escaped (no
+    entity holds one), then "@" and "#" followed by a zero-width space entity (no ping, no issue link)."""
+    text = _MARKDOWN_SPECIALS.sub(r"\\\1", html.escape(printable(value), quote=False))
+    return _GITHUB_REFERENCE.sub(r"\1&#8203;", text)
 
 
 def markdown_code(lines: list[str]) -> list[str]:

@@ -1,5 +1,6 @@
 import json
 import os
+import re
 
 import pytest
 
@@ -329,6 +330,44 @@ def test_markdown_cannot_be_injected_through_prompt_ids(cli, write_prompts, tmp_
     assert "<!--" not in out and "-->" not in out and "\n# Heading" not in out and "](http" not in out
     rows = [line for line in out.splitlines() if line.startswith("| ")]
     assert all(line.count(" | ") == rows[0].count(" | ") for line in rows)  # no cell was split by a pipe
+
+
+HOSTILE_CELLS = ["golden's", 'say "hi"', "a & b &amp; &#x27;", "<b>x</b> <!-- c", "a | b", "`code` ``", "@octocat",
+                 "hi @octocat and me@example.com", "#1", "fix #12", "line\nbreak", "[l](http://e) *e* _u_ \\ ~s~"]
+
+
+def _render_cell(cell: str) -> str:
+    """What a CommonMark reader shows for a cell, renderer-independent: backslash escapes of ASCII punctuation
+    and entities decoded, in one pass as CommonMark does."""
+    import html
+
+    def decode(match: "re.Match[str]") -> str:
+        piece = match.group(0)
+        return piece[1] if piece.startswith("\\") else html.unescape(piece)
+
+    return re.sub(r"\\[!-/:-@\[-`{-~]|&(#[0-9]+|#x[0-9a-fA-F]+|[A-Za-z]+);", decode, cell)
+
+
+@pytest.mark.parametrize("text", HOSTILE_CELLS)
+def test_a_markdown_cell_renders_as_its_text_and_pings_no_one(text):
+    """html.escape(quote=True) then a backslash before "#" made every apostrophe "&\\#x27;", shown as "&#x27;";
+    "@octocat" in a PR comment pinged that user and "#1" linked issue 1. The cell now renders as the text itself
+    (its line breaks as escapes), with a zero-width space after "@" and "#"."""
+    from evalrun.report import markdown_cell, printable
+
+    cell = markdown_cell(text)
+    assert _render_cell(cell).replace("\u200b", "") == printable(text)
+    assert "<" not in cell and "\n" not in cell
+    assert not re.search(r"(?<!\\)[|`*_\[\]]", cell)  # nothing splits a table cell, opens code, emphasis or a link
+    assert not re.search(r"@[A-Za-z0-9]|#[0-9]", _render_cell(cell))  # GitHub's mention and issue patterns
+    assert not re.search(r"&(?!(amp|lt|gt|#8203);)", cell)  # no "&" but the entities made here
+    try:
+        from markdown_it import MarkdownIt
+    except ImportError:
+        return
+    rendered = MarkdownIt("commonmark").render(cell)  # one paragraph of text: nothing but <p>
+    assert re.fullmatch(r"<p>[^<]*</p>\n", rendered), rendered
+    assert __import__("html").unescape(rendered[3:-5]).replace("\u200b", "") == printable(text)
 
 
 def test_progress_bar_on_stderr_and_quiet_silences_it(cli, tiny_args):
