@@ -52,7 +52,7 @@ class BenchRequest:
         return options
 
     def matrix(self, on_gpu: bool) -> list[tuple[str, list[str]]]:
-        """The configurations to measure: the named ones, else the device's default matrix."""
+        """The configurations to measure: the named ones, else (no --matrix) the device's default matrix."""
         if not self.matrix_names:
             return GPU_MATRIX if on_gpu else CPU_MATRIX
         known = {name: options for name, options in GPU_MATRIX + CPU_MATRIX}
@@ -63,6 +63,9 @@ class BenchRequest:
         if unknown:
             raise ConfigError(f"unknown bench config {unknown[0]!r}; use {', '.join(sorted(known))}, each optionally "
                               "with @ENGINE and +KEY=VALUE knobs (e.g. O2@transformers, O2+blas_library=cublaslt)")
+        twice = [name for index, name in enumerate(names) if name in names[:index]]
+        if twice:  # two rows of one name: a baseline of them is refused (bench_compare.load_baseline)
+            raise ConfigError(f"--matrix names {twice[0][:80]!r} twice; name each configuration once")
         return [(name, known[base_name(name)] + engine_options(name) + knob_options(name)) for name in names]
 
 

@@ -172,6 +172,15 @@ def test_bench_unknown_config(cli):
     assert code == 2 and "unknown bench config" in err
 
 
+@pytest.mark.parametrize("matrix,needle", [("O0,O0", "names 'O0' twice"), ("O0, O2,O0", "names 'O0' twice"),
+                                           ("O2+seed=1,O2+seed=1", "names 'O2+seed=1' twice")])
+def test_bench_matrix_naming_a_config_twice_is_refused(cli, matrix, needle):
+    """O0,O0 ran two rows of one name (a baseline of them is refused: "appears twice"): one line, exit 2, before
+    anything runs."""
+    one_line_exit_2(cli("bench", "--model", "random:tiny", "--prompts", "smoke", "--no-baselines", "--matrix", matrix),
+                    "--matrix", needle)
+
+
 def test_piecewise_graph_modes_warm_each_shape_twice(monkeypatch):
     """Piecewise graphs capture a shape's pieces on its second call: warm-up must make that call, or the first
     measured prefills capture (as Inductor's graph trees, used before, recorded: a 400 ms TTFT on the H200)."""
