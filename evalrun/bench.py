@@ -53,8 +53,11 @@ class BenchRequest:
 
     def matrix(self, on_gpu: bool) -> list[tuple[str, list[str]]]:
         """The configurations to measure: the named ones, else (no --matrix) the device's default matrix."""
-        if not self.matrix_names:
+        if self.matrix_names is None:
             return GPU_MATRIX if on_gpu else CPU_MATRIX
+        if not self.matrix_names.replace(",", "").strip():
+            raise ConfigError(f"--matrix {self.matrix_names!r} names no configuration; name some, e.g. --matrix O0,O2, "
+                              "or leave --matrix out for the device's default matrix")
         known = {name: options for name, options in GPU_MATRIX + CPU_MATRIX}
         known.update({"none": ["--compilation-mode", "none"]})
         known.update({name.lstrip("-"): options for name, options in GPU_MATRIX})

@@ -173,10 +173,11 @@ def test_bench_unknown_config(cli):
 
 
 @pytest.mark.parametrize("matrix,needle", [("O0,O0", "names 'O0' twice"), ("O0, O2,O0", "names 'O0' twice"),
-                                           ("O2+seed=1,O2+seed=1", "names 'O2+seed=1' twice")])
-def test_bench_matrix_naming_a_config_twice_is_refused(cli, matrix, needle):
-    """O0,O0 ran two rows of one name (a baseline of them is refused: "appears twice"): one line, exit 2, before
-    anything runs."""
+                                           ("O2+seed=1,O2+seed=1", "names 'O2+seed=1' twice"),
+                                           ("", "names no configuration"), (" , ", "names no configuration")])
+def test_bench_matrix_naming_a_config_twice_or_none_is_refused(cli, matrix, needle):
+    """O0,O0 ran two rows of one name (a baseline of them is refused: "appears twice"); an empty --matrix ran the
+    default matrix, silently. Both are one line, exit 2, before anything runs."""
     one_line_exit_2(cli("bench", "--model", "random:tiny", "--prompts", "smoke", "--no-baselines", "--matrix", matrix),
                     "--matrix", needle)
 
