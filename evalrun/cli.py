@@ -257,7 +257,7 @@ def fingerprint(output_format, as_json, **kwargs) -> None:
 
     \b
     Example:
-      evalrun fingerprint --model random:tiny --json
+      evalrun fingerprint --model random:tiny --prompts smoke --json
     """
     from .config import is_server_engine
     from .runner import prepare
