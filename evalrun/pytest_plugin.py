@@ -371,11 +371,14 @@ def _record_properties(item: pytest.Item, check: GoldenCheck, verdict, run_id: s
 
 def _record_error(item: pytest.Item, check: GoldenCheck, message: str) -> None:
     """A golden that could not be checked still reaches JUnit, the step summary and the PR comment."""
+    from .golden import NAME_PATTERN
     from .report import markdown_cell
 
     item.user_properties.extend([("evalrun.golden", check.name), ("evalrun.config", config_id(check.options)),
                                  ("evalrun.verdict", "incomparable"), ("evalrun.causes", message)])
-    item.add_report_section("setup", SECTION, f"### ⛔ evalrun golden `{markdown_cell(check.name)}`: **incomparable**"
+    # a valid name is code as the verdict's heading has it (escapes show literally in a code span); any other, text
+    name = f"`{check.name}`" if NAME_PATTERN.fullmatch(check.name) else markdown_cell(check.name)
+    item.add_report_section("setup", SECTION, f"### ⛔ evalrun golden {name}: **incomparable**"
                                               f"\n\n- {markdown_cell(message)}\n")
 
 

@@ -235,7 +235,7 @@ def test_the_plugin_loads_without_xdist(pytester):
 
 
 def test_goldens_that_cannot_be_checked_are_errors_that_reach_the_summary_and_comment(golden_dir, env, pytester):
-    (golden_dir / "broken.db").write_bytes(b"not a golden")
+    (golden_dir / "broken-1.db").write_bytes(b"not a golden")
     pytester.makepyfile(f'''
         import pytest
 
@@ -243,7 +243,7 @@ def test_goldens_that_cannot_be_checked_are_errors_that_reach_the_summary_and_co
         def test_longer_than_the_golden():
             pass
 
-        @pytest.mark.evalrun_golden("broken", golden_dir={str(golden_dir)!r})
+        @pytest.mark.evalrun_golden("broken-1", golden_dir={str(golden_dir)!r})
         def test_damaged():
             pass
     ''')
@@ -252,9 +252,10 @@ def test_goldens_that_cannot_be_checked_are_errors_that_reach_the_summary_and_co
     result.assert_outcomes(errors=2)
     assert "Traceback" not in result.stdout.str()
     result.stdout.fnmatch_lines(["::error title=evalrun g ?max_new_tokens=8?::*incomparable",
-                                 "::error title=evalrun broken ?golden?::*incomparable"])
+                                 "::error title=evalrun broken-1 ?golden?::*incomparable"])
     assert env["summary"].read_text().startswith("## evalrun: 2 incomparable")
     assert comment.read_text().count("**incomparable**") == 2
+    assert "### ⛔ evalrun golden `broken-1`: **incomparable**" in comment.read_text()  # code, not escaped text
 
 
 @pytest.mark.parametrize("marker,needle", [('"g", strict="no"', "strict=...) takes True or False"),
