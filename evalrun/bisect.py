@@ -8,15 +8,16 @@ torch's own bisector orders backends before subsystems). The predicate (`--until
 config is good: `bits` (every logits digest and token equal to GOOD's run), `verdict` (the golden's
 verdict is not `changed`), `cmd:...` (a shell command: exit 0 good, 125 skip, else bad).
 
-Stage 1, the knob ladder, is a search over data (`bisect_search`, pure, tested with fake predicates):
-BAD judged first (GOOD and BAD agreeing under the predicate is no culprit: a predicate need not be monotone),
-then a binary search over prefixes of the ladder (GOOD with the first n knobs of BAD) for the first bad one; a prefix that is not a valid config (or that the predicate skips) is stepped over,
-so the culprit may be a group of knobs that only change together. Then the culprit alone on GOOD:
-bad -> one culprit; good -> an interaction, minimised by delta debugging (ddmin) over the earlier
-knobs. One culprit among K knobs takes at most ceil(log2 K) + 3 runs, GOOD's and BAD's included. Every probe is
-an ordinary stored run (`bisect_probe`), made in a fresh process unless asked otherwise, and reused
-when the store already holds it (an interrupted bisect resumes). Stages 2-4 (`bisect_stages`) look
-inside the culprit: the compiler pass, the layer and sub-block, the prompt and step.
+Stage 1, the knob ladder, is a search over data (`bisect_search`, pure, tested with fake predicates): BAD
+judged first (GOOD and BAD agreeing under the predicate is no culprit: a predicate need not be monotone),
+then a binary search over prefixes of the ladder (GOOD with the first n knobs of BAD) for the first bad one;
+a prefix that is not a valid config (or that the predicate skips) is stepped over, so the culprit may be a
+group of knobs that only change together. Then the culprit alone on GOOD: bad -> one culprit; good -> an
+interaction, minimised by delta debugging (ddmin) over the earlier knobs. One culprit among K knobs takes at
+most ceil(log2 K) + 3 runs, GOOD's and BAD's included. Every probe is an ordinary stored run
+(`bisect_probe`), made in a fresh process unless asked otherwise, and reused when the store already holds it
+(an interrupted bisect resumes). Stages 2-4 (`bisect_stages`) look inside the culprit: the compiler pass,
+the layer and sub-block, the prompt and step.
 """
 
 from __future__ import annotations
