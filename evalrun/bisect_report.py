@@ -39,7 +39,8 @@ def _stage_one(result: BisectResult) -> list[str]:
     reused = f", {result.reused} reused from the store" if result.reused else ""
     ladder = "; ".join(knob.describe() for knob in result.knobs) or "none"
     return [f"stage 1, knob ladder: {len(result.knobs)} knob(s) differ: {ladder}",
-            f"  {result.runs} run(s){reused}; bound for one culprit: ceil(log2 K) + 3 = {result.bound}",
+            f"  {result.runs} run(s){reused}; bound for one culprit: "
+            f"{'ceil(log2 K) + 3 = ' if len(result.knobs) > 1 else ''}{result.bound}",
             f"  {headline(result)}"]
 
 

@@ -6,12 +6,14 @@ stderr); 3 evalrun itself failed (one line naming the file that holds the traceb
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import errno
 import importlib.util
 import os
 import signal
 import sqlite3
+import stat
 import sys
 import tempfile
 import threading
@@ -179,14 +181,29 @@ def plot_output(path: Path | None) -> None:
 def _try_opening_for_writing(path: Path, what: str) -> None:
     """Open `path` for writing as the command will, neither truncating nor keeping a file it made: a folder's
     permissions do not tell a dangling link, a read-only file or a file system that refuses new files
-    (/proc), which failed only after the whole run."""
-    existed = os.path.lexists(path)
+    (/proc), which failed only after the whole run. A pipe is refused: the report is written after the run,
+    and opening it now would end its reader (or wait for one). Safe when processes (torchrun's ranks) check
+    one path at once: a new file is made exclusively, and only by the process that removes it."""
+    target = Path(os.path.realpath(path))  # a link's target, where the write will land
     try:
-        os.close(os.open(path, os.O_WRONLY | os.O_CREAT | os.O_APPEND | os.O_NONBLOCK, 0o644))  # a FIFO: no wait
+        if target.exists():
+            if stat.S_ISFIFO(target.stat().st_mode) or stat.S_ISSOCK(target.stat().st_mode):
+                raise OutputError(f"{what} {path} is a pipe or a socket; the report is written after the run: pass "
+                                  "a file path")
+            if not target.is_file():  # a device such as /dev/null: opening it changes nothing
+                if not os.access(target, os.W_OK):
+                    raise PermissionError(errno.EACCES, os.strerror(errno.EACCES))
+                return
+            os.close(os.open(target, os.O_WRONLY | os.O_APPEND))
+            return
+        try:
+            os.close(os.open(target, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644))
+        except FileExistsError:  # made this instant by another process checking the same path: the folder takes files
+            return
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(target)
     except OSError as error:
         raise OutputError(f"{what} {path}: cannot write there ({error.strerror}); pass another path") from None
-    if not existed:
-        os.unlink(path)
 
 
 def _is_sqlite_file(path: Path) -> bool:
@@ -478,14 +495,14 @@ def golden_verify(name, directory, strict, output_format, as_json, junit_path, s
             junit_path.write_text(verdict_report.junit(verdict, strict))
         except OSError as error:
             unwritten.append(f"--junit {junit_path} ({error.strerror})")
-    if unwritten:  # the verdict stands: its exit code when it has one, else 2 (a report asked for is missing)
-        problem = f"golden {name}: {verdict.verdict}, but could not write {'; '.join(unwritten)}"
-        if not verdict.exit_code:
-            raise OutputError(f"{problem}; pass a writable path")
-        click.echo(f"evalrun: warning: {problem}", err=True)
-    if verdict.exit_code:
+    missing = f"could not write {'; '.join(unwritten)}" if unwritten else ""
+    if missing and not verdict.exit_code:  # the verdict stands: its exit code when it has one, else 2
+        raise OutputError(f"golden {name}: {verdict.verdict}, but {missing}; pass a writable path")
+    if missing and verdict.exit_code != EXIT_UNUSABLE:
+        click.echo(f"evalrun: warning: golden {name}: {verdict.verdict}, but {missing}", err=True)
+    if verdict.exit_code:  # exit 2 says it in its one line
         raise Exit(verdict.exit_code, f"evalrun: golden {name}: {verdict.verdict}: {verdict.causes[0]}"
-                   if verdict.exit_code == EXIT_UNUSABLE else None)
+                   f"{f' (and {missing})' if missing else ''}" if verdict.exit_code == EXIT_UNUSABLE else None)
 
 
 def _kept_candidate(store_path: Path | None, stored: bool, candidate, name: str):
@@ -604,11 +621,12 @@ def invariance(store_path, batch_sizes, positions, repeats, output_format, as_js
       evalrun invariance --model random:tiny --prompts smoke --batch-sizes 1,4,16 --repeats 2
       evalrun invariance --set batch_invariant=true --format markdown
     """
-    from .invariance import measure_invariance, parse_batch_sizes, parse_positions
+    from .invariance import check_request, measure_invariance, parse_batch_sizes, parse_positions
     from .invariance_report import invariance_markdown, invariance_text
 
     config = config_from(kwargs)
     sizes, places = parse_batch_sizes(batch_sizes), parse_positions(positions)
+    check_request(config, sizes, places, repeats)  # before the store is opened (or made)
     outcome = measure_invariance(config, sizes, places, repeats, open_store(store_path), phase_progress(quiet))
     chosen = chosen_format(output_format, as_json)
     if chosen == "json":

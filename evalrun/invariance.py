@@ -98,6 +98,26 @@ def parse_positions(text: str) -> list[str]:
     return [name for name in POSITIONS if name in names]
 
 
+def check_request(config: RunConfig, batch_sizes: list[int], positions: list[str], repeats: int) -> RunConfig:
+    """What an invariance asks for, refused before any store is opened or model loads: repeats out of range, batch
+    size 1 alone run once (it compares nothing: it said invariant and deterministic, yes), more batch rows than
+    MAX_ROWS. Returns the effective config."""
+    if not 1 <= repeats <= MAX_REPEATS:
+        raise ConfigError(f"--repeats {repeats}: use 1 to {MAX_REPEATS}")
+    if set(batch_sizes) <= {1} and repeats == 1:
+        raise ConfigError("invariance: batch size 1 alone, run once, compares nothing; add a batch size "
+                          "(--batch-sizes 1,4,16) or repeats (--repeats 2)")
+    effective = effective_config(config)
+    cells = cells_for(batch_sizes, positions)
+    prompt_count = len(read_records(resolve_path(effective.prompts)))
+    rows_computed = repeats * prompt_count * sum(cell.batch_size for cell in cells)
+    if rows_computed > MAX_ROWS:
+        raise ConfigError(f"invariance: {repeats} repeat(s) x {prompt_count} prompts x {len(cells)} cells would "
+                          f"decode {rows_computed:,} batch rows (limit {MAX_ROWS:,}); use fewer or smaller "
+                          "--batch-sizes, --positions or --repeats")
+    return effective
+
+
 def cells_for(batch_sizes: list[int], positions: list[str]) -> list[Cell]:
     """Alone first (the reference), then every batch size > 1 at every position."""
     return [Cell(1, "alone")] + [Cell(size, position) for size in batch_sizes if size > 1 for position in positions]
@@ -119,20 +139,9 @@ def placement(prompt_count: int, cell: Cell) -> Placement:
 def measure_invariance(config: RunConfig, batch_sizes: list[int], positions: list[str], repeats: int,
                        store: Store | None, progress: Progress | None = None) -> InvarianceReport:
     """Run every cell `repeats` times (each an ordinary stored run) and analyse the results."""
-    if not 1 <= repeats <= MAX_REPEATS:
-        raise ConfigError(f"--repeats {repeats}: use 1 to {MAX_REPEATS}")
     started = time.perf_counter()
-    effective = effective_config(config)
+    effective = check_request(config, batch_sizes, positions, repeats)
     cells = cells_for(batch_sizes, positions)
-    if len(cells) == 1 and repeats == 1:
-        raise ConfigError("invariance: batch size 1 alone, run once, compares nothing; add a batch size "
-                          "(--batch-sizes 1,4,16) or repeats (--repeats 2)")
-    prompt_count = len(read_records(resolve_path(effective.prompts)))  # the bound, before any model loads
-    rows_computed = repeats * prompt_count * sum(cell.batch_size for cell in cells)
-    if rows_computed > MAX_ROWS:
-        raise ConfigError(f"invariance: {repeats} repeat(s) x {prompt_count} prompts x {len(cells)} cells would "
-                          f"decode {rows_computed:,} batch rows (limit {MAX_ROWS:,}); use fewer or smaller "
-                          "--batch-sizes, --positions or --repeats")
     base = prepare(effective)
     runs: list[tuple[Cell, int, Run]] = []
     for cell in cells:

@@ -34,7 +34,7 @@ def to_json(value: Any) -> str:
     return text
 
 
-_MARKDOWN_SPECIALS = re.compile(r"([\\`*_{}\[\]()#+\-.!|<>~])")
+_MARKDOWN_SPECIALS = re.compile(r"([\\`*_{}\[\]()#+\-.!|<>~$])")  # $: GitHub's inline math
 
 
 # A zero-width space after "@" and "#": GitHub links "@name" (a ping) and "#1" (a backlink on issue 1) in text,
@@ -45,8 +45,9 @@ _GITHUB_REFERENCE = re.compile(r"([@#])")
 def markdown_cell(value: Any) -> str:
     """Text that came from a file, safe inside a Markdown table cell or list item of a PR comment, rendered
     as the text itself: line breaks and control characters shown as escapes, then `&`, `<` and `>` as HTML
-    entities (no comment, no tag; quotes stay text), then every Markdown special backslash-escaped (no
-    entity holds one), then "@" and "#" followed by a zero-width space entity (no ping, no issue link)."""
+    entities (no comment, no tag; quotes stay text), then every Markdown special backslash-escaped ($ too:
+    GitHub reads $...$ as math; no entity holds one), then "@" and "#" followed by a zero-width space entity
+    (no ping, no issue link)."""
     text = _MARKDOWN_SPECIALS.sub(r"\\\1", html.escape(printable(value), quote=False))
     return _GITHUB_REFERENCE.sub(r"\1&#8203;", text)
 

@@ -253,6 +253,7 @@ def test_text_report_and_plot(cli, store_path, tmp_path):
     assert code == 0, err
     assert "culprit: attn_implementation sdpa -> eager" in out and "stage 3, layer:" in out
     assert "stage 2, inside the compiler: skipped" in out and "evalrun diff" in out
+    assert "bound for one culprit: 2\n" in out  # one knob: GOOD and BAD (no ceil(log2 K) + 3 = 2)
     assert plot.read_bytes()[:4] == b"\x89PNG"
 
 

@@ -110,8 +110,10 @@ def test_cli_markdown_names_the_summary_and_escapes_prompt_ids(cli, tiny_args):
     (("--batch-sizes", "1", "--repeats", "1"), "compares nothing"),  # it said deterministic and invariant: yes
     (("--batch-sizes", "1" * 5000), "give sizes from 1 to 4096"),  # int() raised ValueError past 4300 digits: exit 3
 ])
-def test_cli_bad_input_is_one_line_and_exit_2(cli, tiny_args, options, needle):
-    one_line_exit_2(cli("invariance", *tiny_args, *options, "--quiet"), needle)
+def test_cli_bad_input_is_one_line_and_exit_2(cli, tiny_args, options, needle, tmp_path):
+    store = tmp_path / "never.db"
+    one_line_exit_2(cli("invariance", *tiny_args, *options, "--quiet", "--store", str(store)), needle)
+    assert not store.exists()  # refused before the store is opened
 
 
 def test_what_one_repeat_or_no_batch_cannot_show_is_not_measured_not_yes(cli, tiny_args):

@@ -296,9 +296,9 @@ def test_reading_commands_never_write(cli, tiny_args):
     run_id = json.loads(out)["run_id"]
     path = tiny_args[-1]
     before = (Path(path).read_bytes(), os.stat(path).st_mtime_ns)
-    for args in (("store", "ls"), ("store", "check"), ("store", "show", run_id), ("store", "show", "0"),
-                 ("diff", run_id, run_id)):
-        cli(*args, "--store", path)
+    for args, exit_code in ((("store", "ls"), 0), (("store", "check"), 0), (("store", "show", run_id), 0),
+                            (("store", "show", "0"), 2), (("diff", run_id, run_id), 0)):
+        assert cli(*args, "--store", path)[0] == exit_code, args  # each read the store (or named no run)
         assert (Path(path).read_bytes(), os.stat(path).st_mtime_ns) == before, args
     wal = Path(path + "-wal")
     assert not wal.exists() or wal.stat().st_size == 0

@@ -4,6 +4,7 @@ forced decoding, the function check, the execution check, and planted faults."""
 import json
 import os
 import shutil
+from pathlib import Path
 
 import pytest
 
@@ -354,7 +355,7 @@ def test_an_output_that_cannot_be_written_fails_before_the_run_and_never_hides_t
     assert out == "" and not (tmp_path / "no-folder").exists()  # refused before the verify ran
     fifo = tmp_path / "fifo.xml"
     os.mkfifo(fifo)  # nobody reads it: checking it waited forever, as writing it would after the verify
-    one_line_exit_2(cli(*verify, "--junit", str(fifo)), "--junit", "cannot write there")
+    one_line_exit_2(cli(*verify, "--junit", str(fifo)), "--junit", "is a pipe")
     monkeypatch.setenv("GITHUB_STEP_SUMMARY", str(tmp_path))  # a folder: appending to it fails
     code, out, err = cli(*verify, "--model", "random:smollm2")
     assert code == 1 and "CHANGED" in out, err  # the verdict's exit code stands
@@ -362,3 +363,22 @@ def test_an_output_that_cannot_be_written_fails_before_the_run_and_never_hides_t
     code, out, err = cli(*verify)
     one_line_exit_2((code, out, err), "identical, but could not write GITHUB_STEP_SUMMARY")
     assert "IDENTICAL" in out
+    code, out, err = cli(*verify, "--set", "temperature=1.0")  # incomparable: its one line says both
+    one_line_exit_2((code, out, err), "incomparable", "(and could not write GITHUB_STEP_SUMMARY")
+
+
+def test_the_output_check_leaves_no_file_and_lets_a_link_write_where_it_points(tmp_path):
+    """The check opens the path as the write will and removes what it made: through a link whose target's folder
+    exists, the target (not the link) is made and removed; a file that was there keeps its bytes."""
+    from evalrun.cli import writable_output
+
+    (tmp_path / "out").mkdir()
+    link = tmp_path / "r.xml"
+    link.symlink_to(tmp_path / "out" / "r.xml")
+    writable_output(link, "--junit")
+    assert link.is_symlink() and not (tmp_path / "out" / "r.xml").exists()
+    kept = tmp_path / "kept.xml"
+    kept.write_text("old")
+    writable_output(kept, "--junit")
+    assert kept.read_text() == "old"
+    writable_output(Path(os.devnull), "--junit")  # a device takes writes
