@@ -238,14 +238,20 @@ def test_store_merge_refuses_a_run_row_the_readers_refuse(cli, store_path, tmp_p
     assert not (tmp_path / "all.db").exists()
 
 
-def test_a_flipped_bit_inside_array_data_is_found(store_path):
-    _complete_store(store_path)
+def _flip_a_bit(store_path, name: str, index: int, mask: int) -> None:
+    """Flip bits of the first stored array called `name`, its digest left as it was."""
     conn = sqlite3.connect(store_path)
-    data = bytearray(conn.execute("SELECT data FROM arrays WHERE name = 'margins'").fetchone()[0])
-    data[3] ^= 0x10
-    conn.execute("UPDATE arrays SET data = ? WHERE name = 'margins'", [bytes(data)])
+    data = bytearray(conn.execute("SELECT data FROM arrays WHERE name = ?", [name]).fetchone()[0])
+    data[index] ^= mask
+    conn.execute("UPDATE arrays SET data = ? WHERE rowid = (SELECT rowid FROM arrays WHERE name = ? LIMIT 1)",
+                 [bytes(data), name])
     conn.commit()
     conn.close()
+
+
+def test_a_flipped_bit_inside_array_data_is_found(store_path):
+    _complete_store(store_path)
+    _flip_a_bit(store_path, "margins", 3, 0x10)
     problems = Store(store_path).check()["problems"]
     assert any("margins: bytes do not match their digest" in p for p in problems)
 
@@ -256,12 +262,7 @@ def test_arrays_are_read_only_when_their_bytes_match_their_digest(store_path):
     from evalrun.sharding import runs_from_bytes
 
     run_id = _complete_store(store_path)
-    conn = sqlite3.connect(store_path)
-    data = bytearray(conn.execute("SELECT data FROM arrays WHERE name = 'digests'").fetchone()[0])
-    data[0] ^= 0x01
-    conn.execute("UPDATE arrays SET data = ? WHERE name = 'digests'", [bytes(data)])
-    conn.commit()
-    conn.close()
+    _flip_a_bit(store_path, "digests", 0, 0x01)
     with pytest.raises(StoreError, match=f"run {run_id[:12]} is damaged .array 'digests' of prompt 0: bytes do not "
                                          "match their digest.; `evalrun store check`"):
         Store(store_path, readonly=True).load_results(run_id)
