@@ -399,11 +399,13 @@ def load_config_source(name_or_path: str) -> dict[str, Any]:
     except OSError as error:
         raise ConfigError(f"{path}: cannot be read ({error.strerror}); check the path") from None
     data.pop("description", None)
-    values = {}
+    values, spelled = {}, {}
     for key, value in data.items():
-        key = key.replace("-", "_")
-        validate_key(key)
-        values[key] = _coerce(key, value)
+        name = key.replace("-", "_")
+        if name in values:  # max-new-tokens and max_new_tokens: one key, which would win was not said
+            raise ConfigError(f"{path}: {name} is given twice ({spelled[name]!r} and {key!r}); keep one")
+        validate_key(name)
+        values[name], spelled[name] = _coerce(name, value), key
     return values
 
 

@@ -125,6 +125,10 @@ def test_bad_input_keep_logits_naming_what_the_run_lacks(cli, tiny_args, keep, n
                                          ('{"id": "a", "prompt": "x"}\n{"id": "a", "prompt": "y"}\n', "duplicate id"),
                                          ('{"id": "a\\n::error::z", "prompt": "x"}\n', ":1: the id"),
                                          ('{"id": "a\\u202eb", "prompt": "x"}\n', "bidirectional"),
+                                         # which "prompt" a run took depended on the JSON reader (Python's: the last)
+                                         ('{"id": "a", "prompt": "x", "prompt": "y"}\n', ":1: the key 'prompt' is given twice"),
+                                         ('{"id": "a", "messages": [{"role": "user", "role": "system", "content": "c"}]}\n',
+                                          ":1: the key 'role' is given twice"),
                                          pytest.param('{"id": "a", "prompt": "x"}\n{"id": "b", "prompt": "x", "max_new_tokens": 1'
                                                       + "0" * 5000 + '}\n', ":2: a number too long to read", id="huge-int")])
 def test_bad_input_broken_jsonl_names_file_and_line(cli, tiny_args, write_prompts, text, needle):

@@ -115,6 +115,15 @@ def test_bad_toml_names_the_file(tmp_path):
         build_config(str(path))
 
 
+def test_a_key_a_toml_file_gives_twice_in_two_spellings_is_refused(tmp_path):
+    """max-new-tokens and max_new_tokens are one key: the later one won, silently."""
+    path = tmp_path / "twice.toml"
+    path.write_text("max-new-tokens = 4\nmax_new_tokens = 8\n")
+    with pytest.raises(ConfigError, match="twice.toml: max_new_tokens is given twice .'max-new-tokens' and "
+                                          "'max_new_tokens'.; keep one"):
+        build_config(str(path))
+
+
 def test_resolve_returns_a_frozen_typed_config():
     effective = resolve(build_config(flags={"opt_level": 1}), cuda_available=True)
     assert effective.compilation_mode is CompilationMode.PIECEWISE
