@@ -170,13 +170,23 @@ def _reason(error: BaseException) -> str:
 
 
 REQUIRED_RUN_JSON = ("config", "environment", "model", "prompt_set")  # every run's header holds them (begin_run)
+MAX_JSON_CELL_BYTES = 1 << 22  # a run's or result's JSON value: 4 MiB (they hold KBs; parsed JSON grows ~30x)
+
+
+def _json_cell(row: dict[str, Any], column: str) -> Any:
+    """A JSON column of a row, parsed only when its text is of a size evalrun writes (a grown value would cost
+    ~30x its size in memory to parse: `store check` and `merge` read every row)."""
+    text = row[column]
+    if isinstance(text, (str, bytes)) and len(text) > MAX_JSON_CELL_BYTES:
+        raise ValueError(f"its {column} is {len(text):,} bytes, past the {MAX_JSON_CELL_BYTES:,} evalrun writes")
+    return json.loads(text) if text else None
 
 
 def run_from_row(row: dict[str, Any]) -> RunRecord:
     """A runs row as evalrun writes it, validated; ValueError (or TypeError, KeyError, RecursionError) when
     it is not: the JSON columns objects (batches: a list) or empty, the header's objects present, the prompt
     set's hash and name text, id, status and created_at text."""
-    blobs = {name: json.loads(row[f"{name}_json"]) if row[f"{name}_json"] else None for name in RUN_JSON_COLUMNS}
+    blobs = {name: _json_cell(row, f"{name}_json") for name in RUN_JSON_COLUMNS}
     for name, value in blobs.items():  # what evalrun writes: objects (batches: a list), or nothing yet
         if value is not None and not isinstance(value, list if name == "batches" else dict):
             raise ValueError(f"{name} is not what evalrun writes")
@@ -194,7 +204,7 @@ def run_from_row(row: dict[str, Any]) -> RunRecord:
 
 def result_from_row(row: dict[str, Any]) -> PromptResult:
     """A results row as evalrun writes it (its arrays not yet read); ValueError when it is not."""
-    record = json.loads(row["record_json"])
+    record = _json_cell(row, "record_json")
     if not isinstance(record, dict) or not isinstance(row["prompt_index"], int):
         raise ValueError("a result row is not what evalrun writes")
     return PromptResult(row["prompt_index"], str(row["prompt_id"]), record, row["batch_index"], row["batch_row"],

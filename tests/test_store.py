@@ -218,6 +218,17 @@ def test_check_lists_every_row_the_readers_refuse(store_path, damage):
                                      for p in outcome["problems"]), outcome["problems"]
 
 
+def test_a_grown_json_value_is_damage_named_by_its_size_not_parsed(store_path):
+    """A valid JSON object of 4.4 MB in a result row: store check (and merge) read every row, and parsing one costs
+    ~30x its size; a value past the 4 MiB evalrun writes is refused by its length."""
+    run_id = _complete_store(store_path)
+    _sql(store_path, "UPDATE results SET record_json = '{\"a\": [' || replace(hex(zeroblob(2200000)), '00', '0,') "
+                     "|| '0]}' WHERE prompt_index = 0")
+    problems = Store(store_path, readonly=True).check()["problems"]
+    assert any(p.startswith(f"run {run_id[:12]} prompt 0") and "bytes, past the 4,194,304 evalrun writes" in p
+               for p in problems), problems
+
+
 def test_a_run_without_its_creation_time_is_damaged_not_a_crash(cli, store_path):
     run_id = _complete_store(store_path)
     _sql(store_path, "UPDATE runs SET created_at = NULL")
