@@ -10,8 +10,9 @@ from log_softmax over the whole vocabulary. `behaviour` makes it misbehave the w
   fewer      returns one log-probability per step whatever was asked
   noise      moves each logit by a few float32 ulps, seeded (another reduction order: drift)
   changed    scales the logits by 1.05 (a server computing another function)
-/v1/models always answers, so a misbehaving server is found at the first completion. `calls` counts
-completion requests (retries included).
+  nan        answers NaN for the first step's log-probabilities (a broken kernel; JSON readers take NaN)
+/v1/models always answers, so a misbehaving server is found at the first completion; as vLLM's does, its model
+entry holds a permission whose id is a new uuid each time. `calls` counts completion requests (retries included).
 """
 
 from __future__ import annotations
@@ -19,6 +20,7 @@ from __future__ import annotations
 import json
 import threading
 import time
+import uuid
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
 import torch
@@ -78,6 +80,9 @@ class StubServer:
             tokens.append(key(token))
             chosen.append(float(values[0]))
             tops.append({key(int(i)): float(v) for i, v in zip(top_ids, values)})
+        if self.behaviour == "nan" and chosen:
+            chosen[0] = float("nan")
+            tops[0] = {name: float("nan") for name in tops[0]}
         return {"id": "cmpl-stub", "object": "text_completion", "created": int(time.time()), "model": self.served,
                 "choices": [{"index": 0, "text": tokenizer.decode(generated), "finish_reason": finish,
                              "logprobs": {"tokens": tokens, "token_logprobs": chosen, "top_logprobs": tops,
@@ -106,7 +111,8 @@ def _handler(stub: StubServer):
         def do_GET(self) -> None:
             if self.path == "/v1/models":
                 self._send(200, json.dumps({"object": "list", "data": [
-                    {"id": stub.served, "object": "model", "created": int(time.time()), "owned_by": "stub"}]}).encode())
+                    {"id": stub.served, "object": "model", "created": int(time.time()), "owned_by": "stub",
+                     "permission": [{"id": f"modelperm-{uuid.uuid4().hex}", "object": "model_permission"}]}]}).encode())
             elif self.path == "/version":
                 self._send(200, b'{"version": "stub-1.0"}')
             else:

@@ -13,6 +13,7 @@ completion server sends is retried `retries` times with a growing pause, then ra
 from __future__ import annotations
 
 import json
+import math
 import socket
 import time
 import urllib.error
@@ -178,10 +179,14 @@ def _error_detail(error: urllib.error.HTTPError) -> str:
     return " ".join(text.split())[:160]
 
 
+VOLATILE_FIELDS = ("created", "timestamp", "date", "permission")  # vLLM's permission holds a new uuid per request
+
+
 def _stable(value: Any) -> Any:
-    """A JSON value without the fields that change per request or restart (timestamps)."""
+    """A JSON value without the fields that change per request or restart (timestamps; vLLM's model permission,
+    whose id is a new uuid each time /v1/models answers: every verify of its own golden was `changed`)."""
     if isinstance(value, dict):
-        return {k: _stable(v) for k, v in value.items() if k not in ("created", "timestamp", "date")}
+        return {k: _stable(v) for k, v in value.items() if k not in VOLATILE_FIELDS}
     if isinstance(value, list):
         return [_stable(v) for v in value]
     return value
@@ -219,9 +224,14 @@ def _text(value: Any) -> str:
 
 
 def _number(value: Any) -> float:
+    """A log-probability as a finite float. JSON readers take NaN and Infinity; a NaN compared with a budget is
+    never over it (a server answering NaN passed verify as drift), so a non-finite value is a malformed answer."""
     if isinstance(value, bool) or not isinstance(value, (int, float)):
         raise TypeError(f"expected a number, got {type(value).__name__}")
-    return float(value)
+    number = float(value)
+    if not math.isfinite(number):
+        raise ValueError(f"a log-probability that is not a finite number ({number})")
+    return number
 
 
 class TokenIndex:
