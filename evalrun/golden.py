@@ -450,12 +450,14 @@ def create_golden(name: str, config: RunConfig, directory: str | Path = DEFAULT_
     created = (make or make_runs)(request, progress, hook)
     if not distributed.world().leader:  # tensor parallel under torchrun: every rank computed, rank 0 writes
         return None
-    write_golden(path, created, request)
+    write_golden(path, created, request, replace=force)
     return open_golden(name, directory)
 
 
-def write_golden(path: Path, created: CreatedRuns, request: RunConfig) -> None:
-    """Write the runs and the golden table to a staging file, compact it, and rename it into place."""
+def write_golden(path: Path, created: CreatedRuns, request: RunConfig, replace: bool = True) -> None:
+    """Write the runs and the golden table to a staging file, compact it, and move it into place: over what is
+    there when `replace`, else only where nothing is (a link, atomic: of two creates of one name at once, the
+    second is refused, not written over the first)."""
     path.parent.mkdir(parents=True, exist_ok=True)
     handle, staging = tempfile.mkstemp(prefix=f".{path.stem}.", suffix=".tmp", dir=path.parent)
     os.close(handle)
@@ -478,7 +480,19 @@ def write_golden(path: Path, created: CreatedRuns, request: RunConfig) -> None:
         with store.transaction() as conn:
             conn.execute("INSERT INTO golden VALUES (?, ?)", ["content_digest", content_digest(conn)])
         store.compact()
-        os.replace(staging, path)
+        if replace:
+            os.replace(staging, path)
+        else:
+            try:
+                os.link(staging, path)
+            except FileExistsError:
+                raise GoldenError(f"golden {path} was created meanwhile (by another golden create); pass --force "
+                                  "to overwrite it") from None
+            except OSError:  # a file system without hard links: checked again, then moved
+                if path.exists():
+                    raise GoldenError(f"golden {path} was created meanwhile (by another golden create); pass "
+                                      "--force to overwrite it") from None
+                os.replace(staging, path)
     finally:
         for leftover in (staging, staging + "-wal", staging + "-shm"):
             if os.path.exists(leftover):

@@ -155,6 +155,30 @@ def test_create_refuses_to_overwrite_without_force(cli, tiny_golden):
     assert (tiny_golden / "g.db").read_bytes() == before
 
 
+def test_a_create_of_a_name_another_create_wrote_meanwhile_is_refused_not_written_over(tiny_golden, tmp_path):
+    """Two `golden create g` at once both passed the exists check before their minutes of runs, and the second
+    replaced the first silently (exit 0). Without --force the file is now linked into place only where nothing is."""
+    from evalrun.config import build_config
+    from evalrun.errors import GoldenError
+    from evalrun.golden import create_golden, make_runs
+
+    directory = tmp_path / "g"
+    directory.mkdir()
+    first = (tiny_golden / "g.db").read_bytes()
+
+    def other_create_finishes_first(request, progress, hook):
+        created = make_runs(request, progress, hook)
+        shutil.copyfile(tiny_golden / "g.db", directory / "g.db")  # the other create's golden lands meanwhile
+        return created
+
+    config = build_config(flags={"model": "random:tiny", "prompts": "smoke", "max_new_tokens": 4})
+    with pytest.raises(GoldenError, match="was created meanwhile .by another golden create.; pass --force"):
+        create_golden("g", config, directory, cuda_available=False, make=other_create_finishes_first)
+    assert (directory / "g.db").read_bytes() == first and [p.name for p in directory.iterdir()] == ["g.db"]
+    create_golden("g", config, directory, force=True, cuda_available=False, make=other_create_finishes_first)
+    assert (directory / "g.db").read_bytes() != first  # --force writes over it
+
+
 def test_list_and_show(cli, tiny_golden):
     code, out, _ = cli("golden", "list", "--dir", str(tiny_golden), "--json")
     assert code == 0 and json.loads(out)[0]["name"] == "g"
