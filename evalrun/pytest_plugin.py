@@ -211,6 +211,13 @@ class SessionState:
         if not marker.args or not isinstance(marker.args[0], str):
             raise pytest.UsageError(f"{item.nodeid}: @pytest.mark.{MARKER} needs the golden's name as its first "
                                     f"argument, e.g. @pytest.mark.{MARKER}('smollm2-cpu', opt_level=[0, 2])")
+        # the closest marker is the one checked (a function's over its class's or module's, as pytest's own):
+        # others on the function itself, or names past the first, were ignored silently (their goldens unchecked)
+        own = [mark for mark in getattr(item, "own_markers", []) if mark.name == MARKER]
+        if len(own) > 1 or len(marker.args) > 1:
+            names = [str(name) for mark in own or [marker] for name in mark.args]
+            raise pytest.UsageError(f"{item.nodeid}: @pytest.mark.{MARKER} names {len(names)} goldens "
+                                    f"({', '.join(names)}); a test checks one golden: write a test for each")
         folder = Path(marker.kwargs.get("golden_dir") or self.config.getoption("evalrun_golden_dir")
                       or self.config.getini("evalrun_golden_dir"))
         if not folder.is_absolute():

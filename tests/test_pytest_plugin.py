@@ -259,7 +259,10 @@ def test_goldens_that_cannot_be_checked_are_errors_that_reach_the_summary_and_co
 
 
 @pytest.mark.parametrize("marker,needle", [('"g", strict="no"', "strict=...) takes True or False"),
-                                           ('"g", batch_size=[]', "'batch_size' is an empty list")])
+                                           ('"g", batch_size=[]', "'batch_size' is an empty list"),
+                                           # the second golden was never checked, and the test passed
+                                           ('"g", "other"', "names 2 goldens (g, other)"),
+                                           ('"other")\n        @pytest.mark.evalrun_golden("g"', "names 2 goldens")])
 def test_marker_mistakes_are_usage_errors(golden_dir, env, marker, needle, pytester):
     pytester.makepyfile(f'''
         import pytest
