@@ -187,7 +187,8 @@ def _try_opening_for_writing(path: Path, what: str) -> None:
     target = Path(os.path.realpath(path))  # a link's target, where the write will land
     try:
         if target.exists():
-            if stat.S_ISFIFO(target.stat().st_mode) or stat.S_ISSOCK(target.stat().st_mode):
+            mode = target.stat().st_mode
+            if stat.S_ISFIFO(mode) or stat.S_ISSOCK(mode):
                 raise OutputError(f"{what} {path} is a pipe or a socket; the report is written after the run: pass "
                                   "a file path")
             if not target.is_file():  # a device such as /dev/null: opening it changes nothing

@@ -482,21 +482,26 @@ def write_golden(path: Path, created: CreatedRuns, request: RunConfig, replace: 
         store.compact()
         if replace:
             os.replace(staging, path)
-        else:
-            try:
-                os.link(staging, path)
-            except FileExistsError:
-                raise GoldenError(f"golden {path} was created meanwhile (by another golden create); pass --force "
-                                  "to overwrite it") from None
-            except OSError:  # a file system without hard links: checked again, then moved
-                if path.exists():
-                    raise GoldenError(f"golden {path} was created meanwhile (by another golden create); pass "
-                                      "--force to overwrite it") from None
-                os.replace(staging, path)
+        elif not _linked_into_place(staging, path):
+            raise GoldenError(f"golden {path} was created meanwhile (by another golden create); pass --force "
+                              "to overwrite it")
     finally:
         for leftover in (staging, staging + "-wal", staging + "-shm"):
             if os.path.exists(leftover):
                 os.unlink(leftover)
+
+
+def _linked_into_place(staging: str, path: Path) -> bool:
+    """Put `staging` at `path` only where nothing is (a hard link, atomic); False when something is."""
+    try:
+        os.link(staging, path)
+    except FileExistsError:
+        return False
+    except OSError:  # a file system without hard links: checked again, then moved
+        if path.exists():
+            return False
+        os.replace(staging, path)
+    return True
 
 
 def _tick(progress, role: str, prepared: Prepared):

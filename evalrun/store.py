@@ -28,7 +28,7 @@ import zlib
 from dataclasses import dataclass, field
 from datetime import datetime, timezone
 from pathlib import Path
-from typing import Any, Iterator
+from typing import Any, Callable, Iterable, Iterator
 
 import numpy as np
 import sqlite_utils
@@ -171,6 +171,26 @@ def _reason(error: BaseException) -> str:
 
 REQUIRED_RUN_JSON = ("config", "environment", "model", "prompt_set")  # every run's header holds them (begin_run)
 MAX_JSON_CELL_BYTES = 1 << 22  # a run's or result's JSON value: 4 MiB (they hold KBs; parsed JSON grows ~30x)
+
+
+def _unreadable(rows: Iterable[dict[str, Any]], parse: Callable[[dict[str, Any]], Any]
+                ) -> Iterator[tuple[dict[str, Any], str]]:
+    """(row, why) for each row that `parse` refuses as damaged."""
+    for row in rows:
+        try:
+            parse(row)
+        except (TypeError, ValueError, KeyError, RecursionError) as error:
+            yield row, _reason(error)
+
+
+def _list_the_first_ten(problems: list[str], found: Iterable[str], more: str) -> None:
+    """Append the first ten problems found, then how many more there were."""
+    count = 0
+    for count, problem in enumerate(found, 1):
+        if count <= 10:
+            problems.append(problem)
+    if count > 10:
+        problems.append(f"... {count - 10} more {more}")
 
 
 def _json_cell(row: dict[str, Any], column: str) -> Any:
@@ -525,16 +545,9 @@ class Store:
         for table, parse, where in (("runs", run_from_row, lambda row: f"run {str(row.get('id'))[:12]}"),
                                     ("results", result_from_row, lambda row: f"run {str(row.get('run_id'))[:12]} "
                                                                              f"prompt {row.get('prompt_index')}")):
-            damaged = 0
-            for row in self.db[table].rows:
-                try:
-                    parse(row)
-                except (TypeError, ValueError, KeyError, RecursionError) as error:
-                    damaged += 1
-                    if damaged <= 10:
-                        problems.append(f"{where(row)}: the row is damaged ({_reason(error)})")
-            if damaged > 10:
-                problems.append(f"... {damaged - 10} more damaged rows in {table}")
+            _list_the_first_ten(problems, (f"{where(row)}: the row is damaged ({reason})"
+                                           for row, reason in _unreadable(self.db[table].rows, parse)),
+                                f"damaged rows in {table}")
 
     def _check_orphans(self, problems: list[str]) -> None:
         for table in ("results", "arrays"):
@@ -565,15 +578,10 @@ class Store:
 
     def _check_array_bytes(self, problems: list[str]) -> None:
         """Every array's bytes against its digest, then tokens and digests against the result's digests."""
-        damaged = 0
-        for run_id, index, name, data, digest in self.db.execute(
-                "SELECT run_id, prompt_index, name, data, digest FROM arrays"):
-            if not isinstance(data, bytes) or hash_bytes(data) != digest:
-                damaged += 1
-                if damaged <= 10:
-                    problems.append(f"run {str(run_id)[:12]} prompt {index} array {name}: bytes do not match their digest")
-        if damaged > 10:
-            problems.append(f"... {damaged - 10} more damaged arrays")
+        rows = self.db.execute("SELECT run_id, prompt_index, name, data, digest FROM arrays")
+        _list_the_first_ten(problems, (f"run {str(run_id)[:12]} prompt {index} array {name}: bytes do not match "
+                                       "their digest" for run_id, index, name, data, digest in rows
+                                       if not digest_matches(data, digest)), "damaged arrays")
         for run_id, index, name, data, dtype, shape, encoding, expected in self.db.execute(
                 "SELECT a.run_id, a.prompt_index, a.name, a.data, a.dtype, a.shape, a.encoding, CASE a.name WHEN "
                 "'tokens' THEN r.tokens_digest ELSE r.logits_digest END FROM arrays a JOIN results r ON r.run_id = "
@@ -642,11 +650,15 @@ def declared_shape(row: dict[str, Any]) -> tuple[list[int], int]:
     return shape, int(np.prod(shape, dtype=object)) * np.dtype(row["dtype"]).itemsize
 
 
+def digest_matches(data: Any, digest: Any) -> bool:
+    """Whether an array row's stored bytes hash to the digest stored beside them (schema 2)."""
+    return isinstance(data, bytes) and hash_bytes(data) == digest
+
+
 def verify_digest(row: dict[str, Any]) -> None:
-    """An array row's stored bytes against the digest stored beside them (schema 2): a flipped bit, or bytes
-    edited without their digest, is damage (StoreError), never a value a comparison reads."""
-    data = row.get("data")
-    if not isinstance(data, bytes) or hash_bytes(data) != row.get("digest"):
+    """An array row's stored bytes against their digest: a flipped bit, or bytes edited without their digest,
+    is damage (StoreError), never a value a comparison reads."""
+    if not digest_matches(row.get("data"), row.get("digest")):
         raise StoreError(f"array {row.get('name')!r} of prompt {row.get('prompt_index')}: bytes do not match "
                          "their digest")
 
