@@ -29,6 +29,11 @@ from .runner import NullBar, Prepared, Run, effective_config, prepare, record, s
 from .store import PromptResult, Store
 
 MAX_ASKED_LOGPROBS = 20  # vLLM's default max_logprobs; more is refused by most servers
+# How far (in nats) below the server's own top log-probability its chosen token may be before the server is taken
+# for not decoding greedily. A greedy server takes the arg-max of the logits it scores, so its choice is its own
+# top-1 but for rounding in what it prints; a sampling one picks a token its numbers rank lower, 0.5 nats or more
+# whenever the top token is 1.65 times as likely. Half a nat is four bfloat16 ulps of a logit near 20.
+GREEDY_SLACK = 0.5
 _INDEXES: dict[str, TokenIndex] = {}
 
 
@@ -149,6 +154,7 @@ def collect(sp: ServerPrepared, completion: Completion, where: str, into: Server
                                   "cannot map to one id; use a server that returns token ids (vLLM) or other prompts")
             chosen = best
         top.setdefault(chosen, step.logprob)
+        _check_greedy(top, chosen, step.token, f"{where}, token {len(into.tokens)}")
         if len(top) < sp.config.top_k:
             raise ServerError(f"{where}: the server returned {len(top)} log-probabilities at step {len(into.tokens)} "
                               f"where {sp.asked()} were asked and top_k={sp.config.top_k} are needed; lower "
@@ -158,6 +164,17 @@ def collect(sp: ServerPrepared, completion: Completion, where: str, into: Server
         into.digests.append(step_digest(step.token, step.logprob, step.top))
     if len(completion.steps) == 0 or completion.finish_reason == "stop":
         into.ended = len(into.tokens) < limit
+
+
+def _check_greedy(top: dict[int, float], chosen: int, token: str, where: str) -> None:
+    """The chosen token is the server's own top-1 within GREEDY_SLACK, else the server samples (ServerError):
+    its tokens are another workload, and forced decoding would find its numbers right and call it drift."""
+    best = max(top, key=top.get)
+    if top[chosen] < top[best] - GREEDY_SLACK:
+        raise ServerError(f"{where}: the server chose {token!r} (log-probability {top[chosen]:.4g}) over its own "
+                          f"top token (log-probability {top[best]:.4g}): it is not decoding greedily though evalrun "
+                          "asks temperature=0; check what overrides the request's sampling on the server (its "
+                          "defaults, a proxy in front of it)")
 
 
 def free_steps(sp: ServerPrepared, index: int) -> ServerSteps:

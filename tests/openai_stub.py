@@ -11,6 +11,9 @@ from log_softmax over the whole vocabulary. `behaviour` makes it misbehave the w
   noise      moves each logit by a few float32 ulps, seeded (another reduction order: drift)
   changed    scales the logits by 1.05 (a server computing another function)
   nan        answers NaN for the first step's log-probabilities (a broken kernel; JSON readers take NaN)
+  sampling   draws each token from its log-probabilities (seeded), as a server that ignores temperature=0 does
+  runner-up  chooses the second token wherever it is within 0.4 nats of the first (inside the greedy slack: rounding
+             in what a greedy server prints, a near tie)
 /v1/models always answers, so a misbehaving server is found at the first completion; as vLLM's does, its model
 entry holds a permission whose id is a new uuid each time. `calls` counts completion requests (retries included).
 """
@@ -71,15 +74,21 @@ class StubServer:
         tokens, chosen, tops, finish, generated = [], [], [], "length", []
         for _ in range(int(body.get("max_tokens", 16))):
             logprobs = self.logprobs(ids + generated)
-            values, top_ids = torch.topk(logprobs, 1 if self.behaviour == "fewer" else max(asked, 1))
-            token = int(top_ids[0])
+            values, top_ids = torch.topk(logprobs, 1 if self.behaviour == "fewer" else max(asked, 2))
+            token, value = int(top_ids[0]), float(values[0])
+            if self.behaviour == "sampling":
+                generator = torch.Generator().manual_seed(len(ids) + len(generated))
+                token = int(torch.multinomial(logprobs.exp(), 1, generator=generator))
+                value = float(logprobs[token])
+            elif self.behaviour == "runner-up" and float(values[0] - values[1]) < 0.4:
+                token, value = int(top_ids[1]), float(values[1])
             if token == tokenizer.eos_token_id:
                 finish = "stop"
                 break
             generated.append(token)
             tokens.append(key(token))
-            chosen.append(float(values[0]))
-            tops.append({key(int(i)): float(v) for i, v in zip(top_ids, values)})
+            chosen.append(value)
+            tops.append({key(int(i)): float(v) for i, v in zip(top_ids[:max(asked, 1)], values)})
         if self.behaviour == "nan" and chosen:
             chosen[0] = float("nan")
             tops[0] = {name: float("nan") for name in tops[0]}
