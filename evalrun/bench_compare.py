@@ -18,6 +18,7 @@ from pathlib import Path
 from typing import Any
 
 from .errors import ConfigError
+from .json_input import RepeatedKey, object_without_repeated_keys
 
 HIGHER_IS_BETTER = {"tokens_per_s": True, "ttft_ms": False, "first_request_ms": False, "compile_s": False,
                     "peak_memory_gib": False, "p50_ms": False, "p95_ms": False, "p99_ms": False}
@@ -58,7 +59,11 @@ def parse_fail_on(text: str) -> FailRule:
 def load_baseline(path: Path) -> dict[str, dict[str, Any]]:
     """Config name -> row of an earlier `bench --json`; ConfigError on anything else."""
     try:
-        data = json.loads(Path(path).read_text(encoding="utf-8"))
+        data = json.loads(Path(path).read_text(encoding="utf-8"), object_pairs_hook=object_without_repeated_keys)
+    except RepeatedKey as repeated:
+        raise ConfigError(f"--compare {path}: the key {str(repeated)[:40]!r} is given twice in one object (JSON "
+                          "readers keep the last or the first); keep one, or pass the output of `evalrun bench --json`"
+                          ) from None
     except (OSError, UnicodeDecodeError, json.JSONDecodeError) as error:
         raise ConfigError(f"--compare {path}: cannot read a bench baseline ({error}); pass the output of "
                           "`evalrun bench --json`") from None

@@ -13,6 +13,7 @@ from typing import Any
 
 from .config import CONFIGS_DIR, MAX_NEW_TOKENS_LIMIT
 from .errors import PromptError
+from .json_input import RepeatedKey, object_without_repeated_keys
 from .hashing import hash_value
 
 ALLOWED_KEYS = {"id", "prompt", "messages", "max_new_tokens"}
@@ -63,22 +64,10 @@ def resolve_path(name_or_path: str) -> Path:
     return path
 
 
-class RepeatedKey(ValueError):
-    """A JSON object naming one key twice."""
-
-
-def _object_without_repeated_keys(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
-    data = dict(pairs)
-    if len(data) != len(pairs):
-        seen = set()
-        raise RepeatedKey(next(key for key, _ in pairs if key in seen or seen.add(key)))
-    return data
-
-
 def _parse_record(path: Path, number: int, line: str) -> PromptRecord:
     where = f"{path}:{number}"
     try:
-        data = json.loads(line, object_pairs_hook=_object_without_repeated_keys)
+        data = json.loads(line, object_pairs_hook=object_without_repeated_keys)
     except RepeatedKey as repeated:
         raise PromptError(f"{where}: the key {str(repeated)[:40]!r} is given twice in one object (JSON readers "
                           "keep the last or the first); keep one") from None

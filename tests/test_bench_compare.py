@@ -77,9 +77,14 @@ _one_line_exit_2 = one_line_exit_2
     ('[{"config": "O0", "tokens_per_s": NaN}]', "tokens_per_s = nan"),
     pytest.param('[{"config": "O0", "tokens_per_s": 1' + "0" * 400 + '}]', "tokens_per_s = 1000", id="past-1e308"),
     pytest.param('[{"config": "O0", "tokens_per_s": 1' + "0" * 5000 + '}]', "a number too long to read", id="5000-digits"),
+    # the second figure was read, the first lost: a baseline edited to pass
+    pytest.param('[{"config": "O0", "tokens_per_s": 100, "tokens_per_s": 1}]', "'tokens_per_s' is given twice",
+                 id="key-twice"),
+    pytest.param('{"rows": [], "rows": [{"config": "O0", "tokens_per_s": 1}]}', "'rows' is given twice",
+                 id="rows-twice"),
 ])
 def test_a_baseline_that_could_disable_the_check_is_refused(tmp_path, rows, needle):
-    """A hostile or broken baseline (duplicates, negatives, booleans, zero, NaN) must not turn a regression
+    """A hostile or broken baseline (duplicates, a key given twice, negatives, booleans, zero, NaN) must not turn a regression
     into a pass: each is one line, exit 2. An integer past 1e308 (math.isfinite raised OverflowError) or past
     4300 digits (json raised ValueError) was an internal error (exit 3)."""
     from evalrun.bench_compare import load_baseline
