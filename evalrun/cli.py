@@ -26,7 +26,7 @@ import click
 from . import report
 from .config import build_config, parse_opt_level
 from .errors import EXIT_CHANGED, EXIT_INTERNAL, EXIT_UNUSABLE, EvalrunError, OutputError, Terminated
-from .store import Store, default_store_path
+from .store import Store, check_store_path, default_store_path
 
 RUN_FLAG_NAMES = ("model", "prompts", "engine", "served_model", "tensor_parallel", "opt_level", "compilation_mode", "cudagraph_mode", "dtype", "device",
                   "max_new_tokens", "batch_size", "deterministic", "strict_config", "keep_logits")
@@ -156,6 +156,14 @@ def open_store(store_path: Path | None, readonly: bool = False, require_schema: 
     return Store(store_path or default_store_path(), readonly=readonly, require_schema=require_schema)
 
 
+def _store_once_input_is_good(store_path: Path | None) -> Callable[[], Store]:
+    """The store checked now, before a model loads, and opened (created) by the returned function once the model,
+    prompts and config are good: a command refused for its input leaves no new store file."""
+    path = store_path or default_store_path()
+    check_store_path(path)
+    return lambda: open_store(path)
+
+
 def writable_output(path: Path | None, what: str, *taken: Path | None) -> None:
     """Check an output path before any model runs: its folder exists and can be written, and it is none of
     `taken` (the command's store, its golden) nor any SQLite file (a store or a golden it would destroy)."""
@@ -251,7 +259,7 @@ def run(store_path, label, output_format, as_json, quiet, shard_text, **kwargs) 
     from .sharding import execute_sharded_run
 
     config, shard = config_from(kwargs), parsed_shard(shard_text)
-    store = open_store(store_path) if leader() else None
+    store = _store_once_input_is_good(store_path) if leader() else None
     if is_server_engine(config.engine):  # a server computes: one process, no shards
         if shard is not None:
             raise click.UsageError("--shard splits evalrun's own runs; a server runs whole")
@@ -628,7 +636,8 @@ def invariance(store_path, batch_sizes, positions, repeats, output_format, as_js
     config = config_from(kwargs)
     sizes, places = parse_batch_sizes(batch_sizes), parse_positions(positions)
     check_request(config, sizes, places, repeats)  # before the store is opened (or made)
-    outcome = measure_invariance(config, sizes, places, repeats, open_store(store_path), phase_progress(quiet))
+    outcome = measure_invariance(config, sizes, places, repeats, _store_once_input_is_good(store_path),
+                                 phase_progress(quiet))
     chosen = chosen_format(output_format, as_json)
     if chosen == "json":
         click.echo(report.to_json(outcome.as_dict()))

@@ -25,7 +25,7 @@ from .compare import digest_mismatch_steps, first_divergence
 from .config import MAX_BATCH_SIZE, RunConfig
 from .errors import ConfigError
 from .prompts import read_records, resolve_path
-from .runner import Placement, Prepared, Run, effective_config, execute, prepare, record
+from .runner import Placement, Prepared, Run, effective_config, execute, open_when_good, prepare, record
 from .store import PromptResult, Store
 
 POSITIONS = ("first", "middle", "last")
@@ -137,12 +137,14 @@ def placement(prompt_count: int, cell: Cell) -> Placement:
 
 
 def measure_invariance(config: RunConfig, batch_sizes: list[int], positions: list[str], repeats: int,
-                       store: Store | None, progress: Progress | None = None) -> InvarianceReport:
-    """Run every cell `repeats` times (each an ordinary stored run) and analyse the results."""
+                       store: Store | Callable[[], Store] | None, progress: Progress | None = None) -> InvarianceReport:
+    """Run every cell `repeats` times (each an ordinary stored run) and analyse the results. `store` may be a
+    function that opens it once the model and prompts are good (runner.open_when_good)."""
     started = time.perf_counter()
     effective = check_request(config, batch_sizes, positions, repeats)
     cells = cells_for(batch_sizes, positions)
     base = prepare(effective)
+    store = open_when_good(store)
     runs: list[tuple[Cell, int, Run]] = []
     for cell in cells:
         prepared = _prepared_for(base, cell.batch_size)

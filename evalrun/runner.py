@@ -29,7 +29,7 @@ from .hashing import hash_bytes, hash_value
 from .models import LoadedModel, load_model, model_identity
 from .prompts import PromptSet, load_prompt_set
 from .routing import PROMPT_ARRAY, RoutingPath
-from .store import PromptResult, Store
+from .store import PromptResult, Store, check_store_path
 
 Progress = Callable[[int], None]
 # True: once the device has finished a batch, the runner enqueues the next one, then makes the finished one's results
@@ -356,6 +356,12 @@ def execute(prepared: Prepared, forced: dict[int, np.ndarray] | None = None, pro
     return run
 
 
+def open_when_good(store: Store | Callable[[], Store] | None) -> Store | None:
+    """A store, or the function that opens it: a command opens its store only once its input is known to be good,
+    so a typo in a model or prompt file leaves no new store file behind."""
+    return store() if callable(store) else store
+
+
 def record(store: Store | None, header: dict[str, Any], produce: Callable[[], Run], label: str | None = None) -> Run:
     """Store a run's lifecycle: `running` before `produce()` starts, `complete` with its results, or
     `failed` with the error; without a store, just produce."""
@@ -394,11 +400,11 @@ def execute_run(config: RunConfig | EffectiveConfig, store: Store | None, label:
 class KeptCandidate:
     """The `observe` hook of a verification that stores its candidate run as `evalrun run` would (`label`),
     so `evalrun diff` and `store show` read it (`golden verify --store`, the pytest plugin). The store is
-    opened at once: one that cannot be used is refused before any model runs."""
+    checked at once, so one that cannot be used is refused before any model runs, and created with the run."""
 
     def __init__(self, path: Path | str, label: str):
         self.path, self.label, self.run_id = Path(path).resolve(), label, None
-        Store(self.path).close()
+        check_store_path(self.path)
 
     def observe(self, phase: str, run: Run) -> None:
         if phase != "candidate" or self.run_id is not None:

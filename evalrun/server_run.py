@@ -25,7 +25,7 @@ from .engine.timing import latency_summary
 from .errors import ServerError
 from .fingerprint import environment_hash
 from .hashing import hash_bytes, hash_value
-from .runner import NullBar, Prepared, Run, effective_config, prepare, record, steps_for
+from .runner import NullBar, Prepared, Run, effective_config, open_when_good, prepare, record, steps_for
 from .store import PromptResult, Store
 
 MAX_ASKED_LOGPROBS = 20  # vLLM's default max_logprobs; more is refused by most servers
@@ -257,11 +257,13 @@ def execute_server(sp: ServerPrepared, progress: Callable[[int], None] | None = 
     return Run(sp.header, results, timings, evidence, plan)
 
 
-def execute_server_run(config: RunConfig, store: Store | None, label: str | None = None,
+def execute_server_run(config: RunConfig, store: Store | Callable[[], Store] | None, label: str | None = None,
                        progress_factory: Callable[[int], Any] | None = None) -> Run:
     """`evalrun run --engine openai:URL`: ask the server who it is, run every prompt, record the run
-    (`running`, then `complete`, or `failed` with the one-line error when the server fails midway)."""
+    (`running`, then `complete`, or `failed` with the one-line error when the server fails midway). `store` may
+    be a function that opens it once the server has answered who it is (runner.open_when_good)."""
     sp = prepare_server(config)
+    store = open_when_good(store)
 
     def produce() -> Run:
         bar = progress_factory(len(sp.prompt_set.records)) if progress_factory else None

@@ -126,12 +126,14 @@ def gather_runs(label: str, header: dict[str, Any], mine: Run) -> list[Run] | No
 
 # ---------------------------------------------------------------- evalrun run, sharded
 
-def execute_sharded_run(config, store: Store | None, label: str | None = None,
+def execute_sharded_run(config, store: Store | Callable[[], Store] | None, label: str | None = None,
                         progress_factory: Callable[[int], Any] | None = None, shard: Shard | None = None) -> Run:
     """`evalrun run` on this process's shard: under torchrun rank 0 stores the joined run (the others
-    return theirs, unstored); with --shard the job stores its part, marked as such."""
+    return theirs, unstored); with --shard the job stores its part, marked as such. `store` may be a function
+    that opens it, called once the model, prompts and config are known to be good (runner.open_when_good)."""
     prepared = runner.prepare(config)  # through the module: tests replace its functions
     prepared.execution_mode()  # before anything is stored: an engine that refuses its config stores nothing
+    store = runner.open_when_good(store)
     here, current = distributed.world(), active_shard(prepared.config.tensor_parallel, shard)
     only = shard_prompts(prepared, current)
     joined_by_ranks = here.distributed and prepared.config.tensor_parallel == 1

@@ -261,6 +261,25 @@ def close_open_stores(keep: list["Store"] = ()) -> None:
             store.close()
 
 
+def check_store_path(path: str | Path) -> None:
+    """StoreError where `Store(path)` would fail, found without creating anything: a command checks its store
+    before a model runs and creates it only once its input is known to be good (a typo leaves no store file). An
+    existing file is opened and closed; a new one needs its nearest existing folder to be writable."""
+    path = Path(path)
+    try:
+        exists = path.exists()
+    except OSError:
+        exists = True  # Store names the unusable path
+    if exists:
+        Store(path).close()
+        return
+    folder = path.parent
+    while not folder.exists() and folder != folder.parent:
+        folder = folder.parent
+    if not folder.is_dir() or not os.access(folder, os.W_OK | os.X_OK):
+        raise StoreError(f"cannot open store {path}: {folder} is not a writable folder; pass a writable --store PATH")
+
+
 class Store:
     """A SQLite store of runs. `Store(path)` creates the file and schema if needed."""
 

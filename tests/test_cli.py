@@ -252,6 +252,22 @@ def test_bad_input_store_that_is_not_sqlite(cli, tiny_args, tmp_path):
     _one_line_exit_2(cli("run", *tiny_args, "--store", str(bogus)), "store")
 
 
+@pytest.mark.parametrize("command", ["run", "invariance", "golden verify"])
+def test_bad_input_leaves_no_new_store_file(cli, tmp_path, golden_factory, command):
+    """A typo in the model (or prompts) is refused before the store is created: the store file, and the folders
+    --store names, were left behind empty (45 KB of schema) by run, invariance and golden verify --store."""
+    words = {"run": ["run"], "invariance": ["invariance", "--batch-sizes", "1,2"],
+             "golden verify": ["golden", "verify", "g", "--dir", str(golden_factory()) if command == "golden verify"
+                               else ""]}[command]
+    store = tmp_path / "new" / "s.db"
+    _one_line_exit_2(cli(*words, "--model", "random:nope", "--prompts", "smoke", "--store", str(store), "-q"),
+                     "unknown random model")
+    assert not (tmp_path / "new").exists()
+    code, _, err = cli(*words, "--model", "random:tiny", "--prompts", "smoke", "--max-new-tokens", "2", "--store",
+                       str(store), "-q")
+    assert code == 0 and store.is_file(), err  # a good command creates it
+
+
 def test_store_commands_on_missing_store(cli, tmp_path):
     _one_line_exit_2(cli("store", "ls", "--store", str(tmp_path / "none.db")), "does not exist")
 
