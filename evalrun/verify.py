@@ -19,8 +19,11 @@
 4. Function check (is it the same model?): the candidate environment runs the golden's function
    config (float32, eager, deterministic, TF32 off) forced and probed. In the golden's own
    environment it must reproduce the golden's function run bit for bit; elsewhere its error against
-   the float64 oracle must stay within `rules.FUNCTION_RULE` of the golden's. When the candidate's
-   own config is that config, its run is reused.
+   the float64 oracle must stay within `rules.FUNCTION_RULE` of the golden's. It runs at the candidate's
+   batch size: a bug in the batched path (padding, masks, a row-dependent op) is then judged in float32,
+   where it is thousands of budgets out; judged only by the execution check of a bfloat16 candidate, a 1%
+   error of every batched row's logits was within 3x the envelope (drift). When the candidate's own config
+   is that config, its run is reused.
 5. Execution check (does this config compute that model faithfully?): the candidate's own forced
    numbers against the envelope of known-good implementations of its dtype recorded in the golden
    (pinned, reference, function). When the golden has none of that dtype, the reference config in
@@ -552,10 +555,11 @@ def _run_forced(context: Context, config: EffectiveConfig, phase: str,
 
 
 def _function_config(context: Context) -> EffectiveConfig:
-    """The golden's function config, on the candidate's device and workload, with the decode levers at their
-    defaults (golden.reference_config; goldens made before it kept them)."""
+    """The golden's function config, on the candidate's device, workload and batch size (module docstring, 4),
+    with the decode levers at their defaults (golden.reference_config; goldens made before it kept them)."""
     golden_function = context.golden.config("function")
-    workload = {key: getattr(context.candidate.config, key) for key in ("model", "prompts", "max_new_tokens")}
+    workload = {key: getattr(context.candidate.config, key)
+                for key in ("model", "prompts", "max_new_tokens", "batch_size")}
     return golden_function.replace(device=context.candidate.config.device, **DECODE_LEVER_DEFAULTS, **workload)
 
 
