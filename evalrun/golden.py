@@ -41,7 +41,7 @@ from .config import (DECODE_LEVER_DEFAULTS, INDUCTOR_DEFAULTS, CompilationMode, 
 from .errors import ConfigError, GoldenError, OutputError, StoreError
 from .routing import PROMPT_ARRAY, RoutingPath, has_routing, routing_path
 from .runner import Prepared, Probes, Run, execute, prepare, record
-from .store import RUN_JSON_COLUMNS, PromptResult, Store, result_problem
+from .store import RUN_JSON_COLUMNS, PromptResult, Store, result_problem, unwritable_folder
 
 GOLDEN_FORMAT = 2
 DEFAULT_DIR = Path("golden")
@@ -426,9 +426,9 @@ def check_writable_folder(directory: str | Path) -> None:
     folder = Path(directory)
     if folder.exists() and not folder.is_dir():
         raise OutputError(f"{folder} is not a folder; pass --dir with a folder for goldens")
-    probe = folder if folder.exists() else next((p for p in folder.parents if p.exists()), Path("."))
-    if not os.access(probe, os.W_OK | os.X_OK):
-        raise OutputError(f"cannot write goldens into {folder}: {probe} is not writable; pass --dir with a writable folder")
+    blocked = unwritable_folder(folder)
+    if blocked is not None:
+        raise OutputError(f"cannot write goldens into {folder}: {blocked} is not writable; pass --dir with a writable folder")
 
 
 def create_golden(name: str, config: RunConfig, directory: str | Path = DEFAULT_DIR, force: bool = False,

@@ -144,10 +144,10 @@ def measure_invariance(config: RunConfig, batch_sizes: list[int], positions: lis
     effective = check_request(config, batch_sizes, positions, repeats)
     cells = cells_for(batch_sizes, positions)
     base = prepare(effective)
+    prepared_cells = [(cell, _prepared_for(base, cell.batch_size)) for cell in cells]  # every config good first
     store = open_when_good(store)
     runs: list[tuple[Cell, int, Run]] = []
-    for cell in cells:
-        prepared = _prepared_for(base, cell.batch_size)
+    for cell, prepared in prepared_cells:
         layout = placement(len(prepared.prompt_set.records), cell)
         for repeat in range(repeats):
             update = progress(f"{cell.name} #{repeat + 1}", len(layout.batches)) if progress else None

@@ -154,7 +154,7 @@ def collect(sp: ServerPrepared, completion: Completion, where: str, into: Server
                                   "cannot map to one id; use a server that returns token ids (vLLM) or other prompts")
             chosen = best
         top.setdefault(chosen, step.logprob)
-        _check_greedy(top, chosen, step.token, f"{where}, token {len(into.tokens)}")
+        _check_greedy(step.logprob, step.top, step.token, f"{where}, token {len(into.tokens)}")
         if len(top) < sp.config.top_k:
             raise ServerError(f"{where}: the server returned {len(top)} log-probabilities at step {len(into.tokens)} "
                               f"where {sp.asked()} were asked and top_k={sp.config.top_k} are needed; lower "
@@ -166,15 +166,16 @@ def collect(sp: ServerPrepared, completion: Completion, where: str, into: Server
         into.ended = len(into.tokens) < limit
 
 
-def _check_greedy(top: dict[int, float], chosen: int, token: str, where: str) -> None:
-    """The chosen token is the server's own top-1 within GREEDY_SLACK, else the server samples (ServerError):
-    its tokens are another workload, and forced decoding would find its numbers right and call it drift."""
-    best = max(top, key=top.get)
-    if top[chosen] < top[best] - GREEDY_SLACK:
-        raise ServerError(f"{where}: the server chose {token!r} (log-probability {top[chosen]:.4g}) over its own "
-                          f"top token (log-probability {top[best]:.4g}): it is not decoding greedily though evalrun "
-                          "asks temperature=0; check what overrides the request's sampling on the server (its "
-                          "defaults, a proxy in front of it)")
+def _check_greedy(chosen: float, top: dict[str, float], token: str, where: str) -> None:
+    """The chosen token's log-probability is the server's own top within GREEDY_SLACK, else the server does not
+    decode greedily (ServerError): its tokens are another workload, and forced decoding would find its numbers
+    right and call it drift. The server's raw numbers: two of its tokens printing one string share a key."""
+    best = max(top.values(), default=chosen)
+    if chosen < best - GREEDY_SLACK:
+        raise ServerError(f"{where}: the server chose {token!r} (log-probability {chosen:.4g}) though its own top "
+                          f"token has {best:.4g}: it is not decoding greedily (sampling, or a penalty) though "
+                          "evalrun asks temperature=0; check what overrides the request's sampling on the server "
+                          "(its generation defaults, a proxy in front of it)")
 
 
 def free_steps(sp: ServerPrepared, index: int) -> ServerSteps:

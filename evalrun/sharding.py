@@ -195,8 +195,9 @@ def _join_verify_runs(parts: list[dict[str, Run]]) -> VerifyRuns:
 
 
 # Which runs a verification makes, and how: shards stored under another scheme are not this verification's
-# (2: against a golden whose runs followed its pinned routing, every run follows it, whatever its dtype).
-SHARD_SCHEME = 2
+# (2: against a golden whose runs followed its pinned routing, every run follows it, whatever its dtype; 3: the
+# function check runs at the candidate's batch size, so whether a shard stores a function run changed).
+SHARD_SCHEME = 3
 
 
 def _shard_key(golden: Golden, header: dict[str, Any]) -> str:
@@ -285,4 +286,5 @@ def _stored_shards(golden: Golden, context, store: Store | None) -> VerifyRuns:
             raise StoreError(f"{store.path} holds {len(wanted) - len(missing)} of {len(wanted)} prompts of golden "
                              f"{golden.name}'s {phase} runs for this config and environment; run the missing "
                              "`golden verify --shard I/N` jobs with the same options and merge their stores")
-    return VerifyRuns(newest["free"], newest["forced"], newest.get("function"), newest.get("envelope"))
+    used = {phase: newest.get(phase) if phase in needed else None for phase in ("function", "envelope")}
+    return VerifyRuns(newest["free"], newest["forced"], used["function"], used["envelope"])

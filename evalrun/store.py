@@ -261,23 +261,34 @@ def close_open_stores(keep: list["Store"] = ()) -> None:
             store.close()
 
 
+def unwritable_folder(folder: str | Path) -> Path | None:
+    """The nearest existing folder at or above `folder` when a new file could not be made below it (not a folder,
+    or not writable), else None: what a command checks before any model runs."""
+    probe = Path(folder)
+    while not probe.exists() and probe != probe.parent:
+        probe = probe.parent
+    return None if probe.is_dir() and os.access(probe, os.W_OK | os.X_OK) else probe
+
+
 def check_store_path(path: str | Path) -> None:
     """StoreError where `Store(path)` would fail, found without creating anything: a command checks its store
     before a model runs and creates it only once its input is known to be good (a typo leaves no store file). An
-    existing file is opened and closed; a new one needs its nearest existing folder to be writable."""
+    existing file is opened and closed; a link to nothing is refused (its folder's permissions do not tell); a new
+    file needs its nearest existing folder to be writable."""
     path = Path(path)
     try:
-        exists = path.exists()
+        exists, dangling = path.exists(), os.path.lexists(path) and not path.exists()
     except OSError:
-        exists = True  # Store names the unusable path
+        exists, dangling = True, False  # Store names the unusable path
+    if dangling:
+        raise StoreError(f"cannot open store {path}: it is a link to {os.readlink(path)}, which does not exist; "
+                         "pass a writable --store PATH")
     if exists:
         Store(path).close()
         return
-    folder = path.parent
-    while not folder.exists() and folder != folder.parent:
-        folder = folder.parent
-    if not folder.is_dir() or not os.access(folder, os.W_OK | os.X_OK):
-        raise StoreError(f"cannot open store {path}: {folder} is not a writable folder; pass a writable --store PATH")
+    blocked = unwritable_folder(path.parent)
+    if blocked is not None:
+        raise StoreError(f"cannot open store {path}: {blocked} is not a writable folder; pass a writable --store PATH")
 
 
 class Store:

@@ -268,6 +268,23 @@ def test_bad_input_leaves_no_new_store_file(cli, tmp_path, golden_factory, comma
     assert code == 0 and store.is_file(), err  # a good command creates it
 
 
+def test_a_store_that_cannot_be_made_is_refused_before_the_model_loads(cli, tiny_args, tmp_path, monkeypatch):
+    """The store is created only once the input is good, but checked before the model loads: a link to nothing
+    (its folder's permissions say nothing of it) and a file where its folder should be."""
+    from evalrun import runner
+
+    def no_loading(*args, **kwargs):
+        raise AssertionError("the model was loaded before the store was refused")
+
+    monkeypatch.setattr(runner, "load_model", no_loading)
+    dangling = tmp_path / "dangling.db"
+    dangling.symlink_to(tmp_path / "nowhere" / "x.db")
+    args = [a for a in tiny_args if a != tiny_args[-1]]
+    _one_line_exit_2(cli("run", *args, str(dangling)), "is a link to", "which does not exist")
+    (tmp_path / "file").write_text("not a folder")
+    _one_line_exit_2(cli("run", *args, str(tmp_path / "file" / "x.db")), "is not a writable folder")
+
+
 def test_store_commands_on_missing_store(cli, tmp_path):
     _one_line_exit_2(cli("store", "ls", "--store", str(tmp_path / "none.db")), "does not exist")
 

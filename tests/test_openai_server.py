@@ -132,7 +132,7 @@ def test_a_misbehaving_server_gives_one_line_exit_2_and_nothing_complete(cli, be
     assert (code, out) == (2, "") and len(err.strip().splitlines()) == 1 and err.startswith("evalrun: error: ")
     assert [status for _, status in _complete_runs(store_path)] == ["failed"]
     if behaviour == "sampling":
-        assert "not decoding greedily though evalrun asks temperature=0" in err, err
+        assert "not decoding greedily (sampling, or a penalty) though evalrun asks temperature=0" in err, err
     if behaviour not in ("fewer", "nan", "sampling"):  # the token-id probe (one try), then the request, retried a bounded number of times
         assert behaving.calls - calls == 4
     code, out, err = cli("golden", "create", "broken", "--dir", str(tmp_path / "g"), *target)
@@ -140,6 +140,22 @@ def test_a_misbehaving_server_gives_one_line_exit_2_and_nothing_complete(cli, be
     assert not (tmp_path / "g").exists() or not list((tmp_path / "g").iterdir())
     code, out, err = cli("golden", "verify", "served", "--dir", str(server_golden), *target)
     assert code == 2 and len(err.strip().splitlines()) == 1 and "server" in err
+
+
+def test_the_greedy_check_allows_half_a_nat_below_the_servers_own_top():
+    """The bounds of GREEDY_SLACK, on the server's raw numbers (two of its tokens printing one string share a key
+    of top_logprobs, so the chosen token's value is read from token_logprobs)."""
+    from evalrun.errors import ServerError
+    from evalrun.server_run import GREEDY_SLACK, _check_greedy
+
+    assert GREEDY_SLACK == 0.5
+    top = {"a": -1.0, "b": -1.3}
+    for chosen in (-1.0, -1.3, -1.49, -1.0 - 1e-12):  # its top, a runner-up within the slack, rounding
+        _check_greedy(chosen, top, "b", "prompt 'p', token 0")
+    _check_greedy(-2.0, {}, "x", "prompt 'p', token 0")  # nothing to compare with
+    for chosen in (-1.51, -7.0):
+        with pytest.raises(ServerError, match="prompt 'p', token 0: the server chose 'c' .* not decoding greedily"):
+            _check_greedy(chosen, top, "c", "prompt 'p', token 0")
 
 
 def test_a_server_answering_a_number_past_4300_digits_is_one_line_exit_2(cli, behaving, store_path):

@@ -251,6 +251,23 @@ def test_a_router_change_in_the_candidates_execution_alone_is_still_changed(gold
     assert [p.routing.forced for p in verdict.prompts if p.routing is not None] != []
 
 
+def test_an_older_moe_goldens_function_check_keeps_its_batch_size(tmp_path, ties_dir, monkeypatch):
+    """The function check runs at the candidate's batch size, except against an MoE golden whose runs routed freely
+    (made before stop 21): its float32 router at another batch size could tip a tie no allowance covers. There it
+    keeps the golden's batch of one and reproduces the golden's function run bit for bit."""
+    from evalrun import golden as golden_module
+    from evalrun.golden import create_golden
+
+    monkeypatch.setattr(golden_module, "pinned_routing", lambda pinned: None)
+    config = build_config(None, {"model": str(ties_dir), "prompts": "smoke", "max_new_tokens": 6,
+                                 "dtype": "bfloat16", "device": "cpu", "opt_level": 0}, ())
+    older = create_golden("older", config, tmp_path)
+    assert not older.routing_followed
+    verdict = verify_golden(older, candidate_config(older, None, {"batch_size": 3}, ()))
+    assert verdict.function_check.startswith("reproduced the golden's float32 reference bit for bit"), (
+        verdict.function_check, verdict.causes)
+
+
 def test_every_run_of_an_moe_golden_follows_its_pinned_routing(golden_factory, ties_dir):
     """Oracle, envelope and function runs follow the pinned run's routing as well as its tokens, so the oracle's
     router error is measured at every entry, and the table says so: the oracle config run again along the pinned
