@@ -69,7 +69,7 @@ def check_model(engine: str, model: Any) -> None:
         from .model_support import check_config
 
         check_config(model.config.to_dict())
-    elif engine == "transformers" and getattr(model, "_is_stateful", False):
+    elif engine == "transformers" and _keeps_recurrent_state(model):
         # A recurrent state (Mamba, RWKV, hybrids) is not an attention KV cache: the transformers engine's
         # left-padded decode with a 2D padding mask computes another model for it (Mamba: logits off by ~30)
         raise UnsupportedModelError(f"{type(model).__name__} keeps a recurrent state (transformers marks it "
@@ -79,6 +79,24 @@ def check_model(engine: str, model: Any) -> None:
         raise UnsupportedModelError(f"{type(model).__name__} as loaded attends to later tokens (a bidirectional "
                                     "encoder, e.g. a BERT without is_decoder); --engine transformers decodes token by "
                                     "token and would compute another model; use a causal language model")
+
+
+def _keeps_recurrent_state(model: Any) -> bool:
+    """Whether the model keeps a recurrent state (Mamba, RWKV, linear-attention hybrids). transformers before 5.25
+    marks such a model `_is_stateful`; 5.25 dropped the mark and gives their cache linear-attention layers
+    instead (a Mamba then ran, computing another model, found by CI on a fresh install): both are asked."""
+    if getattr(model, "_is_stateful", False):
+        return True
+    from transformers import cache_utils
+
+    recurrent = getattr(cache_utils, "LinearAttentionCacheLayerMixin", None)
+    if recurrent is None:
+        return False
+    try:
+        layers = cache_utils.DynamicCache(config=model.config).layers
+    except Exception:  # noqa: BLE001 - a config its cache cannot be built for has no such layers to ask about
+        return False
+    return any(isinstance(layer, recurrent) for layer in layers)
 
 
 def _is_causal(model: Any) -> bool:
