@@ -70,6 +70,7 @@ def verify_with_server(golden: Golden, config: RunConfig | EffectiveConfig, stri
     def verdict(name: str, prompts: list[PromptVerdict], execution: str, distance: float = 0.0, closest: str = "",
                 envelope: list[str] | None = None, model_diff: list[str] | None = None) -> Verdict:
         timings["total_s"] = time.perf_counter() - started
+        causes.extend(f"server: {note}" for note in sp.notes if f"server: {note}" not in causes)  # found in the runs
         return Verdict(golden.name, name, exit_code_for(name, strict), causes, prompts, config_diff, env_diff,
                        model_diff or [], FUNCTION_LINE if prompts else "skipped: " + name, execution, distance, closest,
                        envelope or [], max(steps.values()) if steps else None, sp.config.as_dict(), timings)
