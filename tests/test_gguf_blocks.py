@@ -31,13 +31,19 @@ def random_blocks(fmt: str, rows: int, cols: int, seed: int = 0) -> Blocks:
 
 def test_the_blocks_dequantize_to_ggufs_own_values_bit_for_bit():
     """Every block tensor of the shipped SmolLM2 file, read by read_blocks and rebuilt with the kernel's
-    formulas, equals gguf's numpy dequantization (what transformers loads) exactly."""
+    formulas, equals gguf's numpy dequantization (what transformers loads) exactly. The reader attach opens
+    (over a plain array) reads every field and tensor as gguf's own reader does."""
     from gguf import GGUFReader
     from gguf.quants import dequantize
 
-    reader = GGUFReader(smollm2_gguf_path())
+    reader, stock = gguf_blocks.open_gguf(smollm2_gguf_path()), GGUFReader(smollm2_gguf_path())
+    assert type(reader.data) is np.ndarray and type(stock.data) is np.memmap
+    assert [(f.name, f.types, f.contents()) for f in reader.fields.values()] == [
+        (f.name, f.types, f.contents()) for f in stock.fields.values()] and len(reader.fields) > 30
+    assert [(t.name, t.tensor_type, t.shape.tolist(), t.data_offset) for t in reader.tensors] == [
+        (t.name, t.tensor_type, t.shape.tolist(), t.data_offset) for t in stock.tensors]
     found = gguf_blocks.read_blocks(reader)
-    tensors = {t.name: t for t in reader.tensors}
+    tensors = {t.name: t for t in stock.tensors}
     assert {b.format for b in found.values()} == {"Q4_1", "Q8_0"} and len(found) == 30 * 7 + 1
     for name in ("token_embd.weight", "blk.0.attn_q.weight", "blk.29.ffn_down.weight", "blk.7.attn_v.weight"):
         tensor = tensors[name]
