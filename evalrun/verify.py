@@ -354,8 +354,9 @@ def begin(golden: Golden, config: RunConfig, strict: bool = False, progress: Cal
     if note and gated is None:
         causes.append(f"tokenizer differs ({note}); every prompt encodes to the golden's token ids, so outputs are "
                       "compared by token id")
-    steps = {r.prompt_index: steps_for(candidate.prompt_set, r.prompt_index, candidate.config) for r in golden_results}
-    context = Context(golden, candidate, [_cut(r, steps[r.prompt_index]) for r in golden_results], [], steps, strict,
+    steps = {r.prompt_index: steps_for(candidate.prompt_set, r.prompt_index, candidate.config) for r in golden_results
+             if r.prompt_index < len(candidate.prompt_set.records)}  # a gated shorter prompt set lacks some
+    context = Context(golden, candidate, [_cut(r, steps.get(r.prompt_index, 0)) for r in golden_results], [], steps, strict,
                       progress, hook, observe, causes, config_diff, env_diff, {}, started)
     if gated is not None:
         verdict, cause, model_diff = gated

@@ -190,10 +190,13 @@ def test_an_edited_prompt_file_is_incomparable(cli, verify, write_prompts, tmp_p
     code, _, err = cli("golden", "create", "g", "--model", "random:tiny", "--prompts", str(path),
                        "--max-new-tokens", "4", "--dir", str(directory), "--quiet")
     assert code == 0, err
-    write_prompts([{"id": "a", "prompt": "one"}, {"id": "b", "prompt": "two!"}])
-    code, verdict, err = verify(directory)
-    assert code == 2 and verdict["verdict"] == "incomparable" and "prompt set differs" in verdict["causes"][0]
-    assert "incomparable" in err
+    # a prompt's text edited, a prompt dropped (the verify crashed: exit 3, IndexError), a prompt added
+    for records in ([{"id": "a", "prompt": "one"}, {"id": "b", "prompt": "two!"}], [{"id": "a", "prompt": "one"}],
+                    [{"id": "a", "prompt": "one"}, {"id": "b", "prompt": "two"}, {"id": "c", "prompt": "three"}]):
+        write_prompts(records)
+        code, verdict, err = verify(directory)
+        assert code == 2 and verdict["verdict"] == "incomparable" and "prompt set differs" in verdict["causes"][0], err
+        assert "incomparable" in err
 
 
 def test_markdown_output_is_a_pr_comment(cli, o0):
