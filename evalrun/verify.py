@@ -1,9 +1,9 @@
 """Verify a candidate config against a golden: gates, runs, the two checks, one verdict.
 
-1. Gates. Model identity differs -> changed, naming weights, config or tokenizer. Tokens chosen another
-   way (greedy against sampled, another temperature or sampling seed) -> incomparable. Prompt records
-   differ -> incomparable. More new tokens than the golden holds -> incomparable; fewer -> the
-   prefix is verified, and the causes say so.
+1. Gates. Model identity differs -> changed, naming weights, config or tokenizer (one that reads the
+   golden's tokens as other text). Tokens chosen another way (greedy against sampled, another temperature
+   or sampling seed) -> incomparable. Prompt records differ -> incomparable. More new tokens than the
+   golden holds -> incomparable; fewer -> the prefix is verified, and the causes say so.
 2. The candidate runs free, probed at the golden's ids. Every digest and token equal -> identical,
    with no other run (the cheap path).
 3. Forced decoding: the batches holding a prompt whose tokens left the golden's path run again, fed
@@ -219,9 +219,10 @@ def _gate(golden: Golden, candidate: Prepared, golden_results: list[PromptResult
     """(verdict, cause, model parts) when the candidate cannot be verified as a run of the golden's model.
 
     Weights or model config differ -> changed. A tokenizer that differs but encodes every prompt to the
-    same ids is not a gate (outputs are compared by token id; `tokenizer_note` names what differs): the
-    same GGUF file converted by two transformers versions gave two end-of-sequence ids. Prompts that
-    encode differently -> incomparable."""
+    same ids and reads the golden's tokens as the golden's text is not a gate (outputs are compared by token
+    id; `tokenizer_note` names what differs): the same GGUF file converted by two transformers versions gave
+    two end-of-sequence ids. Prompts that encode differently -> incomparable; tokens read as other text ->
+    changed (`decoding_difference`)."""
     pinned = golden.pinned
     model_diff = [part for part in ("weights", "config")
                   if candidate.header["model"][part] != pinned.json["model"].get(part)]
@@ -241,6 +242,9 @@ def _gate(golden: Golden, candidate: Prepared, golden_results: list[PromptResult
                     "golden's tokenizer is, or re-create the golden", ["tokenizer"])
     _check_id_ranges(golden, golden_results, candidate.loaded.vocab_size,
                      getattr(candidate.loaded.model.config, "num_experts", None))
+    other_text = decoding_difference(golden_results, candidate.loaded.tokenizer)
+    if other_text:
+        return "changed", other_text, ["tokenizer"]
     _check_routing_layout(golden, golden_results, candidate)
     for result in golden_results:
         wanted = steps_for(candidate.prompt_set, result.prompt_index, candidate.config)
@@ -248,6 +252,29 @@ def _gate(golden: Golden, candidate: Prepared, golden_results: list[PromptResult
             return ("incomparable", f"prompt {result.prompt_id!r}: the golden holds {len(result.arrays['tokens'])} new "
                     f"tokens, the candidate asks {wanted}; verify with --max-new-tokens {len(result.arrays['tokens'])} "
                     "or fewer, or re-create the golden", [])
+    return None
+
+
+def decoding_difference(golden_results: list[PromptResult], tokenizer: Any) -> str | None:
+    """Why the candidate's tokenizer makes other text of the golden's tokens than the golden stored, else None.
+
+    Outputs are compared by token id, so a tokenizer whose vocabulary or decoder changed (' Paris' and ' London'
+    swapped, a decoder rule) with every prompt still encoding to the golden's ids verified identical: the same ids
+    now read as other words. Each prompt's tokens are decoded as the run decoded them (runner.to_results: up to the
+    golden's end-of-sequence step, special tokens kept; a server golden's ids whole, its eos_step their count) and
+    must give the golden's text. The end-of-sequence id itself is not judged here: the same GGUF file converted by
+    two transformers versions gave two (`tokenizer_note` names it)."""
+    for result in golden_results:
+        tokens = result.arrays["tokens"]
+        end = result.eos_step if result.eos_step >= 0 else len(tokens)
+        text = tokenizer.decode(tokens[:end].tolist(), skip_special_tokens=False)
+        if text != result.output_text:
+            start = next((i for i, (a, b) in enumerate(zip(text, result.output_text)) if a != b),
+                         min(len(text), len(result.output_text)))
+            around = slice(max(0, start - 12), start + 24)
+            return (f"model identity: the tokenizer reads the golden's tokens for prompt {result.prompt_id!r} as other "
+                    f"text ({result.output_text[around]!r} -> {text[around]!r}): its vocabulary or decoder differs; "
+                    "verify with the golden's tokenizer, or re-create the golden if the change is meant")
     return None
 
 

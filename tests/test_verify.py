@@ -272,6 +272,36 @@ def test_a_tokenizer_that_encodes_the_prompts_otherwise_is_incomparable(verify, 
     assert len(err.strip().splitlines()) == 1
 
 
+@pytest.mark.parametrize("edit", ["vocabulary", "decoder"])
+def test_a_tokenizer_that_reads_the_goldens_tokens_as_other_text_is_changed(verify, golden_factory, tiny_hf_dir,
+                                                                            tmp_path, edit):
+    """Two vocabulary entries swapped (' Paris' for ' London' on SmolLM2), or a decoder rule, where no prompt uses
+    them: every prompt encodes to the golden's ids and every token id is the golden's, so this verified identical
+    with no cause (a red-team pass). The same ids now read as other text: changed, naming the tokenizer."""
+    from conftest import copy_model_dir
+
+    model_dir = copy_model_dir(tiny_hf_dir, tmp_path / "model")
+    directory = golden_factory(model=str(model_dir))
+    pinned = open_golden("g", directory).results("pinned")
+    in_prompts = {int(i) for r in pinned for i in r.arrays["input_ids"]}
+    said = next(int(i) for r in pinned for i in r.arrays["tokens"][:r.eos_step if r.eos_step >= 0 else None]
+                if int(i) not in in_prompts)
+    path = model_dir / "tokenizer.json"
+    tokenizer = json.loads(path.read_text())
+    vocab = tokenizer["model"]["vocab"]
+    text_of = {index: text for text, index in vocab.items()}
+    if edit == "vocabulary":
+        other = next(i for i in sorted(text_of) if i not in in_prompts and i != said and text_of[i] != text_of[said])
+        vocab[text_of[said]], vocab[text_of[other]] = other, said
+    else:
+        rule = {"type": "Replace", "pattern": {"String": text_of[said]}, "content": text_of[said] * 2}
+        tokenizer["decoder"] = {"type": "Sequence", "decoders": [rule, tokenizer["decoder"]]}
+    path.write_text(json.dumps(tokenizer, ensure_ascii=False))
+    code, verdict, err = verify(directory)
+    assert (code, verdict["verdict"], verdict["model_diff"]) == (1, "changed", ["tokenizer"]), verdict["causes"]
+    assert verdict["causes"][0].startswith("model identity: the tokenizer reads the golden's tokens for prompt")
+
+
 def test_a_float32_oracle_still_gives_a_function_check(golden_factory, monkeypatch):
     """Where float64 weights do not fit, the oracle is float32 like the function run: the budget is then
     a floor of float32 ulps, so an unchanged model passes and a planted change still fails."""
