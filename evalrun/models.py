@@ -543,7 +543,32 @@ def tokenizer_summary(tokenizer: Any) -> dict[str, Any]:
             "vocab": hash_value(sorted(tokenizer.get_vocab().items(), key=lambda item: item[1])),
             "added_tokens": hash_value(added), "chat_template": hash_value(tokenizer.chat_template),
             "bos_token_id": tokenizer.bos_token_id, "eos_token_id": tokenizer.eos_token_id,
-            "pad_token_id": tokenizer.pad_token_id, "unk_token_id": getattr(tokenizer, "unk_token_id", None)}
+            "pad_token_id": tokenizer.pad_token_id, "unk_token_id": getattr(tokenizer, "unk_token_id", None),
+            **tokenizer_pipeline(tokenizer)}
+
+
+def tokenizer_pipeline(tokenizer: Any) -> dict[str, str]:
+    """Hashes of a fast tokenizer's steps beside its vocabulary (tokenizer.json): the normalizer, pre-tokenizer,
+    post-processor and decoder, and the model's rules (merges, unknown token, byte fallback). A normalizer rule
+    changes how a user's text encodes while the prompts a golden holds may encode alike; the vocabulary and
+    special tokens are hashed above. Empty for a tokenizer without a `tokenizers` backend."""
+    backend = getattr(tokenizer, "backend_tokenizer", None)
+    if backend is None:
+        return {}
+    steps = json.loads(backend.to_str())
+    rules = {key: value for key, value in (steps.get("model") or {}).items() if key != "vocab"}
+    return {**{name: hash_value(steps.get(name)) for name in ("normalizer", "pre_tokenizer", "post_processor", "decoder")},
+            "model_rules": hash_value(rules)}
+
+
+def generation_defaults(model: torch.nn.Module) -> dict[str, Any]:
+    """What the model's generation_config.json sets (sampling, stop ids, penalties) apart from transformers'
+    defaults: evalrun chooses tokens by its own config, but generate() and a server reading the folder use these."""
+    config = getattr(model, "generation_config", None)
+    if config is None:
+        return {}
+    return {key: value for key, value in sorted(config.to_diff_dict().items())
+            if key not in ("transformers_version", "_from_model_config")}
 
 
 def model_identity(loaded: LoadedModel) -> dict[str, Any]:
@@ -555,4 +580,5 @@ def model_identity(loaded: LoadedModel) -> dict[str, Any]:
     }
     parameters = sum(p.numel() for p in loaded.model.parameters())
     return {**parts, "hash": hash_value(parts), "ref": loaded.ref, "parameters": parameters,
-            "source": loaded.source, "tokenizer_fields": tokenizer_summary(loaded.tokenizer)}
+            "source": loaded.source, "tokenizer_fields": tokenizer_summary(loaded.tokenizer),
+            "generation_config": generation_defaults(loaded.model)}

@@ -331,14 +331,24 @@ def _check_routing_layout(golden: Golden, golden_results: list[PromptResult], ca
 
 
 def tokenizer_note(golden: Golden, candidate: Prepared) -> str:
-    """Which tokenizer fields differ between golden and candidate ('' when the tokenizers are the same)."""
-    if candidate.header["model"]["tokenizer"] == golden.pinned.json["model"].get("tokenizer"):
-        return ""
+    """Which tokenizer fields differ between golden and candidate ('' when the tokenizers are the same). Fields an
+    older golden did not record (the pipeline's steps, stop 48) are not compared."""
     ours = candidate.header["model"].get("tokenizer_fields") or {}
     theirs = golden.pinned.json["model"].get("tokenizer_fields") or {}
-    fields = [f"{key} {theirs.get(key)} -> {ours.get(key)}" for key in sorted(set(ours) | set(theirs))
-              if ours.get(key) != theirs.get(key)]
-    return ", ".join(fields) if fields else "its hash"
+    fields = [f"{key} {theirs[key]} -> {ours[key]}" for key in sorted(set(ours) & set(theirs)) if ours[key] != theirs[key]]
+    if fields:
+        return ", ".join(fields)
+    return "its hash" if candidate.header["model"]["tokenizer"] != golden.pinned.json["model"].get("tokenizer") else ""
+
+
+def generation_note(golden: Golden, candidate: Prepared) -> str:
+    """Which settings of the model's generation_config.json differ ('' when alike, or when the golden is older
+    than the record)."""
+    theirs, ours = golden.pinned.json["model"].get("generation_config"), candidate.header["model"].get("generation_config")
+    if not isinstance(theirs, dict) or not isinstance(ours, dict):
+        return ""
+    return ", ".join(f"{key} {theirs.get(key)} -> {ours.get(key)}" for key in sorted(set(theirs) | set(ours))
+                     if theirs.get(key) != ours.get(key))
 
 
 def verify_golden(golden: Golden, config: RunConfig, strict: bool = False,
@@ -379,8 +389,12 @@ def begin(golden: Golden, config: RunConfig, strict: bool = False, progress: Cal
     gated = _gate(golden, candidate, golden_results)
     note = tokenizer_note(golden, candidate)
     if note and gated is None:
-        causes.append(f"tokenizer differs ({note}); every prompt encodes to the golden's token ids, so outputs are "
-                      "compared by token id")
+        causes.append(f"tokenizer differs ({note}); every prompt encodes to the golden's token ids and its tokens "
+                      "read as the golden's text, so outputs are compared by token id")
+    generation = generation_note(golden, candidate)
+    if generation and gated is None:
+        causes.append(f"generation config differs ({generation}): evalrun chooses tokens by its own config "
+                      f"({_sampling(candidate.config)}); generate() or a server reading the model's folder would not")
     steps = {r.prompt_index: steps_for(candidate.prompt_set, r.prompt_index, candidate.config) for r in golden_results
              if r.prompt_index < len(candidate.prompt_set.records)}  # a gated shorter prompt set lacks some
     context = Context(golden, candidate, [_cut(r, steps.get(r.prompt_index, 0)) for r in golden_results], [], steps, strict,

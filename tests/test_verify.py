@@ -272,6 +272,29 @@ def test_a_tokenizer_that_encodes_the_prompts_otherwise_is_incomparable(verify, 
     assert len(err.strip().splitlines()) == 1
 
 
+def test_a_normalizer_rule_and_generation_defaults_no_prompt_meets_are_named(verify, golden_factory, tiny_hf_dir,
+                                                                             tmp_path):
+    """A normalizer rule no prompt of the golden meets (a user's 'Paris' now encodes as 'London') and a new
+    generation_config.json (sampling, other stop ids): the golden's prompts and tokens are unchanged, so the
+    verdict stands, but both verified identical with no cause at all (a red-team pass). Each is named now."""
+    from conftest import copy_model_dir
+
+    model_dir = copy_model_dir(tiny_hf_dir, tmp_path / "model")
+    directory = golden_factory(model=str(model_dir))
+    path = model_dir / "tokenizer.json"
+    tokenizer = json.loads(path.read_text())
+    tokenizer["normalizer"] = {"type": "Replace", "pattern": {"String": "Paris"}, "content": "London"}
+    path.write_text(json.dumps(tokenizer, ensure_ascii=False))
+    (model_dir / "generation_config.json").write_text(json.dumps(
+        {"eos_token_id": [2, 69], "do_sample": True, "temperature": 1.5}))
+    code, verdict, err = verify(directory)
+    assert (code, verdict["verdict"]) == (0, "identical"), (err, verdict["causes"])
+    assert any(c.startswith("tokenizer differs (normalizer ") for c in verdict["causes"]), verdict["causes"]
+    generation = next(c for c in verdict["causes"] if c.startswith("generation config differs ("))
+    assert "do_sample None -> True" in generation and "temperature None -> 1.5" in generation
+    assert "eos_token_id 2 -> [2, 69]" in generation
+
+
 @pytest.mark.parametrize("edit", ["vocabulary", "decoder"])
 def test_a_tokenizer_that_reads_the_goldens_tokens_as_other_text_is_changed(verify, golden_factory, tiny_hf_dir,
                                                                             tmp_path, edit):
