@@ -182,8 +182,18 @@ def writable_output(path: Path | None, what: str, *taken: Path | None) -> None:
 def plot_output(path: Path | None) -> None:
     """--plot checked before any run: a writable path, and matplotlib to draw with."""
     writable_output(path, "--plot")
-    if path is not None and importlib.util.find_spec("matplotlib") is None:
-        raise OutputError("--plot needs matplotlib; install it with pip install 'evalrun[plot]', or drop --plot")
+    if path is None:
+        return
+    try:
+        if importlib.util.find_spec("matplotlib") is None:
+            raise ImportError("matplotlib")
+        from matplotlib.backend_bases import FigureCanvasBase
+    except ImportError:
+        raise OutputError("--plot needs matplotlib; install it with pip install 'evalrun[plot]', or drop --plot") from None
+    formats = FigureCanvasBase.get_supported_filetypes()  # what savefig writes, by file name ending
+    if path.suffix.lstrip(".").lower() not in formats:
+        raise OutputError(f"--plot {path} does not end in a format matplotlib writes; end it in one of "
+                          f"{', '.join('.' + name for name in sorted(formats))}")
 
 
 def _try_opening_for_writing(path: Path, what: str) -> None:

@@ -640,7 +640,7 @@ def _alive(pid: int | None) -> bool:
         return False
     try:
         os.kill(pid, 0)
-    except ProcessLookupError:
+    except (ProcessLookupError, OverflowError):  # a pid past the system's (a forged row): no such process
         return False
     except PermissionError:
         return True

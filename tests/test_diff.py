@@ -67,6 +67,16 @@ def test_plot(cli, tiny_args, tmp_path):
     assert code == 0 and (tmp_path / "d.png").read_bytes()[:4] == b"\x89PNG"
 
 
+@pytest.mark.parametrize("name", ["d.txt", "d"])
+def test_a_plot_path_in_no_format_matplotlib_writes_is_refused_before_the_report(cli, tiny_args, tmp_path, name):
+    """--plot d.txt printed the report, then crashed in savefig (exit 3): now one line, exit 2, no file."""
+    pytest.importorskip("matplotlib")
+    a = _run(cli, tiny_args)
+    code, out, err = cli("diff", a, a, "--store", tiny_args[-1], "--plot", str(tmp_path / name))
+    assert (code, out) == (2, "") and "does not end in a format matplotlib writes" in err and ".png" in err
+    assert len(err.strip().splitlines()) == 1 and not (tmp_path / name).exists()
+
+
 def test_plot_without_matplotlib_says_how_to_install(cli, tiny_args, tmp_path, monkeypatch):
     import builtins
 

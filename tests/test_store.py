@@ -359,6 +359,21 @@ def test_a_compression_bomb_stops_at_the_declared_size():
         decode_array_row({"name": "x", "dtype": "int64", "shape": "[2]", "encoding": "zlib", "data": bomb})
 
 
+def test_a_running_row_with_a_pid_past_the_systems_is_interrupted_not_a_crash(cli, tiny_args, tmp_path):
+    """A forged row (status running, this host, a pid past what os.kill takes): store check and merge crashed with
+    OverflowError (exit 3). No process has that pid: the run is interrupted."""
+    import sqlite3
+
+    assert cli("run", *tiny_args, "--quiet")[0] == 0
+    with sqlite3.connect(tiny_args[-1]) as db:
+        db.execute("update runs set pid = ?, status = 'running'", (99999999999999999,))
+    (run,) = Store(tiny_args[-1]).list_runs()
+    code, out, err = cli("store", "check", "--store", tiny_args[-1], "--json")
+    assert code == 0 and json.loads(out)["interrupted"] == [run.id], err
+    code, _, err = cli("store", "merge", str(tmp_path / "out.db"), tiny_args[-1])
+    assert code == 0, err
+
+
 def test_store_check_cli_lists_a_dropped_table_and_exits_1(cli, tiny_args):
     cli("run", *tiny_args, "--quiet")
     _sql(tiny_args[-1], "DROP TABLE arrays")
