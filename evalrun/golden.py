@@ -222,6 +222,7 @@ def create_seconds(value: Any) -> dict[str, float] | None:
 
 
 PROBED_ROLES = ("oracle", *ENVELOPE_ROLES, "function")
+MEASURED_ARRAYS = ("probe_values", "probe_logsumexp", "topk_values", "margins")  # what the checks measure
 
 
 def results_problem(role: str, results: list[PromptResult], pinned: list[PromptResult] | None) -> str:
@@ -232,6 +233,11 @@ def results_problem(role: str, results: list[PromptResult], pinned: list[PromptR
         problem = result_problem(result, probed=role in PROBED_ROLES)
         if problem:
             return problem
+        if role in PROBED_ROLES:  # every budget is measured from these: a NaN made any candidate changed
+            spoiled = [name for name in MEASURED_ARRAYS if name in result.arrays
+                       and np.issubdtype(result.arrays[name].dtype, np.floating) and np.isnan(result.arrays[name]).any()]
+            if spoiled:
+                return f"has NaN in its {', '.join(spoiled)} for prompt {result.prompt_id!r}"
     if pinned is not None:
         by_index = {r.prompt_index: r for r in pinned}
         if sorted(by_index) != sorted(r.prompt_index for r in results) or any(

@@ -735,6 +735,28 @@ def test_fuzz_forged_goldens(base_golden, data):
             check_golden_untouched(path, before)
 
 
+@pytest.mark.parametrize("role, options", [("oracle", ()), ("function", ("--dtype", "bfloat16"))])
+def test_a_golden_whose_measured_values_hold_nan_is_refused_not_changed(base_golden, tmp_path, role, options):
+    """NaN in the oracle's (or function run's) probe values, resealed: every distance became NaN or infinite and
+    verify said changed (exit 1, a red-team pass) of a golden that cannot measure anything: damaged, exit 2
+    (a role is read when the verification needs it: the function run beyond the identical path)."""
+    from evalrun.hashing import hash_bytes
+
+    path = tmp_path / "g.db"
+    shutil.copy(base_golden, path)
+    conn = sqlite3.connect(path, isolation_level=None)
+    run = json.loads(conn.execute("SELECT value FROM golden WHERE key = 'roles'").fetchone()[0])[role]
+    for rowid, dtype, data in conn.execute("SELECT rowid, dtype, data FROM arrays WHERE run_id = ? AND name = "
+                                           "'probe_values' AND encoding = 'raw'", [run]).fetchall():
+        spoiled = np.full(len(data) // np.dtype(dtype).itemsize, np.nan, dtype=dtype).tobytes()
+        conn.execute("UPDATE arrays SET data = ?, digest = ? WHERE rowid = ?", [spoiled, hash_bytes(spoiled), rowid])
+    conn.close()
+    reseal(path)
+    result = invoke("golden", "verify", "g", "--dir", str(tmp_path), "--quiet", "--json", *options)
+    assert result.code == 2 and f"the {role} run has NaN in its probe_values" in result.err, result.err
+    assert len(result.err.strip().splitlines()) == 1
+
+
 @fuzz_settings(8)
 @given(name=TEXT, record=RECORD)
 def test_fuzz_incomparable_golden_names_untrusted_text(base_golden, name, record):
