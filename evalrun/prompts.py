@@ -148,6 +148,25 @@ def encode(tokenizer: Any, record: PromptRecord) -> list[int]:
     return [int(i) for i in tokenizer(record.prompt, add_special_tokens=True)["input_ids"]]
 
 
+CHARS_A_TOKEN = 16  # the first prefix a long prompt is measured by: (positions + 2) x this many characters
+
+
+def tokens_past_context(tokenizer: Any, text: str, context_limit: int) -> tuple[int, int] | None:
+    """(tokens, characters) of a prefix of `text` that alone holds more tokens than `context_limit`, else None.
+
+    A tokenizer's memory grows with its input (about 200 bytes a character: a 50 MB prompt took 10 GB before its
+    length was refused), so a prompt is not tokenized whole to learn that it is too long. Prefixes four times
+    longer each are tokenized until one exceeds the positions or the prefix is the whole text. A cut can split
+    one token in two, so a prefix must hold two tokens more than the positions to prove the whole too long."""
+    size = (context_limit + 2) * CHARS_A_TOKEN
+    while size < len(text):
+        count = len(tokenizer(text[:size], add_special_tokens=False)["input_ids"])
+        if count > context_limit + 1:
+            return count, size
+        size *= 4
+    return None
+
+
 def load_prompt_set(name_or_path: str, tokenizer: Any, context_limit: int | None = None,
                     new_tokens: int | None = None) -> PromptSet:
     """Read, validate and tokenize a prompt set; with `context_limit`, every prompt plus its new
@@ -157,6 +176,11 @@ def load_prompt_set(name_or_path: str, tokenizer: Any, context_limit: int | None
     token_ids = []
     for record in records:
         try:
+            past = tokens_past_context(tokenizer, record.prompt, context_limit) \
+                if context_limit is not None and record.prompt is not None else None
+            if past is not None:
+                raise PromptError(f"{path}: prompt {record.id!r} has more tokens than the model's {context_limit} "
+                                  f"positions ({past[0]} in its first {past[1]} characters); shorten it")
             token_ids.append(encode(tokenizer, record))
         except PromptError:
             raise

@@ -137,6 +137,33 @@ def test_bad_input_broken_jsonl_names_file_and_line(cli, tiny_args, write_prompt
     _one_line_exit_2(cli("run", *args), str(path), needle)
 
 
+@pytest.mark.parametrize("text", ["a " * 2_000_000, "x" * 4_000_000])
+def test_bad_input_a_prompt_past_the_context_is_refused_from_a_prefix(cli, tiny_args, write_prompts, monkeypatch,
+                                                                      text):
+    """A 50 MB prompt took 10 GB and 91 s to be told it is too long (a red-team pass): the tokenizer reads prefixes
+    until one holds more tokens than the model's positions, never the whole prompt."""
+    from evalrun import prompts
+
+    seen = []
+    real = prompts.tokens_past_context
+
+    def measured(tokenizer, text, limit):
+        class Counting:
+            def __call__(self, prefix, **options):
+                seen.append(len(prefix))
+                return tokenizer(prefix, **options)
+        return real(Counting(), text, limit)
+
+    monkeypatch.setattr(prompts, "tokens_past_context", measured)
+    encode = prompts.encode
+    monkeypatch.setattr(prompts, "encode", lambda tokenizer, record: pytest.fail("the whole prompt was tokenized")
+                        if record.id == "long" else encode(tokenizer, record))
+    path = write_prompts([{"id": "ok", "prompt": "short"}, {"id": "long", "prompt": text}])
+    one_line_exit_2(cli("run", *tiny_args[:2], "--prompts", str(path), *tiny_args[4:]),
+                    "prompt 'long' has more tokens than the model's")
+    assert seen and max(seen) < len(text) // 4, seen
+
+
 def test_bad_input_a_config_file_with_an_integer_past_4300_digits(cli, tiny_args, tmp_path):
     """tomllib raises ValueError (Python's limit on converting text to int) for such a number: it was an internal
     error (exit 3) in run, bisect and wherever a TOML config is read."""
