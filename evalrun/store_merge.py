@@ -1,9 +1,10 @@
 """`evalrun store merge OUT A B ...`: the runs of several stores in one (the jobs of a sharded run).
 
 Each source must pass `store check` first (nothing damaged is copied). A run is copied with its results
-and arrays, rows as they are, in one transaction per run; a run already in OUT with the same content is
-skipped, so merging twice changes nothing (idempotent). A run id in OUT with other content is a
-conflict: refused with one line, nothing of that run written. A run still `running` in a source (its job
+and arrays, rows as they are; the whole merge is one transaction, so a merge refused midway leaves OUT as it
+was (and makes no OUT file that was not there). A run already in OUT with the same content is skipped, so
+merging twice changes nothing (idempotent). A run id in OUT (or copied there by an earlier source of the
+same merge) with other content is a conflict: refused with one line, nothing written. A run still `running` in a source (its job
 killed) is copied as `interrupted`: OUT is not the store its process would ever finish. If that job was
 only slow and finishes after all, merging its store again replaces the `interrupted` copy with the
 complete run (same run row but for its end). OUT is checked with the same rules afterwards.
@@ -11,6 +12,7 @@ complete run (same run row but for its end). OUT is checked with the same rules 
 
 from __future__ import annotations
 
+import sqlite3
 from pathlib import Path
 from typing import Any
 
@@ -39,23 +41,22 @@ END_COLUMNS = {"status", "error", "finished_at", "tokens_digest", "logits_digest
                "batches_json"}  # what a run's row gains when it ends
 
 
-def _copy_run(source: Store, out: Store, run_id: str, replace: bool = False) -> None:
-    """Copy one run (rows, results, arrays) in one transaction; `replace`: first drop OUT's copy of it (an
-    `interrupted` copy of a run that has since completed)."""
+def _copy_run(source: Store, conn: sqlite3.Connection, run_id: str, replace: bool = False) -> None:
+    """Copy one run (rows, results, arrays) through OUT's connection, inside the merge's transaction; `replace`:
+    first drop OUT's copy of it (an `interrupted` copy of a run that has since completed)."""
     row = _run_row(source, run_id)
     if row["status"] == "running":
         row.update(status="interrupted", error=row.get("error") or f"{STILL_RUNNING}{source.path} "
                    "when merged (its job stopped?)")
-    with out.transaction() as conn:
-        if replace:
-            for table, column in (("arrays", "run_id"), ("results", "run_id"), ("runs", "id")):
-                conn.execute(f"DELETE FROM {table} WHERE {column} = ?", [run_id])
-        conn.execute(_insert("runs", tuple(row)), list(row.values()))
-        results = source.db.execute(f"SELECT {', '.join(RESULT_COLUMNS)} FROM results WHERE run_id = ?", [run_id])
-        conn.executemany(_insert("results", RESULT_COLUMNS), results.fetchall())
-        arrays = source.db.execute(f"SELECT {', '.join(ARRAY_COLUMNS)} FROM arrays WHERE run_id = ?", [run_id])
-        for chunk in iter(lambda: arrays.fetchmany(256), []):  # arrays can be large: a chunk at a time
-            conn.executemany(_insert("arrays", ARRAY_COLUMNS), chunk)
+    if replace:
+        for table, column in (("arrays", "run_id"), ("results", "run_id"), ("runs", "id")):
+            conn.execute(f"DELETE FROM {table} WHERE {column} = ?", [run_id])
+    conn.execute(_insert("runs", tuple(row)), list(row.values()))
+    results = source.db.execute(f"SELECT {', '.join(RESULT_COLUMNS)} FROM results WHERE run_id = ?", [run_id])
+    conn.executemany(_insert("results", RESULT_COLUMNS), results.fetchall())
+    arrays = source.db.execute(f"SELECT {', '.join(ARRAY_COLUMNS)} FROM arrays WHERE run_id = ?", [run_id])
+    for chunk in iter(lambda: arrays.fetchmany(256), []):  # arrays can be large: a chunk at a time
+        conn.executemany(_insert("arrays", ARRAY_COLUMNS), chunk)
 
 
 def merge_stores(out_path: str | Path, sources: list[str | Path]) -> dict[str, Any]:
@@ -71,28 +72,42 @@ def merge_stores(out_path: str | Path, sources: list[str | Path]) -> dict[str, A
         if problems:
             raise StoreError(f"{path} fails `evalrun store check` ({problems[0]}); repair or leave it out")
         opened.append(source)
+    existed = out_path.exists()
     out = Store(out_path)
-    counts = []
+    try:
+        with out.transaction() as conn:  # OUT's reads below see this transaction's copies (one connection)
+            counts = [_merge_source(source, out, conn) for source in opened]
+    except BaseException:  # a conflict, an interrupt: nothing copied stays, and no OUT that was not there
+        out.close()
+        if not existed:
+            for leftover in (out_path, *(out_path.with_name(out_path.name + end) for end in ("-wal", "-shm"))):
+                leftover.unlink(missing_ok=True)
+        raise
     for source in opened:
-        copied = skipped = 0
-        for (run_id,) in source.db.execute("SELECT id FROM runs ORDER BY created_at").fetchall():
-            if out.db.execute("SELECT 1 FROM runs WHERE id = ?", [run_id]).fetchone():
-                if _finished_since(source, out, run_id):
-                    _copy_run(source, out, run_id, replace=True)
-                    copied += 1
-                    continue
-                if not _same_run(source, out, run_id):
-                    raise StoreError(f"run {run_id[:12]} differs between {source.path} and {out_path}; merge it "
-                                     "into another OUT store")
-                skipped += 1
-                continue
-            _copy_run(source, out, run_id)
-            copied += 1
-        counts.append({"store": str(source.path), "copied": copied, "already_there": skipped})
         source.close()
     check = out.check()
     out.close()
     return {"out": str(out_path), "sources": counts, "check": check}
+
+
+def _merge_source(source: Store, out: Store, conn: sqlite3.Connection) -> dict[str, Any]:
+    """Copy the runs of `source` that OUT lacks (or holds as interrupted, since completed); StoreError for a
+    run OUT holds with other content."""
+    copied = skipped = 0
+    for (run_id,) in source.db.execute("SELECT id FROM runs ORDER BY created_at").fetchall():
+        if out.db.execute("SELECT 1 FROM runs WHERE id = ?", [run_id]).fetchone():
+            if _finished_since(source, out, run_id):
+                _copy_run(source, conn, run_id, replace=True)
+                copied += 1
+                continue
+            if not _same_run(source, out, run_id):
+                raise StoreError(f"run {run_id[:12]} differs between {source.path} and {out.path}; merge it "
+                                 "into another OUT store")
+            skipped += 1
+            continue
+        _copy_run(source, conn, run_id)
+        copied += 1
+    return {"store": str(source.path), "copied": copied, "already_there": skipped}
 
 
 def _same_run(source: Store, out: Store, run_id: str) -> bool:

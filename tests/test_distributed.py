@@ -319,6 +319,28 @@ def test_merge_refuses_a_run_id_with_other_content(cli, tmp_path):
         merge_stores(tmp_path / "out.db", [tmp_path / "a.db"])
 
 
+def test_a_merge_refused_midway_leaves_out_as_it_was(cli, tmp_path):
+    """A conflict found after earlier runs were copied left a half-merged OUT (exit 2, a red-team pass): the merge
+    is one transaction now, and an OUT it created is removed."""
+    import shutil
+
+    for store in ("a.db", "c.db"):
+        assert cli("run", *TINY, "--store", str(tmp_path / store))[0] == 0
+    assert cli("run", *TINY, "--store", str(tmp_path / "a.db"), "--label", "second")[0] == 0
+    shutil.copy(tmp_path / "a.db", tmp_path / "b.db")
+    db = Store(tmp_path / "b.db")
+    db.db.execute("UPDATE runs SET label = 'edited' WHERE label = 'second'")  # the later run: the first is copied
+    db.close()
+    with pytest.raises(StoreError, match="differs between"):
+        merge_stores(tmp_path / "new.db", [tmp_path / "a.db", tmp_path / "b.db"])
+    assert sorted(p.name for p in tmp_path.iterdir() if p.name.startswith("new")) == []
+    merge_stores(tmp_path / "out.db", [tmp_path / "a.db"])
+    before = Store(tmp_path / "out.db", readonly=True).list_runs()
+    with pytest.raises(StoreError, match="differs between"):
+        merge_stores(tmp_path / "out.db", [tmp_path / "c.db", tmp_path / "b.db"])  # c's run copied, then refused
+    assert [r.id for r in Store(tmp_path / "out.db", readonly=True).list_runs()] == [r.id for r in before]
+
+
 def test_a_run_merged_while_running_is_replaced_once_its_job_completes(cli, tmp_path):
     """A merge taken while a job still ran copies its run as interrupted; merging the job's store again after it
     finished stores the complete run (it was refused as 'differs', so that OUT could never hold it)."""
