@@ -40,6 +40,7 @@ from .config import (DECODE_LEVER_DEFAULTS, INDUCTOR_DEFAULTS, CompilationMode, 
                      RunConfig, resolve)
 from .errors import ConfigError, GoldenError, OutputError, StoreError
 from .routing import PROMPT_ARRAY, RoutingPath, has_routing, routing_path
+from .rules import EPSILON, logit_scale, step_errors
 from .runner import Prepared, Probes, Run, execute, prepare, record
 from .store import RUN_JSON_COLUMNS, PromptResult, Store, result_problem, unwritable_folder
 
@@ -169,6 +170,9 @@ class Golden:
             except StoreError as error:
                 raise GoldenError(f"golden {self.path}: {error}; {recreate_hint(self.name)}") from None
             problem = results_problem(role, results, self.results("pinned") if role != "pinned" else None)
+            if not problem and role == "function" and (self.routing_followed or not any(
+                    has_routing(r.arrays) for r in results)):  # an older MoE golden's float32 router could flip
+                problem = implausible_function_error(results, self.results("oracle"))
             if problem:
                 raise GoldenError(f"golden {self.path}: the {role} run {problem}; {recreate_hint(self.name)}")
             self._results[role] = results
@@ -245,6 +249,32 @@ def results_problem(role: str, results: list[PromptResult], pinned: list[PromptR
             return "does not cover the pinned run's prompts and steps"
         if any(routing_layout(r) != routing_layout(by_index[r.prompt_index]) for r in results):
             return "has another routing (MoE layers, experts per token) than the pinned run"
+    return ""
+
+
+FUNCTION_ERROR_CEILING_ULPS = 2.0 ** 14  # float32 epsilons at the logit scale: 144x SmolLM2's worst step (114)
+
+
+def implausible_function_error(function: list[PromptResult], oracle: list[PromptResult]) -> str:
+    """Why the function run (float32, eager, along the pinned tokens) cannot be a float32 run of the oracle's
+    model ('' when it can). The function check's budget is a multiple of this run's error against the oracle, so
+    a golden whose function run was replaced by noise (its digest resealed, a red-team pass) widened the budget
+    until a changed model verified as drift in any other environment. A float32 run's step sits within a few
+    hundred float32 epsilons of the float64 oracle at the logit scale (SmolLM2: 114 at worst); one past
+    FUNCTION_ERROR_CEILING_ULPS is refused."""
+    by_index = {r.prompt_index: r for r in oracle}
+    for result in function:
+        reference = by_index.get(result.prompt_index)
+        if reference is None or "probe_values" not in reference.arrays:
+            continue
+        if result.arrays["probe_values"].shape != reference.arrays["probe_values"].shape:
+            return f"has probe values of another shape than the oracle's for prompt {result.prompt_id!r}"
+        scale = logit_scale(reference.arrays["probe_values"])
+        worst = float(step_errors(result.arrays["probe_values"], reference.arrays["probe_values"]).max(initial=0.0))
+        if scale > 0 and not worst <= FUNCTION_ERROR_CEILING_ULPS * EPSILON["float32"] * scale:
+            return (f"sits {worst / (EPSILON['float32'] * scale):.3g} float32 epsilons (at the logit scale) from the "
+                    f"golden's own oracle for prompt {result.prompt_id!r}, where a float32 run stays within "
+                    f"{FUNCTION_ERROR_CEILING_ULPS:g}: it is no float32 run of that model")
     return ""
 
 

@@ -757,6 +757,35 @@ def test_a_golden_whose_measured_values_hold_nan_is_refused_not_changed(base_gol
     assert len(result.err.strip().splitlines()) == 1
 
 
+@pytest.mark.parametrize("relative", [1e-2, 5e-3])
+def test_a_golden_whose_function_run_is_no_float32_run_of_its_oracle_is_refused(tmp_path, relative):
+    """The function run replaced by its oracle plus noise and resealed (a red-team pass): its error set the function
+    check's budget, and a model 5% off verified as drift wherever the environment differed. A float32 run sits
+    within a few hundred float32 epsilons of its float64 oracle; past 2^14 the golden is refused (exit 2)."""
+    from evalrun.golden import open_golden
+    from evalrun.hashing import hash_bytes
+    from evalrun.store import array_to_bytes
+
+    folder = tmp_path / "g"
+    assert invoke("golden", "create", "g", *TINY, "--prompts", "smoke", "--max-new-tokens", "3", "--dir",
+                  str(folder), "--quiet").code == 0
+    golden = open_golden("g", folder)
+    oracle = {r.prompt_index: r.arrays["probe_values"] for r in golden.results("oracle")}
+    function_run = golden.run_id("function")
+    golden.store.close()
+    conn = sqlite3.connect(folder / "g.db", isolation_level=None)
+    for rowid, index, dtype in conn.execute("SELECT rowid, prompt_index, dtype FROM arrays WHERE run_id = ? AND "
+                                            "name = 'probe_values'", [function_run]).fetchall():
+        noise = np.random.default_rng(index).standard_normal(oracle[index].shape) * relative
+        forged = array_to_bytes((oracle[index] * (1 + noise)).astype(dtype))
+        conn.execute("UPDATE arrays SET data = ?, encoding = 'raw', digest = ? WHERE rowid = ?",
+                     [forged, hash_bytes(forged), rowid])
+    conn.close()
+    reseal(folder / "g.db")
+    result = invoke("golden", "verify", "g", "--dir", str(folder), "--quiet", "--json", "--dtype", "bfloat16")
+    assert result.code == 2 and "the function run sits" in result.err and "no float32 run" in result.err, result.err
+
+
 @fuzz_settings(8)
 @given(name=TEXT, record=RECORD)
 def test_fuzz_incomparable_golden_names_untrusted_text(base_golden, name, record):
