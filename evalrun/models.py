@@ -553,9 +553,10 @@ def tokenizer_pipeline(tokenizer: Any) -> dict[str, str]:
     changes how a user's text encodes while the prompts a golden holds may encode alike; the vocabulary and
     special tokens are hashed above. Empty for a tokenizer without a `tokenizers` backend."""
     backend = getattr(tokenizer, "backend_tokenizer", None)
-    if backend is None:
-        return {}
-    steps = json.loads(backend.to_str())
+    try:
+        steps = json.loads(backend.to_str())
+    except Exception:  # noqa: BLE001 - no backend, or a step written in Python (a custom pre-tokenizer) that
+        return {}      # `tokenizers` cannot serialize: the fields above still name the vocabulary
     rules = {key: value for key, value in (steps.get("model") or {}).items() if key != "vocab"}
     return {**{name: hash_value(steps.get(name)) for name in ("normalizer", "pre_tokenizer", "post_processor", "decoder")},
             "model_rules": hash_value(rules)}

@@ -176,8 +176,8 @@ def load_prompt_set(name_or_path: str, tokenizer: Any, context_limit: int | None
     token_ids = []
     for record in records:
         try:
-            past = tokens_past_context(tokenizer, record.prompt, context_limit) \
-                if context_limit is not None and record.prompt is not None else None
+            text = record.prompt if record.prompt is not None else "\n".join(m["content"] for m in record.messages)
+            past = tokens_past_context(tokenizer, text, context_limit) if context_limit is not None else None
             if past is not None:
                 raise PromptError(f"{path}: prompt {record.id!r} has more tokens than the model's {context_limit} "
                                   f"positions ({past[0]} in its first {past[1]} characters); shorten it")

@@ -374,7 +374,8 @@ class Store:
         try:
             yield conn
         except BaseException:
-            conn.execute("ROLLBACK")
+            if conn.in_transaction:  # SQLite rolls back by itself on some errors (a full disk)
+                conn.execute("ROLLBACK")
             raise
         conn.execute("COMMIT")
 
@@ -636,7 +637,7 @@ class Store:
 
 
 def _alive(pid: int | None) -> bool:
-    if not pid:
+    if not pid or pid < 0:  # os.kill(-1, 0) signals every process it may: a forged row, never a run's
         return False
     try:
         os.kill(pid, 0)

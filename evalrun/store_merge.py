@@ -78,8 +78,9 @@ def merge_stores(out_path: str | Path, sources: list[str | Path]) -> dict[str, A
         with out.transaction() as conn:  # OUT's reads below see this transaction's copies (one connection)
             counts = [_merge_source(source, out, conn) for source in opened]
     except BaseException:  # a conflict, an interrupt: nothing copied stays, and no OUT that was not there
+        written = out.db.execute("SELECT count(*) FROM runs").fetchone()[0]  # another writer's, since it was made
         out.close()
-        if not existed:
+        if not existed and written == 0:
             for leftover in (out_path, *(out_path.with_name(out_path.name + end) for end in ("-wal", "-shm"))):
                 leftover.unlink(missing_ok=True)
         raise

@@ -35,6 +35,7 @@ to the decision (observed / allowed, <= 1 passes) is reported for every prompt a
 from __future__ import annotations
 
 import dataclasses
+import json
 import time
 from dataclasses import dataclass, field
 from typing import Any, Callable
@@ -243,8 +244,10 @@ def _gate(golden: Golden, candidate: Prepared, golden_results: list[PromptResult
     _check_id_ranges(golden, golden_results, candidate.loaded.vocab_size,
                      getattr(candidate.loaded.model.config, "num_experts", None))
     other_text = decoding_difference(golden_results, candidate.loaded.tokenizer)
-    if other_text:
-        return "changed", other_text, ["tokenizer"]
+    differing = [key for key in _differing_tokenizer_fields(golden, candidate) if key in DECODING_FIELDS]
+    if other_text and differing:
+        return ("changed", f"model identity: the tokenizer's {', '.join(differing)} differ and {other_text}; verify "
+                "with the golden's tokenizer, or re-create the golden if the change is meant", ["tokenizer"])
     _check_routing_layout(golden, golden_results, candidate)
     for result in golden_results:
         wanted = steps_for(candidate.prompt_set, result.prompt_index, candidate.config)
@@ -255,15 +258,20 @@ def _gate(golden: Golden, candidate: Prepared, golden_results: list[PromptResult
     return None
 
 
+DECODING_FIELDS = ("vocab_size", "vocab", "added_tokens", "decoder", "model_rules")  # what turns ids into text
+
+
 def decoding_difference(golden_results: list[PromptResult], tokenizer: Any) -> str | None:
-    """Why the candidate's tokenizer makes other text of the golden's tokens than the golden stored, else None.
+    """How the candidate's tokenizer reads the golden's tokens as other text than the golden stored, else None.
 
     Outputs are compared by token id, so a tokenizer whose vocabulary or decoder changed (' Paris' and ' London'
     swapped, a decoder rule) with every prompt still encoding to the golden's ids verified identical: the same ids
     now read as other words. Each prompt's tokens are decoded as the run decoded them (runner.to_results: up to the
     golden's end-of-sequence step, special tokens kept; a server golden's ids whole, its eos_step their count) and
-    must give the golden's text. The end-of-sequence id itself is not judged here: the same GGUF file converted by
-    two transformers versions gave two (`tokenizer_note` names it)."""
+    must give the golden's text. Other text is `changed` where a recorded field that turns ids into text differs
+    (DECODING_FIELDS, `_gate`); with those fields the golden's, it is a library that decodes otherwise (a
+    transformers release changed its clean-up of spaces once), named in the causes. The end-of-sequence id is not
+    judged here: the same GGUF file converted by two transformers versions gave two (`tokenizer_note`)."""
     for result in golden_results:
         tokens = result.arrays["tokens"]
         end = result.eos_step if result.eos_step >= 0 else len(tokens)
@@ -272,9 +280,8 @@ def decoding_difference(golden_results: list[PromptResult], tokenizer: Any) -> s
             start = next((i for i, (a, b) in enumerate(zip(text, result.output_text)) if a != b),
                          min(len(text), len(result.output_text)))
             around = slice(max(0, start - 12), start + 24)
-            return (f"model identity: the tokenizer reads the golden's tokens for prompt {result.prompt_id!r} as other "
-                    f"text ({result.output_text[around]!r} -> {text[around]!r}): its vocabulary or decoder differs; "
-                    "verify with the golden's tokenizer, or re-create the golden if the change is meant")
+            return (f"it reads the golden's tokens for prompt {result.prompt_id!r} as other text "
+                    f"({result.output_text[around]!r} -> {text[around]!r})")
     return None
 
 
@@ -330,12 +337,27 @@ def _check_routing_layout(golden: Golden, golden_results: list[PromptResult], ca
                               f"model's {layout}; re-create it with `evalrun golden create {golden.name} --force`")
 
 
+def _tokenizer_fields(header: dict[str, Any]) -> dict[str, Any]:
+    fields = header.get("tokenizer_fields")
+    return fields if isinstance(fields, dict) else {}
+
+
+def _differing_tokenizer_fields(golden: Golden, candidate: Prepared) -> list[str]:
+    """The tokenizer fields both golden and candidate recorded that differ. Fields an older golden did not record
+    (the pipeline's steps, stop 48) are not compared."""
+    ours, theirs = _tokenizer_fields(candidate.header["model"]), _tokenizer_fields(golden.pinned.json["model"])
+    return [key for key in sorted(set(ours) & set(theirs)) if ours[key] != theirs[key]]
+
+
+def _one_line(value: Any) -> str:
+    return json.dumps(value, sort_keys=True, default=str, ensure_ascii=True)  # a golden's text adds no line
+
+
 def tokenizer_note(golden: Golden, candidate: Prepared) -> str:
-    """Which tokenizer fields differ between golden and candidate ('' when the tokenizers are the same). Fields an
-    older golden did not record (the pipeline's steps, stop 48) are not compared."""
-    ours = candidate.header["model"].get("tokenizer_fields") or {}
-    theirs = golden.pinned.json["model"].get("tokenizer_fields") or {}
-    fields = [f"{key} {theirs[key]} -> {ours[key]}" for key in sorted(set(ours) & set(theirs)) if ours[key] != theirs[key]]
+    """Which tokenizer fields differ between golden and candidate ('' when the tokenizers are the same)."""
+    ours, theirs = _tokenizer_fields(candidate.header["model"]), _tokenizer_fields(golden.pinned.json["model"])
+    fields = [f"{key} {_one_line(theirs[key])} -> {_one_line(ours[key])}"
+              for key in _differing_tokenizer_fields(golden, candidate)]
     if fields:
         return ", ".join(fields)
     return "its hash" if candidate.header["model"]["tokenizer"] != golden.pinned.json["model"].get("tokenizer") else ""
@@ -343,12 +365,13 @@ def tokenizer_note(golden: Golden, candidate: Prepared) -> str:
 
 def generation_note(golden: Golden, candidate: Prepared) -> str:
     """Which settings of the model's generation_config.json differ ('' when alike, or when the golden is older
-    than the record)."""
+    than the record). Compared as JSON, as the golden holds them."""
     theirs, ours = golden.pinned.json["model"].get("generation_config"), candidate.header["model"].get("generation_config")
     if not isinstance(theirs, dict) or not isinstance(ours, dict):
         return ""
-    return ", ".join(f"{key} {theirs.get(key)} -> {ours.get(key)}" for key in sorted(set(theirs) | set(ours))
-                     if theirs.get(key) != ours.get(key))
+    theirs, ours = json.loads(_one_line(theirs)), json.loads(_one_line(ours))
+    return ", ".join(f"{_one_line(key)} {_one_line(theirs.get(key))} -> {_one_line(ours.get(key))}"
+                     for key in sorted(set(theirs) | set(ours)) if theirs.get(key) != ours.get(key))
 
 
 def verify_golden(golden: Golden, config: RunConfig, strict: bool = False,
@@ -391,6 +414,10 @@ def begin(golden: Golden, config: RunConfig, strict: bool = False, progress: Cal
     if note and gated is None:
         causes.append(f"tokenizer differs ({note}); every prompt encodes to the golden's token ids and its tokens "
                       "read as the golden's text, so outputs are compared by token id")
+    other_text = decoding_difference(golden_results, candidate.loaded.tokenizer) if gated is None else None
+    if other_text:  # not a gate: what turns its ids into text is the golden's (_gate)
+        causes.append(f"tokenizer: {other_text}, with the golden's vocabulary and decoder: this transformers or "
+                      "tokenizers version decodes them otherwise; outputs are compared by token id")
     generation = generation_note(golden, candidate)
     if generation and gated is None:
         causes.append(f"generation config differs ({generation}): evalrun chooses tokens by its own config "

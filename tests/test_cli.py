@@ -137,9 +137,10 @@ def test_bad_input_broken_jsonl_names_file_and_line(cli, tiny_args, write_prompt
     _one_line_exit_2(cli("run", *args), str(path), needle)
 
 
-@pytest.mark.parametrize("text", ["a " * 2_000_000, "x" * 4_000_000])
+@pytest.mark.parametrize("text, as_messages", [("a " * 2_000_000, False), ("x" * 4_000_000, False),
+                                               ("a " * 2_000_000, True)])
 def test_bad_input_a_prompt_past_the_context_is_refused_from_a_prefix(cli, tiny_args, write_prompts, monkeypatch,
-                                                                      text):
+                                                                      text, as_messages):
     """A 50 MB prompt took 10 GB and 91 s to be told it is too long (a red-team pass): the tokenizer reads prefixes
     until one holds more tokens than the model's positions, never the whole prompt."""
     from evalrun import prompts
@@ -158,7 +159,9 @@ def test_bad_input_a_prompt_past_the_context_is_refused_from_a_prefix(cli, tiny_
     encode = prompts.encode
     monkeypatch.setattr(prompts, "encode", lambda tokenizer, record: pytest.fail("the whole prompt was tokenized")
                         if record.id == "long" else encode(tokenizer, record))
-    path = write_prompts([{"id": "ok", "prompt": "short"}, {"id": "long", "prompt": text}])
+    long = {"id": "long", "messages": [{"role": "user", "content": text}]} if as_messages else {"id": "long",
+                                                                                                "prompt": text}
+    path = write_prompts([{"id": "ok", "prompt": "short"}, long])
     one_line_exit_2(cli("run", *tiny_args[:2], "--prompts", str(path), *tiny_args[4:]),
                     "prompt 'long' has more tokens than the model's")
     assert seen and max(seen) < len(text) // 4, seen

@@ -359,14 +359,16 @@ def test_a_compression_bomb_stops_at_the_declared_size():
         decode_array_row({"name": "x", "dtype": "int64", "shape": "[2]", "encoding": "zlib", "data": bomb})
 
 
-def test_a_running_row_with_a_pid_past_the_systems_is_interrupted_not_a_crash(cli, tiny_args, tmp_path):
-    """A forged row (status running, this host, a pid past what os.kill takes): store check and merge crashed with
-    OverflowError (exit 3). No process has that pid: the run is interrupted."""
+@pytest.mark.parametrize("pid", [99999999999999999, -1])
+def test_a_running_row_with_a_pid_no_process_has_is_interrupted_not_a_crash(cli, tiny_args, tmp_path, pid):
+    """A forged row (status running, this host): a pid past what os.kill takes crashed store check and merge with
+    OverflowError (exit 3); -1 counted as alive (os.kill(-1, 0) signals every process it may). Neither is a run's
+    process: the run is interrupted."""
     import sqlite3
 
     assert cli("run", *tiny_args, "--quiet")[0] == 0
     with sqlite3.connect(tiny_args[-1]) as db:
-        db.execute("update runs set pid = ?, status = 'running'", (99999999999999999,))
+        db.execute("update runs set pid = ?, status = 'running'", (pid,))
     (run,) = Store(tiny_args[-1]).list_runs()
     code, out, err = cli("store", "check", "--store", tiny_args[-1], "--json")
     assert code == 0 and json.loads(out)["interrupted"] == [run.id], err

@@ -291,8 +291,8 @@ def test_a_normalizer_rule_and_generation_defaults_no_prompt_meets_are_named(ver
     assert (code, verdict["verdict"]) == (0, "identical"), (err, verdict["causes"])
     assert any(c.startswith("tokenizer differs (normalizer ") for c in verdict["causes"]), verdict["causes"]
     generation = next(c for c in verdict["causes"] if c.startswith("generation config differs ("))
-    assert "do_sample None -> True" in generation and "temperature None -> 1.5" in generation
-    assert "eos_token_id 2 -> [2, 69]" in generation
+    assert '"do_sample" null -> true' in generation and '"temperature" null -> 1.5' in generation
+    assert '"eos_token_id" 2 -> [2, 69]' in generation
 
 
 @pytest.mark.parametrize("edit", ["vocabulary", "decoder"])
@@ -322,7 +322,36 @@ def test_a_tokenizer_that_reads_the_goldens_tokens_as_other_text_is_changed(veri
     path.write_text(json.dumps(tokenizer, ensure_ascii=False))
     code, verdict, err = verify(directory)
     assert (code, verdict["verdict"], verdict["model_diff"]) == (1, "changed", ["tokenizer"]), verdict["causes"]
-    assert verdict["causes"][0].startswith("model identity: the tokenizer reads the golden's tokens for prompt")
+    field = "vocab" if edit == "vocabulary" else "decoder"
+    assert verdict["causes"][0].startswith("model identity: the tokenizer's ") and field in verdict["causes"][0]
+    assert "differ and it reads the golden's tokens for prompt" in verdict["causes"][0], verdict["causes"]
+
+
+def test_a_library_that_decodes_the_same_tokenizer_otherwise_is_named_not_changed(verify, golden_factory, tiny_hf_dir,
+                                                                                  tmp_path, monkeypatch):
+    """Other text from a tokenizer whose vocabulary, added tokens, decoder and rules are the golden's is a library
+    that decodes otherwise (transformers once changed its clean-up of spaces): named, not changed."""
+    from conftest import copy_model_dir
+
+    from evalrun import verify as verify_module
+
+    model_dir = copy_model_dir(tiny_hf_dir, tmp_path / "model")
+    directory = golden_factory(model=str(model_dir))
+
+    class OtherRelease:  # the same tokenizer, decoded by a library that ends the text otherwise
+        def __init__(self, tokenizer):
+            self.tokenizer = tokenizer
+
+        def decode(self, ids, **options):
+            return self.tokenizer.decode(ids, **options) + "!"
+
+    reading = verify_module.decoding_difference
+    monkeypatch.setattr(verify_module, "decoding_difference",
+                        lambda results, tokenizer: reading(results, OtherRelease(tokenizer)))
+    code, verdict, err = verify(directory)
+    assert (code, verdict["verdict"]) == (0, "identical"), (err, verdict["causes"])
+    assert any(c.startswith("tokenizer: it reads the golden's tokens for prompt") and "this transformers or "
+               "tokenizers version decodes them otherwise" in c for c in verdict["causes"]), verdict["causes"]
 
 
 def test_a_float32_oracle_still_gives_a_function_check(golden_factory, monkeypatch):
