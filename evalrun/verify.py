@@ -243,9 +243,9 @@ def _gate(golden: Golden, candidate: Prepared, golden_results: list[PromptResult
                     "golden's tokenizer is, or re-create the golden", ["tokenizer"])
     _check_id_ranges(golden, golden_results, candidate.loaded.vocab_size,
                      getattr(candidate.loaded.model.config, "num_experts", None))
-    other_text = decoding_difference(golden_results, candidate.loaded.tokenizer)
-    differing = [key for key in _differing_tokenizer_fields(golden, candidate) if key in DECODING_FIELDS]
-    if other_text and differing:
+    differing = _decoding_fields_differing(golden, candidate)
+    other_text = decoding_difference(golden_results, candidate.loaded.tokenizer) if differing else None
+    if other_text:
         return ("changed", f"model identity: the tokenizer's {', '.join(differing)} differ and {other_text}; verify "
                 "with the golden's tokenizer, or re-create the golden if the change is meant", ["tokenizer"])
     _check_routing_layout(golden, golden_results, candidate)
@@ -342,11 +342,17 @@ def _tokenizer_fields(header: dict[str, Any]) -> dict[str, Any]:
     return fields if isinstance(fields, dict) else {}
 
 
-def _differing_tokenizer_fields(golden: Golden, candidate: Prepared) -> list[str]:
-    """The tokenizer fields both golden and candidate recorded that differ. Fields an older golden did not record
-    (the pipeline's steps, stop 48) are not compared."""
+def _differing_tokenizer_fields(golden: Golden, candidate: Prepared) -> dict[str, tuple[Any, Any]]:
+    """field -> (the golden's value, the candidate's) for the tokenizer fields both recorded that differ. Fields an
+    older golden did not record (the pipeline's steps, stop 48) are not compared."""
     ours, theirs = _tokenizer_fields(candidate.header["model"]), _tokenizer_fields(golden.pinned.json["model"])
-    return [key for key in sorted(set(ours) & set(theirs)) if ours[key] != theirs[key]]
+    return {key: (theirs[key], ours[key]) for key in sorted(set(ours) & set(theirs)) if ours[key] != theirs[key]}
+
+
+def _decoding_fields_differing(golden: Golden, candidate: Prepared) -> list[str]:
+    """The differing tokenizer fields that turn ids into text (DECODING_FIELDS): where one does, other text from
+    the golden's tokens is `changed` (`_gate`); where none does, it is named in the causes (`begin`)."""
+    return [key for key in _differing_tokenizer_fields(golden, candidate) if key in DECODING_FIELDS]
 
 
 def _one_line(value: Any) -> str:
@@ -355,9 +361,8 @@ def _one_line(value: Any) -> str:
 
 def tokenizer_note(golden: Golden, candidate: Prepared) -> str:
     """Which tokenizer fields differ between golden and candidate ('' when the tokenizers are the same)."""
-    ours, theirs = _tokenizer_fields(candidate.header["model"]), _tokenizer_fields(golden.pinned.json["model"])
-    fields = [f"{key} {_one_line(theirs[key])} -> {_one_line(ours[key])}"
-              for key in _differing_tokenizer_fields(golden, candidate)]
+    fields = [f"{key} {_one_line(theirs)} -> {_one_line(ours)}"
+              for key, (theirs, ours) in _differing_tokenizer_fields(golden, candidate).items()]
     if fields:
         return ", ".join(fields)
     return "its hash" if candidate.header["model"]["tokenizer"] != golden.pinned.json["model"].get("tokenizer") else ""
@@ -410,12 +415,15 @@ def begin(golden: Golden, config: RunConfig, strict: bool = False, progress: Cal
     causes += environment_causes(env_diff, golden_env, candidate_env)
     golden_results = golden.results("pinned")
     gated = _gate(golden, candidate, golden_results)
+    # other text with every field that turns ids into text the golden's is no gate (_gate decoded the rest)
+    other_text = decoding_difference(golden_results, candidate.loaded.tokenizer) \
+        if gated is None and not _decoding_fields_differing(golden, candidate) else None
     note = tokenizer_note(golden, candidate)
     if note and gated is None:
-        causes.append(f"tokenizer differs ({note}); every prompt encodes to the golden's token ids and its tokens "
-                      "read as the golden's text, so outputs are compared by token id")
-    other_text = decoding_difference(golden_results, candidate.loaded.tokenizer) if gated is None else None
-    if other_text:  # not a gate: what turns its ids into text is the golden's (_gate)
+        read_alike = "" if other_text else " and its tokens read as the golden's text"  # else the next cause says
+        causes.append(f"tokenizer differs ({note}); every prompt encodes to the golden's token ids{read_alike}, so "
+                      "outputs are compared by token id")
+    if other_text:
         causes.append(f"tokenizer: {other_text}, with the golden's vocabulary and decoder: this transformers or "
                       "tokenizers version decodes them otherwise; outputs are compared by token id")
     generation = generation_note(golden, candidate)
