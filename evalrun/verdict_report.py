@@ -5,7 +5,7 @@ from __future__ import annotations
 import xml.etree.ElementTree as ElementTree
 from typing import Any
 
-from .report import markdown_cell, table, to_json
+from .report import markdown_cell, printable, table, to_json
 from .verify import PromptVerdict, Verdict
 
 MARK = {"identical": "✅", "drift": "🟡", "changed": "❌", "incomparable": "⛔"}
@@ -45,7 +45,7 @@ def _summary_lines(verdict: Verdict) -> list[str]:
 
 def text(verdict: Verdict) -> str:
     lines = [f"golden {verdict.golden}: {verdict.verdict.upper()} (exit {verdict.exit_code})"]
-    lines += [f"  cause: {cause}" for cause in verdict.causes]
+    lines += [f"  cause: {printable(cause)}" for cause in verdict.causes]  # a golden's text adds no line
     lines += [f"  {line}" for line in _summary_lines(verdict)]
     if verdict.prompts:
         lines.append(table(HEADERS, _rows(verdict)))

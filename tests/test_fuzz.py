@@ -790,7 +790,8 @@ def test_a_golden_whose_function_run_is_no_float32_run_of_its_oracle_is_refused(
 @given(name=TEXT, record=RECORD)
 def test_fuzz_incomparable_golden_names_untrusted_text(base_golden, name, record):
     """A forged golden whose prompt records differ (incomparable, exit 2) and whose pinned run names its prompt set
-    with any text: the one stderr line must stay one line, whatever the golden says."""
+    with any text: the one stderr line must stay one line, and each cause of the text report one line, whatever
+    the golden says (a name holding a line break printed a line of its own, such as `::error::`)."""
     with tempfile.TemporaryDirectory() as folder:
         path = Path(folder) / "g.db"
         shutil.copy(base_golden, path)
@@ -804,6 +805,10 @@ def test_fuzz_incomparable_golden_names_untrusted_text(base_golden, name, record
         reseal(path)
         before = path.read_bytes()
         check_contract(invoke("golden", "verify", "g", "--dir", folder, "--quiet", "--json"), changed=True)
+        report = invoke("golden", "verify", "g", "--dir", folder, "--quiet")
+        check_contract(report, changed=True, json_out=False)
+        lines = report.out.splitlines()
+        assert lines[0].startswith("golden g: ") and all(line.startswith("  ") for line in lines[1:]), report.out
         check_golden_untouched(path, before)
 
 
