@@ -359,7 +359,8 @@ def store_show(run_id, store_path, output_format, as_json) -> None:
 @output_options("text", "json")
 def store_check(store_path, output_format, as_json) -> None:
     """Check the store: SQLite integrity, schema, orphans, incomplete runs, every run and result row as the readers
-    parse it, array bytes against their digests (exit 1 on a problem).
+    parse it, array bytes against their digests. A problem exits 2 (the store is damaged: the report on stdout
+    lists each, stderr names the first); exit 1 is a verdict's alone.
 
     \b
     Example:
@@ -369,7 +370,7 @@ def store_check(store_path, output_format, as_json) -> None:
     json_out = chosen_format(output_format, as_json) == "json"
     click.echo(report.to_json(outcome) if json_out else report.store_check_text(outcome))
     if not outcome["ok"]:
-        raise Exit(EXIT_CHANGED)
+        raise Exit(EXIT_UNUSABLE, _damaged_store_line(outcome))
 
 
 @store.command("merge")
@@ -393,7 +394,14 @@ def store_merge(out_path, sources, output_format, as_json) -> None:
                              for entry in outcome["sources"]))
         click.echo(report.store_check_text(outcome["check"]))
     if not outcome["check"]["ok"]:
-        raise Exit(EXIT_CHANGED)
+        raise Exit(EXIT_UNUSABLE, _damaged_store_line(outcome["check"]))
+
+
+def _damaged_store_line(outcome: dict[str, Any]) -> str:
+    problems = outcome["problems"]
+    more = f" (and {len(problems) - 1} more, listed on stdout)" if len(problems) > 1 else ""
+    return (f"evalrun: error: store {outcome['path']} is damaged: {problems[0] if problems else 'see stdout'}{more}; "
+            "restore it from a copy, or write new runs to another --store")
 
 
 @cli.group()

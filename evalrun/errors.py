@@ -3,9 +3,9 @@ wrong and what to do.
 
 Exit codes, everywhere:
   0  success (identical, drift)
-  1  a check failed: `changed`, or `drift` under --strict; `store check` found problems
-  2  the command could not do its job: bad input, missing or damaged file, incomparable, impossible
-     config (every `EvalrunError`)
+  1  a check failed: `changed`, or `drift` under --strict, or a `bench --fail-on` regression; nothing else
+  2  the command could not do its job: bad input, missing or damaged file (a store `store check` finds
+     problems in), incomparable, impossible config (every `EvalrunError`)
   3  evalrun itself failed: an unexpected exception; one line on stderr names the file holding the
      traceback. CI must never read a crash as "changed".
 """

@@ -83,8 +83,13 @@ def _parse_record(path: Path, number: int, line: str) -> PromptRecord:
     unknown = set(data) - ALLOWED_KEYS
     if unknown:
         raise PromptError(f"{where}: unknown keys {sorted(unknown)}; allowed: {sorted(ALLOWED_KEYS)}")
-    if "id" not in data or not str(data["id"]).strip():
+    if "id" not in data or data["id"] is None:
         raise PromptError(f"{where}: missing 'id'; give every record a unique id")
+    if not isinstance(data["id"], str):  # null read as "None", 1 and "1" as one id: an id is what the file says
+        raise PromptError(f"{where}: the id {json.dumps(data['id'])[:40]} is a {type(data['id']).__name__}, not a "
+                          f"string; write it in quotes, e.g. \"id\": \"{str(data['id'])[:20]}\"")
+    if not data["id"].strip():
+        raise PromptError(f"{where}: the id is blank; give every record a unique id")
     has_prompt, has_messages = isinstance(data.get("prompt"), str), isinstance(data.get("messages"), list)
     if has_prompt == has_messages:
         raise PromptError(f"{where}: give exactly one of 'prompt' (a string) or 'messages' (a list)")
@@ -94,16 +99,16 @@ def _parse_record(path: Path, number: int, line: str) -> PromptRecord:
     if has_messages and not data["messages"]:
         raise PromptError(f"{where}: 'messages' is empty; give at least one message")
     texts = [data["prompt"]] if has_prompt else [m[k] for m in data["messages"] for k in ("role", "content")]
-    if not all(_encodable(text) for text in texts + [str(data["id"])]):
+    if not all(_encodable(text) for text in texts + [data["id"]]):
         raise PromptError(f"{where}: text that is not valid Unicode (a lone surrogate escape); fix the record")
-    if not str(data["id"]).isprintable() or len(str(data["id"])) > 200:
-        raise PromptError(f"{where}: the id {str(data['id'])[:40]!r} holds a line break, control or bidirectional "
+    if not data["id"].isprintable() or len(data["id"]) > 200:
+        raise PromptError(f"{where}: the id {data['id'][:40]!r} holds a line break, control or bidirectional "
                           "character, or is over 200 characters; ids are names in reports: use printable text")
     limit = data.get("max_new_tokens")
     if limit is not None and (not isinstance(limit, int) or isinstance(limit, bool)
                               or not 1 <= limit <= MAX_NEW_TOKENS_LIMIT):
         raise PromptError(f"{where}: max_new_tokens must be an integer from 1 to {MAX_NEW_TOKENS_LIMIT}")
-    return PromptRecord(str(data["id"]), data.get("prompt"), data.get("messages"), limit)
+    return PromptRecord(data["id"], data.get("prompt"), data.get("messages"), limit)
 
 
 def _encodable(text: str) -> bool:

@@ -121,6 +121,13 @@ def test_bad_input_keep_logits_naming_what_the_run_lacks(cli, tiny_args, keep, n
 @pytest.mark.parametrize("text,needle", [('{"id": "a", "prompt": "x"}\n{"id": "b", "prompt": \n', ":2: not valid JSON"),
                                          ('{"prompt": "x"}\n', ":1: missing 'id'"),
                                          ('{"id": "a"}\n', ":1: give exactly one of"),
+                                         # a non-string id read as its Python text: null as "None", 1 and "1" as one
+                                         ('{"id": null, "prompt": "x"}\n', ":1: missing 'id'"),
+                                         ('{"id": 7, "prompt": "x"}\n', ':1: the id 7 is a int, not a string; write it '
+                                                                         'in quotes, e.g. "id": "7"'),
+                                         ('{"id": ["a"], "prompt": "x"}\n', ":1: the id [\"a\"] is a list"),
+                                         ('{"id": true, "prompt": "x"}\n', ":1: the id true is a bool"),
+                                         ('{"id": "  ", "prompt": "x"}\n', ":1: the id is blank"),
                                          ('{"id": "a", "prompt": "x", "colour": 1}\n', "unknown keys"),
                                          ('{"id": "a", "prompt": "x"}\n{"id": "a", "prompt": "y"}\n', "duplicate id"),
                                          ('{"id": "a\\n::error::z", "prompt": "x"}\n', ":1: the id"),

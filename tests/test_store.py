@@ -243,7 +243,7 @@ def test_store_merge_refuses_a_run_row_the_readers_refuse(cli, store_path, tmp_p
     run_id = _complete_store(store_path)
     _sql(store_path, "UPDATE runs SET config_json = '{bad'")
     code, out, _ = cli("store", "check", "--store", str(store_path))
-    assert code == 1 and f"run {run_id[:12]}: the row is damaged" in out
+    assert code == 2 and f"run {run_id[:12]}: the row is damaged" in out
     code, _, err = cli("store", "merge", str(tmp_path / "all.db"), str(store_path))
     assert code == 2 and "fails `evalrun store check`" in err and run_id[:12] in err
     assert not (tmp_path / "all.db").exists()
@@ -295,8 +295,9 @@ def test_stored_text_cannot_add_a_line_to_store_show_or_check(cli, store_path):
     code, out, err = cli("store", "show", run_id, "--store", str(store_path))
     assert code == 0, err
     assert "x\\n::error::forged\\x1b" in out and "f\\n::error::dtype" in out and "e\\n::error::engine" in out
-    code, check, _ = cli("store", "check", "--store", str(store_path))
-    assert code == 1 and "run f\\n::error::i: the row is damaged" in check
+    code, check, check_err = cli("store", "check", "--store", str(store_path))
+    assert code == 2 and "run f\\n::error::i: the row is damaged" in check
+    assert len(check_err.splitlines()) == 1 and "is damaged: run f" in check_err
     for text in (out, check):
         assert not any(line.startswith("::error::") for line in text.splitlines()) and "\x1b" not in text, text
 
@@ -376,11 +377,16 @@ def test_a_running_row_with_a_pid_no_process_has_is_interrupted_not_a_crash(cli,
     assert code == 0, err
 
 
-def test_store_check_cli_lists_a_dropped_table_and_exits_1(cli, tiny_args):
+def test_store_check_cli_lists_a_dropped_table_and_exits_2(cli, tiny_args):
+    """A damaged store is bad input (exit 2, one stderr line naming the first problem); exit 1 is a verdict's alone
+    (it was 1 here, which a CI step reads as `changed`)."""
     cli("run", *tiny_args, "--quiet")
     _sql(tiny_args[-1], "DROP TABLE arrays")
     code, out, err = cli("store", "check", "--store", tiny_args[-1])
-    assert code == 1 and "missing table arrays" in out
+    assert code == 2 and "missing table arrays" in out
+    assert len(err.strip().splitlines()) == 1 and "is damaged: missing table arrays" in err and "--store" in err, err
+    code, out, err = cli("store", "check", "--store", tiny_args[-1], "--json")
+    assert code == 2 and json.loads(out)["ok"] is False and len(err.strip().splitlines()) == 1
     code, _, err = cli("store", "ls", "--store", tiny_args[-1])
     assert code == 2 and "missing table arrays" in err and len(err.strip().splitlines()) == 1
 
