@@ -40,6 +40,23 @@ class Exit(Exception):
         self.code, self.message = code, message
 
 
+_output_printed = False  # whether the command printed its output: an error after it adds no JSON document
+
+
+def emit(text: str) -> None:
+    """The command's output on stdout (its one JSON, Markdown or text document; a GitHub annotation line)."""
+    global _output_printed
+    _output_printed = True
+    click.echo(text)
+
+
+def json_requested(argv: list[str]) -> bool:
+    """Whether the command line asks for JSON output (`--json`, `--format json`, `--format=json`), read from the
+    words themselves: an error can come before click has parsed them."""
+    return any(word == "--json" or word == "--format=json" or (word == "--format" and following == "json")
+               for word, following in zip(argv, [*argv[1:], None]))
+
+
 def run_options(command: Callable) -> Callable:
     """The RUN OPTIONS of DESIGN.md, defined once for every command that runs a model."""
     options = [
@@ -280,9 +297,9 @@ def run(store_path, label, output_format, as_json, quiet, shard_text, **kwargs) 
     if not leader():
         return
     if chosen_format(output_format, as_json) == "json":
-        click.echo(report.to_json(report.run_json(outcome)))
+        emit(report.to_json(report.run_json(outcome)))
     else:
-        click.echo(report.run_text(outcome))
+        emit(report.run_text(outcome))
 
 
 @cli.command()
@@ -302,7 +319,7 @@ def fingerprint(output_format, as_json, **kwargs) -> None:
     config = config_from(kwargs)
     header = (prepare_server(config) if is_server_engine(config.engine) else prepare(config)).header
     json_out = chosen_format(output_format, as_json) == "json"
-    click.echo(report.to_json(header) if json_out else report.fingerprint_text(header))
+    emit(report.to_json(header) if json_out else report.fingerprint_text(header))
 
 
 @cli.group()
@@ -332,7 +349,7 @@ def store_ls(store_path, limit, output_format, as_json) -> None:
     """
     runs = open_store(store_path, readonly=True).list_runs(limit)
     json_out = chosen_format(output_format, as_json) == "json"
-    click.echo(report.to_json([r.summary() for r in runs]) if json_out else report.runs_table(runs))
+    emit(report.to_json([r.summary() for r in runs]) if json_out else report.runs_table(runs))
 
 
 @store.command("show")
@@ -350,7 +367,7 @@ def store_show(run_id, store_path, output_format, as_json) -> None:
     record = db.get_run(run_id)
     results = db.load_results(record.id, names=("tokens", "margins"))
     json_out = chosen_format(output_format, as_json) == "json"
-    click.echo(report.to_json(report.run_record_json(record, results)) if json_out
+    emit(report.to_json(report.run_record_json(record, results)) if json_out
                else report.run_record_text(record, results))
 
 
@@ -368,7 +385,7 @@ def store_check(store_path, output_format, as_json) -> None:
     """
     outcome = open_store(store_path, readonly=True, require_schema=False).check()
     json_out = chosen_format(output_format, as_json) == "json"
-    click.echo(report.to_json(outcome) if json_out else report.store_check_text(outcome))
+    emit(report.to_json(outcome) if json_out else report.store_check_text(outcome))
     if not outcome["ok"]:
         raise Exit(EXIT_UNUSABLE, _damaged_store_line(outcome))
 
@@ -388,11 +405,11 @@ def store_merge(out_path, sources, output_format, as_json) -> None:
 
     outcome = merge_stores(out_path, list(sources))
     if chosen_format(output_format, as_json) == "json":
-        click.echo(report.to_json(outcome))
+        emit(report.to_json(outcome))
     else:
-        click.echo("\n".join(f"{entry['store']}: {entry['copied']} runs copied, {entry['already_there']} already there"
+        emit("\n".join(f"{entry['store']}: {entry['copied']} runs copied, {entry['already_there']} already there"
                              for entry in outcome["sources"]))
-        click.echo(report.store_check_text(outcome["check"]))
+        emit(report.store_check_text(outcome["check"]))
     if not outcome["check"]["ok"]:
         raise Exit(EXIT_UNUSABLE, _damaged_store_line(outcome["check"]))
 
@@ -443,7 +460,7 @@ def golden_create(name, directory, force, output_format, as_json, quiet, **kwarg
         return
     summary = created.summary()
     json_out = chosen_format(output_format, as_json) == "json"
-    click.echo(report.to_json(summary) if json_out else report.golden_created_text(summary))
+    emit(report.to_json(summary) if json_out else report.golden_created_text(summary))
 
 
 @golden.command("verify")
@@ -503,7 +520,7 @@ def golden_verify(name, directory, strict, output_format, as_json, junit_path, s
     chosen = chosen_format(output_format, as_json)
     if isinstance(outcome, ShardStored):
         stored = f"{outcome.prompts} prompts run, stored in {outcome.store}"
-        click.echo(report.to_json(outcome.as_dict()) if chosen == "json" else
+        emit(report.to_json(outcome.as_dict()) if chosen == "json" else
                    f"### evalrun golden {report.markdown_cell(name)} shard {outcome.shard}: "
                    f"{report.markdown_cell(stored)}\n\nnext: {report.markdown_cell(outcome.next_steps)}"
                    if chosen == "markdown" else
@@ -515,7 +532,7 @@ def golden_verify(name, directory, strict, output_format, as_json, junit_path, s
             raise Exit(code)
         return
     verdict = outcome
-    click.echo(verdict_report.render(verdict, chosen))
+    emit(verdict_report.render(verdict, chosen))
     unwritten = _github_outputs(verdict, name, chosen)
     if junit_path:
         try:
@@ -559,7 +576,7 @@ def _github_outputs(verdict, name: str, output_format: str) -> list[str]:
         line = ci_output.annotation(verdict.verdict, f"evalrun golden {name}",
                                     f"{verdict.verdict}: {verdict.causes[0] if verdict.causes else ''}")
         if line:
-            click.echo(line)
+            emit(line)
     return unwritten
 
 
@@ -577,7 +594,7 @@ def golden_list(directory, output_format, as_json) -> None:
 
     entries = list_goldens(directory)
     json_out = chosen_format(output_format, as_json) == "json"
-    click.echo(report.to_json(entries) if json_out else report.goldens_table(entries))
+    emit(report.to_json(entries) if json_out else report.goldens_table(entries))
 
 
 @golden.command("show")
@@ -596,7 +613,7 @@ def golden_show(name, directory, output_format, as_json) -> None:
     opened = open_golden(name, directory)
     json_out = chosen_format(output_format, as_json) == "json"
     results = opened.results("pinned")
-    click.echo(report.to_json(report.golden_json(opened, results)) if json_out
+    emit(report.to_json(report.golden_json(opened, results)) if json_out
                else report.golden_text(opened, results))
 
 
@@ -622,7 +639,7 @@ def diff(run_a, run_b, store_path, golden_dir, prompt_ids, output_format, as_jso
 
     plot_output(plot_path)
     result = diff_refs(run_a, run_b, store_path or default_store_path(), golden_dir, tuple(prompt_ids), decoder_for)
-    click.echo(diff_report.render(result, chosen_format(output_format, as_json)))
+    emit(diff_report.render(result, chosen_format(output_format, as_json)))
     if plot_path:
         diff_report.plot(result, plot_path)
 
@@ -658,9 +675,9 @@ def invariance(store_path, batch_sizes, positions, repeats, output_format, as_js
                                  phase_progress(quiet))
     chosen = chosen_format(output_format, as_json)
     if chosen == "json":
-        click.echo(report.to_json(outcome.as_dict()))
+        emit(report.to_json(outcome.as_dict()))
     else:
-        click.echo(invariance_markdown(outcome) if chosen == "markdown" else invariance_text(outcome))
+        emit(invariance_markdown(outcome) if chosen == "markdown" else invariance_text(outcome))
 
 
 @cli.command()
@@ -708,12 +725,12 @@ def bench(model, prompts, dtype, device, max_new_tokens, batch_size, matrix_name
     rows = run_bench(request, lambda name: click.echo(f"bench: {name}", err=True))
     changes = bench_compare.compare(rows, baseline, rules) if baseline is not None else None
     if chosen_format(output_format, as_json) == "json":
-        click.echo(report.to_json(rows if changes is None else {"rows": rows,
+        emit(report.to_json(rows if changes is None else {"rows": rows,
                                                                 "comparison": bench_compare.as_dicts(changes)}))
     else:
-        click.echo(report.bench_table(rows))
+        emit(report.bench_table(rows))
         if changes is not None:
-            click.echo(f"\nagainst {baseline_path}:\n" + report.table(*bench_compare.table(changes)))
+            emit(f"\nagainst {baseline_path}:\n" + report.table(*bench_compare.table(changes)))
     failed = [row["config"] for row in rows if row.get("error")]
     if failed:
         raise Exit(EXIT_UNUSABLE, f"evalrun: error: {len(failed)} of {len(rows)} bench configurations failed "
@@ -779,7 +796,7 @@ def bisect(good_spec, bad_spec, until, golden_name, golden_dir, store_path, skip
                             probe_timeout=probe_timeout, compare_compiler_bisector=compare,
                             progress=None if quiet else (lambda line: click.echo(f"bisect: {line}", err=True)))
     result = run_bisect(request)
-    click.echo(bisect_report.render(result, chosen_format(output_format, as_json)))
+    emit(bisect_report.render(result, chosen_format(output_format, as_json)))
     if plot_path and result.layer is not None and result.layer.points:
         bisect_report.plot(result, plot_path)
     elif plot_path:  # the report stands (a culprit exits 0): why there is no plot is a warning
@@ -826,8 +843,12 @@ def _crash(error: BaseException) -> int:
     return EXIT_INTERNAL
 
 
+_said: list[str] = []  # the lines said on stderr: under --json an error's line is also a JSON object on stdout
+
+
 def _say(text: str) -> None:
-    click.echo(one_line(text), err=True)
+    _said.append(one_line(text))
+    click.echo(_said[-1], err=True)
 
 
 def exit_code_of(error: BaseException) -> int:
@@ -896,12 +917,18 @@ def main(argv: list[str] | None = None) -> None:
     from .distributed import leave
     from .store import close_open_stores, open_stores
 
-    code, already_open = 0, open_stores()
+    global _output_printed
+    code, already_open, _output_printed = 0, open_stores(), False
+    words = list(sys.argv[1:] if argv is None else argv)
+    _said.clear()
     previous = _stop_on_sigterm()
     try:
         cli.main(args=argv, prog_name="evalrun", standalone_mode=False)
     except (Exception, KeyboardInterrupt) as error:  # noqa: BLE001 - the one place errors become exit codes
         code = exit_code_of(error)
+        if not isinstance(error, Exit) and not _output_printed and json_requested(words):
+            with contextlib.suppress(OSError):  # a closed stdout: the stderr line stands alone
+                emit(report.to_json({"error": _said[-1] if _said else type(error).__name__, "exit_code": code}))
     finally:
         if previous is not None:
             signal.signal(signal.SIGTERM, previous)

@@ -62,6 +62,32 @@ def test_bad_input_unknown_model(cli, tiny_args):
     _one_line_exit_2(cli("run", *tiny_args, "--model", "nosuch-model"), "unknown model", "random:tiny")
 
 
+@pytest.mark.parametrize("args,json_words", [(("run", "--model", "nosuch-model"), ("--json",)),
+                                             (("fingerprint", "--model", "random:tiny", "--max-new-tokens", "x"),
+                                              ("--format", "json")),
+                                             (("golden", "verify", "nosuch"), ("--format=json",)),
+                                             (("store", "ls", "--store", "/nonexistent/s.db"), ("--json",))])
+def test_bad_input_under_json_is_also_a_json_error_object_on_stdout(cli, args, json_words):
+    """`... --json | jq` read nothing on bad input (stdout was empty): stdout now holds one JSON object with the
+    stderr line and the exit code, while stderr keeps its one line. Text output leaves stdout empty."""
+    code, out, err = cli(*args, *json_words)
+    one_line_exit_2((code, out, err))
+    assert json.loads(out) == {"error": err.strip(), "exit_code": 2}
+    code, out, err = cli(*args)
+    one_line_exit_2((code, out, err))
+    assert out == ""
+
+
+def test_a_command_that_printed_its_json_adds_no_error_object(cli, tiny_args):
+    """store check on a damaged store prints its report (JSON) and exits 2: stdout stays one JSON document."""
+    cli("run", *tiny_args, "--quiet")
+    with __import__("sqlite3").connect(tiny_args[-1]) as conn:
+        conn.execute("DROP TABLE arrays")
+    conn.close()
+    code, out, err = cli("store", "check", "--store", tiny_args[-1], "--json")
+    assert code == 2 and json.loads(out)["ok"] is False and "error" not in json.loads(out), out
+
+
 def test_bad_input_unknown_random_shape(cli, tiny_args):
     _one_line_exit_2(cli("run", *tiny_args, "--model", "random:huge"), "random:tiny")
 
