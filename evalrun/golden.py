@@ -169,10 +169,7 @@ class Golden:
                 results = self.store.load_results(self.run_id(role))
             except StoreError as error:
                 raise GoldenError(f"golden {self.path}: {error}; {recreate_hint(self.name)}") from None
-            problem = results_problem(role, results, self.results("pinned") if role != "pinned" else None)
-            if not problem and role == "function" and (self.routing_followed or not any(
-                    has_routing(r.arrays) for r in results)):  # an older MoE golden's float32 router could flip
-                problem = implausible_function_error(results, self.results("oracle"))
+            problem = role_problem(role, results, self.results, self.routing_followed)
             if problem:
                 raise GoldenError(f"golden {self.path}: the {role} run {problem}; {recreate_hint(self.name)}")
             self._results[role] = results
@@ -275,6 +272,28 @@ def implausible_function_error(function: list[PromptResult], oracle: list[Prompt
             return (f"sits {worst / (EPSILON['float32'] * scale):.3g} float32 epsilons (at the logit scale) from the "
                     f"golden's own oracle for prompt {result.prompt_id!r}, where a float32 run stays within "
                     f"{FUNCTION_ERROR_CEILING_ULPS:g}: it is no float32 run of that model")
+    return ""
+
+
+def role_problem(role: str, results: list[PromptResult], results_of: Callable[[str], list[PromptResult]],
+                 routing_followed: bool) -> str:
+    """Why a role's results cannot serve a verdict ('' when they can): what verify refuses a golden for, and what
+    create refuses to write. `results_of(role)` gives another role's results (the pinned run's, the oracle's)."""
+    problem = results_problem(role, results, results_of("pinned") if role != "pinned" else None)
+    if not problem and role == "function" and (routing_followed or not any(
+            has_routing(r.arrays) for r in results)):  # an older MoE golden's float32 router could flip
+        problem = implausible_function_error(results, results_of("oracle"))
+    return problem
+
+
+def created_problem(created: CreatedRuns) -> str:
+    """Why the runs just made cannot be a golden ('' when they can): a golden verify would refuse as damaged
+    (NaN in what the checks measure: a model whose logits are not finite) must never be written over a good one."""
+    results_of = lambda role: created.runs[role].results  # noqa: E731
+    for role, run in created.runs.items():
+        problem = role_problem(role, run.results, results_of, created.meta.get("routing") == ROUTING_FOLLOWED)
+        if problem:
+            return f"its {role} run {problem}"
     return ""
 
 
@@ -486,6 +505,10 @@ def create_golden(name: str, config: RunConfig, directory: str | Path = DEFAULT_
     created = (make or make_runs)(request, progress, hook)
     if not distributed.world().leader:  # tensor parallel under torchrun: every rank computed, rank 0 writes
         return None
+    problem = created_problem(created)
+    if problem:
+        raise GoldenError(f"golden {path} not written: {problem}, which no verify could use; check that the model's "
+                          "logits are finite under this config (--dtype float32, another model)")
     write_golden(path, created, request, replace=force)
     return open_golden(name, directory)
 

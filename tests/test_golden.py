@@ -204,3 +204,20 @@ def test_a_format_of_another_type_is_named_as_it_is_stored():
         _check_meta("g", Path("/goldens/g.db"), {"format": str(GOLDEN_FORMAT), "roles": {}})
     with pytest.raises(GoldenError, match=rf"has format 1; this evalrun reads format {GOLDEN_FORMAT};"):
         _check_meta("g", Path("/goldens/g.db"), {"roles": {}})
+
+
+def test_a_create_whose_runs_hold_nan_writes_nothing_and_keeps_the_golden_there(tiny_golden):
+    """A model whose logits are not finite made a golden that every verify then refused as damaged (NaN in what the
+    checks measure), written over the good one with --force. Create now refuses it (exit 2) and keeps what was there."""
+    from evalrun.config import build_config
+    from evalrun.engine.faults import Fault, fault_hook
+    from evalrun.errors import GoldenError
+    from evalrun.golden import create_golden
+
+    before = (tiny_golden / "g.db").read_bytes()
+    config = build_config(flags={"model": "random:tiny", "prompts": "smoke", "max_new_tokens": 4})
+    with pytest.raises(GoldenError, match=r"g.db not written: its \S+ run has NaN in its .*check that the model's "
+                                          r"logits are finite"):
+        create_golden("g", config, tiny_golden, force=True, cuda_available=False,
+                      hook=fault_hook(Fault("scale", float("nan"))))
+    assert (tiny_golden / "g.db").read_bytes() == before and [p.name for p in tiny_golden.iterdir()] == ["g.db"]
