@@ -207,10 +207,16 @@ def plot_output(path: Path | None) -> None:
         from matplotlib.backend_bases import FigureCanvasBase
     except ImportError:
         raise OutputError("--plot needs matplotlib; install it with pip install 'evalrun[plot]', or drop --plot") from None
-    formats = FigureCanvasBase.get_supported_filetypes()  # what savefig writes, by file name ending
+    formats = set(FigureCanvasBase.get_supported_filetypes())  # what savefig writes, by file name ending
+    from matplotlib import rcParams
+    import shutil
+
+    if shutil.which(rcParams["pgf.texsystem"]) is None:  # .pgf measures its text with LaTeX
+        formats.discard("pgf")
     if path.suffix.lstrip(".").lower() not in formats:
-        raise OutputError(f"--plot {path} does not end in a format matplotlib writes; end it in one of "
-                          f"{', '.join('.' + name for name in sorted(formats))}")
+        raise OutputError(f"--plot {path} does not end in a format matplotlib writes here; end it in one of "
+                          f"{', '.join('.' + name for name in sorted(formats))}"
+                          f"{' (.pgf needs ' + rcParams['pgf.texsystem'] + ')' if 'pgf' not in formats else ''}")
 
 
 def _try_opening_for_writing(path: Path, what: str) -> None:

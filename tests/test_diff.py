@@ -77,6 +77,19 @@ def test_a_plot_path_in_no_format_matplotlib_writes_is_refused_before_the_report
     assert len(err.strip().splitlines()) == 1 and not (tmp_path / name).exists()
 
 
+def test_a_pgf_plot_without_latex_is_refused_before_the_report(cli, tiny_args, tmp_path, monkeypatch):
+    """matplotlib lists .pgf, but writes it by measuring text with LaTeX: without it, savefig crashed after the
+    report (exit 3). Refused first, naming what .pgf needs."""
+    pytest.importorskip("matplotlib")
+    import shutil
+
+    a = _run(cli, tiny_args)
+    monkeypatch.setattr(shutil, "which", lambda name, *args, **kw: None)
+    code, out, err = cli("diff", a, a, "--store", tiny_args[-1], "--plot", str(tmp_path / "d.pgf"))
+    assert (code, out) == (2, "") and ".pgf needs xelatex" in err and ".svg" in err, err
+    assert len(err.strip().splitlines()) == 1 and not (tmp_path / "d.pgf").exists()
+
+
 def test_plot_without_matplotlib_says_how_to_install(cli, tiny_args, tmp_path, monkeypatch):
     import builtins
 
