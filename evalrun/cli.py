@@ -44,10 +44,20 @@ _output_printed = False  # whether the command printed its output: an error afte
 
 
 def emit(text: str) -> None:
-    """The command's output on stdout (its one JSON, Markdown or text document; a GitHub annotation line)."""
+    """The command's output on stdout (its one JSON, Markdown or text document; a GitHub annotation line). A reader
+    that stopped reading (`| head`, `| true`) does not stop the command: the rest of its work (a stored run, a
+    --junit file) is done and its exit code stands."""
     global _output_printed
     _output_printed = True
-    click.echo(text)
+    try:
+        click.echo(text)
+    except OSError as error:
+        if error.errno != errno.EPIPE:
+            raise
+        try:  # what is left to print goes nowhere, as the reader chose (and nothing fails flushing it at exit)
+            os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        except (OSError, ValueError, AttributeError):  # a stdout with no file descriptor
+            sys.stdout = open(os.devnull, "w")  # noqa: SIM115
 
 
 def json_requested(argv: list[str]) -> bool:
@@ -854,7 +864,8 @@ _said: list[str] = []  # the lines said on stderr: under --json an error's line 
 
 def _say(text: str) -> None:
     _said.append(one_line(text))
-    click.echo(_said[-1], err=True)
+    with contextlib.suppress(OSError):  # a closed stderr: the exit code still says it
+        click.echo(_said[-1], err=True)
 
 
 def exit_code_of(error: BaseException) -> int:
@@ -867,10 +878,19 @@ def exit_code_of(error: BaseException) -> int:
         _say(f"evalrun: error: {_first_line(error)}")
         return EXIT_UNUSABLE
     if isinstance(error, click.exceptions.Abort | KeyboardInterrupt):
-        _say(f"evalrun: interrupted{': ' + _first_line(error) if str(error) else ''}")
+        _say(f"evalrun: interrupted{': ' + _first_line(error) if str(error) else ''}; run the command again (a run "
+             "it had begun is stored as interrupted)")
+        return EXIT_UNUSABLE
+    if isinstance(error, getattr(click.exceptions, "NoArgsIsHelpError", ())):  # `evalrun golden`: the help, on stdout
+        emit(error.ctx.get_help())
+        _say(f"evalrun: error: no command given; choose one of those listed above ({error.ctx.command_path} --help)")
         return EXIT_UNUSABLE
     if isinstance(error, click.exceptions.ClickException):
         _say(f"evalrun: error: {error.format_message()}; see evalrun --help")
+        return EXIT_UNUSABLE
+    if isinstance(error, OSError) and error.errno == errno.EPIPE:  # stderr, or a child's pipe, closed early
+        _say("evalrun: error: an output stream was closed before the command finished (broken pipe); let the reader "
+             "read to the end")
         return EXIT_UNUSABLE
     if isinstance(error, OSError) and error.errno in ENVIRONMENT_ERRNOS:
         where = f" ({error.filename})" if error.filename else ""
@@ -928,8 +948,11 @@ def main(argv: list[str] | None = None) -> None:
     words = list(sys.argv[1:] if argv is None else argv)
     _said.clear()
     previous = _stop_on_sigterm()
-    try:
-        cli.main(args=argv, prog_name="evalrun", standalone_mode=False)
+    try:  # click's own main would turn a closed pipe into exit 1 and Ctrl-C or SIGTERM into a bare Abort
+        with cli.make_context("evalrun", list(words)) as context:
+            cli.invoke(context)
+    except click.exceptions.Exit as done:  # --help
+        code = done.exit_code
     except (Exception, KeyboardInterrupt) as error:  # noqa: BLE001 - the one place errors become exit codes
         code = exit_code_of(error)
         if not isinstance(error, Exit) and not _output_printed and json_requested(words):

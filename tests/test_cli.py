@@ -78,6 +78,38 @@ def test_bad_input_under_json_is_also_a_json_error_object_on_stdout(cli, args, j
     assert out == ""
 
 
+@pytest.mark.parametrize("command", ["run", "verify"])
+def test_a_reader_that_stops_reading_leaves_the_outcome_and_its_files(golden_factory, tmp_path, command):
+    """`evalrun ... | true` (or `| head`): click turned the closed pipe into exit 1, the code of `changed`, with no
+    line, and the --junit file was never written. Now the command finishes its work and its own exit code stands."""
+    import subprocess
+    import sys
+
+    store = str(tmp_path / "s.db")
+    args = (["run", "--model", "random:tiny", "--prompts", "smoke", "--max-new-tokens", "4"] if command == "run" else
+            ["golden", "verify", "g", "--dir", str(golden_factory()), "--junit", str(tmp_path / "j.xml")])
+    process = subprocess.Popen([sys.executable, "-m", "evalrun", *args, "--store", store, "--json", "--quiet"],
+                               stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                               env={**os.environ, "EVALRUN_CACHE": str(tmp_path / "cache")})
+    process.stdout.close()  # the reader is gone before evalrun writes a byte
+    err = process.stderr.read()
+    assert process.wait(timeout=300) == 0 and err == "", err
+    if command == "run":
+        from evalrun.store import Store
+
+        assert [run.status for run in Store(store, readonly=True).list_runs()] == ["complete"]
+    else:
+        assert "<testsuite" in (tmp_path / "j.xml").read_text()
+
+
+@pytest.mark.parametrize("group", [(), ("golden",), ("store",)])
+def test_no_command_prints_the_help_on_stdout_and_one_line(cli, group):
+    """The help page was escaped into one stderr line and cut in its middle."""
+    code, out, err = cli(*group)
+    one_line_exit_2((code, out, err), "no command given", f"evalrun {' '.join(group)}".strip() + " --help")
+    assert "Commands:" in out and "Usage: evalrun" in out
+
+
 def test_a_command_that_printed_its_json_adds_no_error_object(cli, tiny_args):
     """store check on a damaged store prints its report (JSON) and exits 2: stdout stays one JSON document."""
     cli("run", *tiny_args, "--quiet")
