@@ -656,6 +656,10 @@ def diff(run_a, run_b, store_path, golden_dir, prompt_ids, output_format, as_jso
     plot_output(plot_path)
     result = diff_refs(run_a, run_b, store_path or default_store_path(), golden_dir, tuple(prompt_ids), decoder_for)
     emit(diff_report.render(result, chosen_format(output_format, as_json)))
+    if not result.prompts:  # the report shows how the runs differ; no prompt's outputs could be compared
+        raise Exit(EXIT_UNUSABLE, f"evalrun: error: no prompt of {result.a} and {result.b} is comparable (in one run "
+                                  f"only, or other input tokens: {', '.join(result.not_comparable)}); diff runs of one "
+                                  "prompt set, or pass --prompt with an id both ran alike")
     if plot_path:
         diff_report.plot(result, plot_path)
 

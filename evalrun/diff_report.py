@@ -130,12 +130,17 @@ def markdown(diff: RunDiff) -> str:
         lines.append("")
     if diff.note:
         lines += [f"> {_md(diff.note)}", ""]
-    if diff.prompts:
-        lines += ["| " + " | ".join(PROMPT_HEADERS) + " |", "|" + "---|" * len(PROMPT_HEADERS)]
+    if diff.not_comparable:  # as the text says it: a comment that compared nothing must say so
+        lines += [f"**not comparable** (in one run only, or different input tokens): "
+                  f"{_md(', '.join(diff.not_comparable))}", ""]
+    if diff.prompts:  # headers escaped too: "max |delta|" split its cell and GitHub rendered no table
+        lines += ["| " + " | ".join(_md(h) for h in PROMPT_HEADERS) + " |", "|" + "---|" * len(PROMPT_HEADERS)]
         lines += ["| " + " | ".join(_md(c) for c in row) + " |" for row in _prompt_rows(diff)]
     for prompt in diff.prompts:
         if not prompt.tokens_identical and prompt.top_a:
             lines += ["", *markdown_code(_divergence_lines(diff, prompt))]
+        if prompt.logits:
+            lines += ["", *[f"- {_md(line)}" for line in _logits_lines(prompt)]]
         for line in _routing_lines(diff, prompt):
             lines += ["", f"- {_md(line)}"]
     return "\n".join(lines) + "\n"

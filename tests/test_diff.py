@@ -3,6 +3,8 @@ import json
 import numpy as np
 import pytest
 
+from conftest import one_line_exit_2
+
 from evalrun.compare import sketch_series, ulp_distance
 
 
@@ -58,6 +60,35 @@ def test_diff_against_a_golden_and_across_prompt_sets(cli, tiny_args, write_prom
     assert code == 0 and "prompt sets differ" in data["note"]
     assert [p["prompt_id"] for p in data["prompts"]] == ["capital"] and data["prompts"][0]["tokens_identical"]
     assert set(data["not_comparable"]) == {"chat-hello", "zh-short", "other"}
+
+
+def test_markdown_renders_its_tables_and_says_what_it_did_not_compare(cli, tiny_args, write_prompts):
+    """The per-prompt header held an unescaped "max |delta|": 11 header cells against 9, so GitHub rendered no table;
+    the comment also left out the not-comparable prompts and the full-logits figures the text prints."""
+    from markdown_it import MarkdownIt
+
+    a = _run(cli, tiny_args, "--keep-logits", "all")
+    path = write_prompts([{"id": "capital", "prompt": "The capital of France is"}, {"id": "other", "prompt": "x"}])
+    b = _run(cli, [x if x != "smoke" else str(path) for x in tiny_args], "--keep-logits", "all", "--batch-size", "2")
+    code, out, err = cli("diff", a, b, "--store", tiny_args[-1], "--format", "markdown")
+    assert code == 0, err
+    html = MarkdownIt("commonmark").enable("table").render(out)
+    assert html.count("<table>") == 2 and html.count("<th>") == 4 + 9, html  # the key table and the prompts' table
+    assert "not comparable" in out and "chat\\-hello" in out and "other" in out  # escaped: `report.markdown_cell`
+    assert "capital: full logits over" in out
+
+
+def test_a_diff_that_compares_no_prompt_exits_2_after_its_report(cli, tiny_args, write_prompts):
+    """Two runs of prompt sets with no prompt in common exited 0 with an empty comparison (JSON `prompts: []`)."""
+    a = _run(cli, tiny_args)
+    path = write_prompts([{"id": "other", "prompt": "x"}])
+    b = _run(cli, [x if x != "smoke" else str(path) for x in tiny_args])
+    for output in ("text", "json", "markdown"):
+        code, out, err = cli("diff", a, b, "--store", tiny_args[-1], "--format", output)
+        one_line_exit_2((code, out, err), "is comparable", "capital, chat-hello, zh-short, other", "--prompt")
+        assert "prompt sets differ" in out  # the report still says how the runs differ
+        if output == "json":
+            assert json.loads(out)["prompts"] == [] and "error" not in json.loads(out)
 
 
 def test_plot(cli, tiny_args, tmp_path):
