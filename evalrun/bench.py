@@ -51,6 +51,11 @@ class BenchRequest:
                 options += [flag, str(value)]
         return options
 
+    def on_gpu(self) -> bool:
+        import torch
+
+        return (self.device or "auto") != "cpu" and torch.cuda.is_available()
+
     def matrix(self, on_gpu: bool) -> list[tuple[str, list[str]]]:
         """The configurations to measure: the named ones, else (no --matrix) the device's default matrix."""
         if self.matrix_names is None:
@@ -129,9 +134,8 @@ def run_bench(request: BenchRequest, on_start: Callable[[str], None]) -> list[di
     """The whole bench: each configuration and baseline in a fresh process, then the table's rows."""
     import torch
 
-    on_gpu = (request.device or "auto") != "cpu" and torch.cuda.is_available()
-    rows = run_matrix(request.common_options(), request.matrix(on_gpu), request.baselines, on_start, request.timeout,
-                      baseline_options=request.common_options(baseline=True))
+    rows = run_matrix(request.common_options(), request.matrix(request.on_gpu()), request.baselines, on_start,
+                      request.timeout, baseline_options=request.common_options(baseline=True))
     return table_rows(rows)
 
 

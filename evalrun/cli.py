@@ -25,7 +25,7 @@ import click
 
 from . import report
 from .config import build_config, parse_opt_level
-from .errors import EXIT_CHANGED, EXIT_INTERNAL, EXIT_UNUSABLE, EvalrunError, OutputError, Terminated
+from .errors import EXIT_CHANGED, EXIT_INTERNAL, EXIT_UNUSABLE, ConfigError, EvalrunError, OutputError, Terminated
 from .store import Store, check_store_path, default_store_path
 
 RUN_FLAG_NAMES = ("model", "prompts", "engine", "served_model", "tensor_parallel", "opt_level", "compilation_mode", "cudagraph_mode", "dtype", "device",
@@ -742,6 +742,7 @@ def bench(model, prompts, dtype, device, max_new_tokens, batch_size, matrix_name
     baseline = bench_compare.load_baseline(baseline_path) if baseline_path else None
     request = BenchRequest(model, prompts, dtype, device, max_new_tokens, batch_size, matrix_names,
                            () if no_baselines else BASELINES, config_timeout)
+    _check_bench_inputs(request)
     rows = run_bench(request, lambda name: click.echo(f"bench: {name}", err=True))
     changes = bench_compare.compare(rows, baseline, rules) if baseline is not None else None
     if chosen_format(output_format, as_json) == "json":
@@ -753,8 +754,10 @@ def bench(model, prompts, dtype, device, max_new_tokens, batch_size, matrix_name
             emit(f"\nagainst {baseline_path}:\n" + report.table(*bench_compare.table(changes)))
     failed = [row["config"] for row in rows if row.get("error")]
     if failed:
+        first = next(row for row in rows if row.get("error"))
         raise Exit(EXIT_UNUSABLE, f"evalrun: error: {len(failed)} of {len(rows)} bench configurations failed "
-                                  f"({', '.join(failed)}); their rows say why")
+                                  f"({', '.join(failed)}); their rows say why, the first: "
+                                  f"{first['error'].removeprefix('evalrun: error: ')}")
     if changes is not None and bench_compare.compared_nothing(changes, rules):
         measured = ", ".join(row["config"] for row in rows)[:200]
         raise Exit(EXIT_UNUSABLE, f"evalrun: error: --fail-on compared nothing: {baseline_path} has no figure of "
@@ -764,6 +767,24 @@ def bench(model, prompts, dtype, device, max_new_tokens, batch_size, matrix_name
     if worse:
         raise Exit(EXIT_CHANGED, "evalrun: bench: " + "; ".join(
             f"{c.config} {c.metric} {c.change_percent:+.1f}% (allowed -{c.limit_percent:g}%)" for c in worse))
+
+
+def _check_bench_inputs(request) -> None:
+    """Each configuration's run options and the prompt file, checked here first: a bad value (a max_new_tokens out
+    of range, a duplicate prompt id) failed in every configuration's process, and the one line said only that
+    configurations failed."""
+    from .prompts import read_records, resolve_path
+
+    config = None
+    for name, options in request.matrix(request.on_gpu()):
+        try:
+            with run.make_context("run", [*request.common_options(), *options]) as context:
+                config = config_from(dict(context.params))
+        except (EvalrunError, click.exceptions.ClickException) as error:
+            text = error.format_message() if isinstance(error, click.exceptions.ClickException) else str(error)
+            raise ConfigError(f"bench config {name}: {text}") from None
+    if config is not None:
+        read_records(resolve_path(config.prompts))
 
 
 @cli.command()

@@ -110,6 +110,21 @@ def test_no_command_prints_the_help_on_stdout_and_one_line(cli, group):
     assert "Commands:" in out and "Usage: evalrun" in out
 
 
+@pytest.mark.parametrize("extra,needle", [(("--max-new-tokens", "99999"), "bench config O0: max_new_tokens=99999 is out "
+                                                                         "of range"),
+                                          (("--prompts", "DUP"), "duplicate id 'a'")])
+def test_bench_checks_its_inputs_before_any_configuration_runs(cli, write_prompts, monkeypatch, extra, needle):
+    """A bad value failed in every configuration's own process, and the one line said only that configurations
+    failed (the reason sat in the rows on stdout). Now it is refused before any process starts."""
+    from evalrun import bench
+
+    monkeypatch.setattr(bench, "run_matrix", lambda *args, **kwargs: pytest.fail("a configuration was started"))
+    duplicate = write_prompts([{"id": "a", "prompt": "x"}, {"id": "a", "prompt": "y"}])
+    extra = tuple(str(duplicate) if word == "DUP" else word for word in extra)
+    code, out, err = cli("bench", "--model", "random:tiny", "--matrix", "O0,none", "--no-baselines", *extra)
+    one_line_exit_2((code, out, err), needle)
+
+
 def test_a_command_that_printed_its_json_adds_no_error_object(cli, tiny_args):
     """store check on a damaged store prints its report (JSON) and exits 2: stdout stays one JSON document."""
     cli("run", *tiny_args, "--quiet")
