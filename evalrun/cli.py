@@ -201,8 +201,8 @@ def writable_output(path: Path | None, what: str, *taken: Path | None) -> None:
         raise OutputError(f"{what} {path}: cannot write there (is its folder there and writable?); pass another path")
     if any(other is not None and os.path.abspath(other) == os.path.abspath(path) for other in taken) \
             or _is_sqlite_file(path):
-        raise OutputError(f"{what} {path} is a store or a golden (SQLite); writing there would destroy it: "
-                          f"pass another path")
+        raise OutputError(f"{what} {path} is one of the command's inputs (its store, golden, prompts or config) or "
+                          f"a SQLite file; writing there would destroy it: pass another path")
     _try_opening_for_writing(path, what)
 
 
@@ -513,7 +513,8 @@ def golden_verify(name, directory, strict, output_format, as_json, junit_path, s
     from .sharding import ShardStored, verify_sharded
     from .verify import candidate_config
 
-    writable_output(junit_path, "--junit", store_path)
+    writable_output(junit_path, "--junit", store_path,  # nor the files it reads (--prompts, --config)
+                    *(Path(kwargs[key]) for key in ("prompts", "config_source") if kwargs.get(key)))
     opened, shard = open_golden(name, directory), parsed_shard(shard_text)
     if from_shards and shard is not None:
         raise click.UsageError("--from-shards judges the stored shards; drop --shard")

@@ -67,6 +67,9 @@ Hook = Callable[[Prepared], None]  # called on every model a golden operation lo
 def golden_path(name: str, directory: str | Path = DEFAULT_DIR) -> Path:
     if not NAME_PATTERN.fullmatch(name):
         raise GoldenError(f"golden name {name!r} is not valid; use up to 100 letters, digits, '.', '_' and '-'")
+    if name.lower().endswith(".db"):  # golden/x.db.db would be read or written
+        raise GoldenError(f"golden name {name!r} ends in .db; name the golden without it ({name[:-3]!r}: its file "
+                          "is NAME.db)")
     return Path(directory) / f"{name}.db"
 
 
@@ -390,7 +393,10 @@ def list_goldens(directory: str | Path = DEFAULT_DIR) -> list[dict[str, Any]]:
     """Every `*.db` in the folder: its summary, or the one-line problem that keeps it from opening."""
     entries = []
     folder = Path(directory)
-    if folder.exists() and not folder.is_dir():
+    if not folder.exists():  # a typo in --dir listed nothing and exited 0
+        raise GoldenError(f"golden folder {folder} does not exist; pass --dir with the folder of goldens, or create "
+                          "one with `evalrun golden create NAME`")
+    if not folder.is_dir():
         raise GoldenError(f"{folder} is not a folder; pass --dir with the folder of goldens")
     for path in sorted(folder.glob("*.db")):
         try:
@@ -498,8 +504,9 @@ def create_golden(name: str, config: RunConfig, directory: str | Path = DEFAULT_
         raise ConfigError("golden create is not split across torchrun ranks; run it in one process, or with "
                           "--tensor-parallel N under torchrun")
     path = golden_path(name, directory)
-    if path.exists() and not force:
-        raise GoldenError(f"golden {path} exists; pass --force to overwrite it")
+    if os.path.lexists(path) and not force:  # a link to nothing too: it was found only after every run
+        what = "" if path.exists() else f" (a link to {os.readlink(path)}, which does not exist)"
+        raise GoldenError(f"golden {path} exists{what}; pass --force to overwrite it")
     check_writable_folder(directory)
     request = pinned_request(config, torch.cuda.is_available() if cuda_available is None else cuda_available)
     created = (make or make_runs)(request, progress, hook)

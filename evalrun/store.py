@@ -23,6 +23,7 @@ import json
 import os
 import socket
 import sqlite3
+import tempfile
 import uuid
 import zlib
 from dataclasses import dataclass, field
@@ -267,7 +268,15 @@ def unwritable_folder(folder: str | Path) -> Path | None:
     probe = Path(folder)
     while not probe.exists() and probe != probe.parent:
         probe = probe.parent
-    return None if probe.is_dir() and os.access(probe, os.W_OK | os.X_OK) else probe
+    if not (probe.is_dir() and os.access(probe, os.W_OK | os.X_OK)):
+        return probe
+    try:  # permissions do not tell for root, or a file system that takes no new file (/sys, /proc, read-only)
+        handle, made = tempfile.mkstemp(prefix=".evalrun-probe-", dir=probe)
+    except OSError:
+        return probe
+    os.close(handle)
+    os.unlink(made)
+    return None
 
 
 def check_store_path(path: str | Path) -> None:
@@ -338,6 +347,9 @@ class Store:
                 if version > SCHEMA_VERSION:
                     raise self._newer_schema(version)
                 if version != SCHEMA_VERSION:
+                    foreign = _not_a_run_store(conn)  # not "migrate it with evalrun run", which refuses it
+                    if foreign:
+                        raise StoreError(f"{self.path} is {foreign}; pass --store with an evalrun store")
                     raise StoreError(f"{self.path} has schema {version}, this evalrun reads "
                                      f"{SCHEMA_VERSION}; open it once with a writing command (evalrun run) to migrate")
                 lacking = self.schema_problems()
@@ -549,6 +561,8 @@ class Store:
         problems += schema
         missing = {"meta", "runs", "results", "arrays"} if schema else set()
         version = self._checked(problems, self.schema_version, 0)
+        if isinstance(version, int) and version > SCHEMA_VERSION:  # not damaged: written by a newer evalrun
+            raise self._newer_schema(version)
         if version != SCHEMA_VERSION:
             problems.append(f"schema version {version} != {SCHEMA_VERSION}")
         statuses: dict[str, int] = {}

@@ -102,6 +102,21 @@ def test_a_reader_that_stops_reading_leaves_the_outcome_and_its_files(golden_fac
         assert "<testsuite" in (tmp_path / "j.xml").read_text()
 
 
+def test_junit_over_the_commands_own_prompt_file_is_refused(cli, golden_factory, tmp_path):
+    """--junit naming the --prompts file replaced the prompts with JUnit XML (exit 0)."""
+    import shutil
+
+    from evalrun.prompts import resolve_path
+
+    prompts = tmp_path / "p.jsonl"
+    shutil.copy(resolve_path("smoke"), prompts)
+    before = prompts.read_bytes()
+    code, out, err = cli("golden", "verify", "g", "--dir", str(golden_factory()), "--prompts", str(prompts), "--junit",
+                         str(prompts), "--quiet")
+    one_line_exit_2((code, out, err), "is one of the command's inputs")
+    assert prompts.read_bytes() == before
+
+
 @pytest.mark.parametrize("group", [(), ("golden",), ("store",)])
 def test_no_command_prints_the_help_on_stdout_and_one_line(cli, group):
     """The help page was escaped into one stderr line and cut in its middle."""

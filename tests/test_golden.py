@@ -190,6 +190,32 @@ def test_list_and_show(cli, tiny_golden):
 def test_bad_golden_name(cli, tmp_path):
     code, _, err = cli("golden", "verify", "../etc/passwd", "--dir", str(tmp_path))
     assert code == 2 and "not valid" in err
+    code, _, err = cli("golden", "show", "x.db", "--dir", str(tmp_path))  # looked for x.db.db
+    assert code == 2 and "ends in .db; name the golden without it ('x'" in err, err
+
+
+def test_golden_list_of_a_folder_that_is_not_there_is_refused(cli, tmp_path):
+    """A typo in --dir listed no golden and exited 0."""
+    code, out, err = cli("golden", "list", "--dir", str(tmp_path / "nosuch"))
+    assert code == 2 and "golden folder" in err and "does not exist" in err and len(err.splitlines()) == 1
+
+
+def test_create_refuses_a_dangling_link_and_a_folder_that_takes_no_file_before_any_run(cli, tmp_path, monkeypatch):
+    """A link to nothing under the golden's name passed the exists check, and after every run the create said the
+    name "was created meanwhile"; a folder root may write by its permissions but that takes no file (/proc, a
+    read-only mount) failed after every run too. Both are refused before a model loads."""
+    import os
+
+    from evalrun import golden as golden_module
+
+    monkeypatch.setattr(golden_module, "make_runs", lambda *args: pytest.fail("a model ran"))
+    os.symlink(tmp_path / "nowhere.db", tmp_path / "g.db")
+    code, _, err = cli("golden", "create", "g", "--dir", str(tmp_path), *GOLDEN_ARGS[:-1], "--model", "random:tiny")
+    assert code == 2 and "exists (a link to" in err and "which does not exist); pass --force" in err, err
+    if os.path.isdir("/proc/self"):
+        code, _, err = cli("golden", "create", "g", "--dir", "/proc/evalrun-goldens", *GOLDEN_ARGS[:-1], "--model",
+                           "random:tiny")
+        assert code == 2 and "cannot write goldens into /proc/evalrun-goldens: /proc is not writable" in err, err
 
 
 def test_a_format_of_another_type_is_named_as_it_is_stored():

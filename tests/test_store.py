@@ -112,6 +112,8 @@ def test_newer_schema_is_refused(store_path):
         Store(store_path)
     with pytest.raises(StoreError, match="newer than this evalrun .2.; upgrade evalrun$"):
         Store(store_path, readonly=True)  # not "open it with a writing command to migrate": that cannot help
+    with pytest.raises(StoreError, match="newer than this evalrun .2.; upgrade evalrun$"):  # not "damaged"
+        Store(store_path, readonly=True, require_schema=False).check()
 
 
 def _evalrun(*args):
@@ -419,6 +421,8 @@ def test_a_sqlite_file_of_another_program_is_refused_unchanged(tmp_path):
     with pytest.raises(StoreError, match="another program") as refused:
         Store(other)
     assert "\n" not in str(refused.value).replace("\\n", "")
+    with pytest.raises(StoreError, match="another program.*pass --store with an evalrun store$"):
+        Store(other, readonly=True)  # read (store ls): not "migrate it with evalrun run", which refuses it
     assert other.read_bytes() == before
 
 
