@@ -55,16 +55,33 @@ def emit(text: str) -> None:
         if error.errno != errno.EPIPE:
             raise
         try:  # what is left to print goes nowhere, as the reader chose (and nothing fails flushing it at exit)
-            os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+            sink = os.open(os.devnull, os.O_WRONLY)
+            os.dup2(sink, sys.stdout.fileno())
+            os.close(sink)
         except (OSError, ValueError, AttributeError):  # a stdout with no file descriptor
             sys.stdout = open(os.devnull, "w")  # noqa: SIM115
 
 
+def _leader_or_unknown() -> bool:
+    """Whether this process prints (rank 0 under torchrun), True where that cannot be told."""
+    try:
+        return leader()
+    except Exception:  # noqa: BLE001 - the error being reported may be the process group's own
+        return True
+
+
 def json_requested(argv: list[str]) -> bool:
-    """Whether the command line asks for JSON output (`--json`, `--format json`, `--format=json`), read from the
-    words themselves: an error can come before click has parsed them."""
-    return any(word == "--json" or word == "--format=json" or (word == "--format" and following == "json")
-               for word, following in zip(argv, [*argv[1:], None]))
+    """Whether the command line asks for JSON output, read from the words themselves (an error can come before click
+    has parsed them) as click reads them: `--json` wins (`chosen_format`), else the last `--format`."""
+    chosen = "text"
+    for word, following in zip(argv, [*argv[1:], None]):
+        if word == "--json":
+            return True
+        if word.startswith("--format="):
+            chosen = word.removeprefix("--format=")
+        elif word == "--format" and following is not None:
+            chosen = following
+    return chosen == "json"
 
 
 def run_options(command: Callable) -> Callable:
@@ -975,13 +992,15 @@ def main(argv: list[str] | None = None) -> None:
     _said.clear()
     previous = _stop_on_sigterm()
     try:  # click's own main would turn a closed pipe into exit 1 and Ctrl-C or SIGTERM into a bare Abort
+        if argv is None:  # a shell asking for completions (_EVALRUN_COMPLETE=bash_source evalrun) is answered, as
+            cli._main_shell_completion({}, "evalrun", None)  # click's main does first (it exits there)
         with cli.make_context("evalrun", list(words)) as context:
             cli.invoke(context)
     except click.exceptions.Exit as done:  # --help
         code = done.exit_code
     except (Exception, KeyboardInterrupt) as error:  # noqa: BLE001 - the one place errors become exit codes
         code = exit_code_of(error)
-        if not isinstance(error, Exit) and not _output_printed and json_requested(words):
+        if not isinstance(error, Exit) and not _output_printed and json_requested(words) and _leader_or_unknown():
             with contextlib.suppress(OSError):  # a closed stdout: the stderr line stands alone
                 emit(report.to_json({"error": _said[-1] if _said else type(error).__name__, "exit_code": code}))
     finally:

@@ -291,10 +291,13 @@ def role_problem(role: str, results: list[PromptResult], results_of: Callable[[s
 
 def created_problem(created: CreatedRuns) -> str:
     """Why the runs just made cannot be a golden ('' when they can): a golden verify would refuse as damaged
-    (NaN in what the checks measure: a model whose logits are not finite) must never be written over a good one."""
+    (NaN in what the checks measure: a model whose logits are not finite) must never be written over a good one.
+    Only the roles verify reads are checked: a server golden's (server_golden) are its server run and the oracle;
+    its other roles hold the server run too, which computes in the server's dtype, no float32 function run."""
     results_of = lambda role: created.runs[role].results  # noqa: E731
-    for role, run in created.runs.items():
-        problem = role_problem(role, run.results, results_of, created.meta.get("routing") == ROUTING_FOLLOWED)
+    read = ("pinned", "oracle") if "server" in created.meta else tuple(created.runs)
+    for role in read:
+        problem = role_problem(role, results_of(role), results_of, created.meta.get("routing") == ROUTING_FOLLOWED)
         if problem:
             return f"its {role} run {problem}"
     return ""
@@ -514,8 +517,9 @@ def create_golden(name: str, config: RunConfig, directory: str | Path = DEFAULT_
         return None
     problem = created_problem(created)
     if problem:
-        raise GoldenError(f"golden {path} not written: {problem}, which no verify could use; check that the model's "
-                          "logits are finite under this config (--dtype float32, another model)")
+        fix = ("check that the model's logits are finite under this config (--dtype float32, another model)"
+               if "NaN" in problem else "check the model and the config, and report it if they are sound")
+        raise GoldenError(f"golden {path} not written: {problem}, which no verify could use; {fix}")
     write_golden(path, created, request, replace=force)
     return open_golden(name, directory)
 

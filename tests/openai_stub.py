@@ -33,8 +33,8 @@ from evalrun.models import load_model
 
 class StubServer:
     def __init__(self, model_ref: str = "random:tiny", behaviour: str = "ok", served: str = "stub-model",
-                 delay: float = 3.0) -> None:
-        self.loaded = load_model(model_ref, "cpu", "float32")
+                 delay: float = 3.0, dtype: str = "float32") -> None:
+        self.loaded = load_model(model_ref, "cpu", dtype)  # bfloat16: a server that computes as most do
         self.behaviour, self.served, self.delay = behaviour, served, delay
         self.calls = 0
         self.lock = threading.Lock()

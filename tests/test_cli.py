@@ -140,6 +140,26 @@ def test_bench_checks_its_inputs_before_any_configuration_runs(cli, write_prompt
     one_line_exit_2((code, out, err), needle)
 
 
+def test_json_is_requested_as_click_reads_the_words():
+    from evalrun.cli import json_requested
+
+    assert json_requested(["run", "--json"]) and json_requested(["run", "--format=json"])
+    assert json_requested(["run", "--json", "--format", "text"])  # --json wins, as in chosen_format
+    assert not json_requested(["run", "--format", "json", "--format", "text"])  # the last --format
+    assert not json_requested(["run", "--format"]) and not json_requested(["run"])
+
+
+def test_shell_completion_is_answered_as_clicks_own_entry_point_did():
+    """The entry point invokes click's context itself (for the exit codes above): a shell asking for completions
+    got the help page and exit 2."""
+    import subprocess
+    import sys
+
+    done = subprocess.run([sys.executable, "-m", "evalrun"], capture_output=True, text=True, timeout=120,
+                          env={**os.environ, "_EVALRUN_COMPLETE": "bash_source"})
+    assert done.returncode == 0 and "_EVALRUN_COMPLETE" in done.stdout and "complete " in done.stdout, done
+
+
 def test_a_command_that_printed_its_json_adds_no_error_object(cli, tiny_args):
     """store check on a damaged store prints its report (JSON) and exits 2: stdout stays one JSON document."""
     cli("run", *tiny_args, "--quiet")

@@ -41,6 +41,22 @@ def server_golden(stub, tmp_path_factory) -> Path:
     return directory
 
 
+def test_a_golden_of_a_bfloat16_server_is_made_and_verifies(cli, tmp_path):
+    """Create refuses what verify would refuse; a server golden's other roles hold the server run, which verify
+    never reads as a float32 function run: create refused every server that computes in bfloat16 ("no float32 run
+    of that model"), the README's llama.cpp Q4_1 server too."""
+    server = StubServer(dtype="bfloat16")
+    try:
+        config = build_config(flags={"model": "random:tiny", "prompts": "smoke", "max_new_tokens": 5,
+                                     "engine": f"openai:{server.url}"})
+        create_server_golden("bf16", config, tmp_path, cuda_available=False)
+        code, out, err = cli("golden", "verify", "bf16", "--dir", str(tmp_path), "-q", "--engine",
+                             f"openai:{server.url}", *LOCAL, "--json")
+        assert code == 0 and json.loads(out)["verdict"] == "identical", out + err
+    finally:
+        server.close()
+
+
 @pytest.fixture
 def behaving(stub):
     """The module's stub, reset to `ok` after the test whatever it set."""
