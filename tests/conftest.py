@@ -230,6 +230,10 @@ def verify(cli):
 
     def run(directory: Path, *options: str, name: str = "g") -> tuple[int, dict | None, str]:
         code, out, err = cli("golden", "verify", name, "--dir", str(directory), "--quiet", "--format", "json", *options)
-        return code, (json.loads(out) if out.strip().startswith("{") else None), err
+        printed = json.loads(out) if out.strip().startswith("{") else None
+        if printed is not None and "verdict" not in printed:  # an error before any verdict: its JSON object
+            assert printed == {"error": err.strip(), "exit_code": code}, (printed, err)
+            printed = None
+        return code, printed, err
 
     return run

@@ -288,7 +288,8 @@ def test_damaged_shards_are_refused_not_judged(cli, tmp_path, golden_dir, damage
         conn.execute(damage)
     conn.close()
     code, out, err = cli(*verify, "--store", str(tmp_path / "all.db"), "--from-shards")
-    assert code == 2 and not out and len(err.strip().splitlines()) == 1, (out, err)
+    assert code == 2 and len(err.strip().splitlines()) == 1, (out, err)
+    assert json.loads(out) == {"error": err.strip(), "exit_code": 2}  # no verdict: the error's JSON object
     assert needle in err and "is damaged" in err and "`evalrun store check`" in err, err
 
 
