@@ -42,7 +42,7 @@ from .errors import ConfigError, GoldenError, OutputError, StoreError
 from .routing import PROMPT_ARRAY, RoutingPath, has_routing, routing_path
 from .rules import EPSILON, logit_scale, step_errors
 from .runner import Prepared, Probes, Run, execute, prepare, record
-from .store import RUN_JSON_COLUMNS, PromptResult, Store, result_problem, unwritable_folder
+from .store import RUN_JSON_COLUMNS, ForeignFileError, PromptResult, Store, result_problem, unwritable_folder
 
 GOLDEN_FORMAT = 2
 DEFAULT_DIR = Path("golden")
@@ -337,6 +337,9 @@ def open_golden(name: str, directory: str | Path = DEFAULT_DIR) -> Golden:
         if stored != content_digest(store.db.conn):
             raise GoldenError(f"golden {path} was edited or damaged (content digest mismatch); {fix}")
         meta = {key: json.loads(value) for key, value in rows.items()}
+    except ForeignFileError:  # not "re-create it with --force", which would write over another program's file
+        raise GoldenError(f"{path} is a SQLite file of another program, not a golden; pass another name or --dir "
+                          "(leave that file as it is)") from None
     except RecursionError:
         raise GoldenError(f"golden {path} holds JSON nested too deeply; {fix}") from None
     except (sqlite3.Error, StoreError, json.JSONDecodeError, KeyError, TypeError, ValueError) as error:

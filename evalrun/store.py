@@ -236,6 +236,10 @@ def result_from_row(row: dict[str, Any]) -> PromptResult:
 _OPEN_FOR_WRITING: list["Store"] = []  # held until closed: a dropped Store's connection stays open until collected
 
 
+class ForeignFileError(StoreError):
+    """An existing SQLite file that is no evalrun store (another program's): read, it is named so."""
+
+
 def _not_a_run_store(conn: sqlite3.Connection) -> str | None:
     """What an existing SQLite file is, if it is not a run store evalrun may write: a golden (its `golden`
     table) or another program's file (tables, but not evalrun's `meta`). None for a run store or a new file."""
@@ -349,7 +353,7 @@ class Store:
                 if version != SCHEMA_VERSION:
                     foreign = _not_a_run_store(conn)  # not "migrate it with evalrun run", which refuses it
                     if foreign:
-                        raise StoreError(f"{self.path} is {foreign}; pass --store with an evalrun store")
+                        raise ForeignFileError(f"{self.path} is {foreign}; pass --store with an evalrun store")
                     raise StoreError(f"{self.path} has schema {version}, this evalrun reads "
                                      f"{SCHEMA_VERSION}; open it once with a writing command (evalrun run) to migrate")
                 lacking = self.schema_problems()

@@ -194,6 +194,18 @@ def test_bad_golden_name(cli, tmp_path):
     assert code == 2 and "ends in .db; name the golden without it ('x'" in err, err
 
 
+def test_another_programs_sqlite_file_is_named_so_and_never_offered_to_force(cli, tmp_path):
+    """Its one line advised `golden create other --force`, which would write over another program's database."""
+    with sqlite3.connect(tmp_path / "other.db") as conn:
+        conn.execute("CREATE TABLE foo (x)")
+    conn.close()
+    before = (tmp_path / "other.db").read_bytes()
+    for command in ("show", "verify"):
+        code, _, err = cli("golden", command, "other", "--dir", str(tmp_path))
+        assert code == 2 and "a SQLite file of another program, not a golden" in err and "--force" not in err, err
+    assert (tmp_path / "other.db").read_bytes() == before
+
+
 def test_golden_list_of_a_folder_that_is_not_there_is_refused(cli, tmp_path):
     """A typo in --dir listed no golden and exited 0."""
     code, out, err = cli("golden", "list", "--dir", str(tmp_path / "nosuch"))
