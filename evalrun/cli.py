@@ -737,9 +737,10 @@ def invariance(store_path, batch_sizes, positions, repeats, output_format, as_js
 @click.option("--fail-on", "fail_on", multiple=True, metavar="METRIC:PCT",
               help="With --compare: exit 1 when METRIC is worse than the baseline by more than PCT percent, e.g. "
                    "tokens_per_s:5% (repeatable).")
+@quiet_option
 @output_options("text", "json")
 def bench(model, prompts, dtype, device, max_new_tokens, batch_size, matrix_names, no_baselines, config_timeout,
-          baseline_path, fail_on, output_format, as_json) -> None:
+          baseline_path, fail_on, quiet, output_format, as_json) -> None:
     """Measure a matrix of configurations side by side, each in a fresh process, with transformers baselines.
 
     With --compare and --fail-on, a performance regression exits 1, like a changed verdict.
@@ -761,7 +762,7 @@ def bench(model, prompts, dtype, device, max_new_tokens, batch_size, matrix_name
     request = BenchRequest(model, prompts, dtype, device, max_new_tokens, batch_size, matrix_names,
                            () if no_baselines else BASELINES, config_timeout)
     _check_bench_inputs(request)
-    rows = run_bench(request, lambda name: click.echo(f"bench: {name}", err=True))
+    rows = run_bench(request, (lambda name: None) if quiet else (lambda name: click.echo(f"bench: {name}", err=True)))
     changes = bench_compare.compare(rows, baseline, rules) if baseline is not None else None
     if chosen_format(output_format, as_json) == "json":
         emit(report.to_json(rows if changes is None else {"rows": rows,

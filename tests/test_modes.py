@@ -160,10 +160,12 @@ def test_bench_measures_side_by_side_with_baselines(cli, write_prompts):
 
 
 def test_bench_config_timeout_stops_one_configuration_and_says_so(cli):
+    """With --quiet (no "bench: NAME" progress lines), stderr is the one line, naming why the row failed."""
     code, out, err = cli("bench", "--model", "random:tiny", "--prompts", "smoke", "--matrix", "stock",
-                         "--no-baselines", "--config-timeout", "1", "--json")
+                         "--no-baselines", "--config-timeout", "1", "--json", "--quiet")
     rows = json.loads(out)
     assert code == 2 and "1 of 1 bench configurations failed (stock)" in err
+    assert len(err.splitlines()) == 1 and "the first: timed out after 1 s" in err, err
     assert rows[0]["config"] == "stock" and rows[0]["error"].startswith("timed out after 1 s")
 
 
