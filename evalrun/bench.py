@@ -132,8 +132,6 @@ def knob_options(name: str) -> list[str]:
 
 def run_bench(request: BenchRequest, on_start: Callable[[str], None]) -> list[dict[str, Any]]:
     """The whole bench: each configuration and baseline in a fresh process, then the table's rows."""
-    import torch
-
     rows = run_matrix(request.common_options(), request.matrix(request.on_gpu()), request.baselines, on_start,
                       request.timeout, baseline_options=request.common_options(baseline=True))
     return table_rows(rows)

@@ -401,7 +401,7 @@ def store_show(run_id, store_path, output_format, as_json) -> None:
     results = db.load_results(record.id, names=("tokens", "margins"))
     json_out = chosen_format(output_format, as_json) == "json"
     emit(report.to_json(report.run_record_json(record, results)) if json_out
-               else report.run_record_text(record, results))
+         else report.run_record_text(record, results))
 
 
 @store.command("check")
@@ -441,7 +441,7 @@ def store_merge(out_path, sources, output_format, as_json) -> None:
         emit(report.to_json(outcome))
     else:
         emit("\n".join(f"{entry['store']}: {entry['copied']} runs copied, {entry['already_there']} already there"
-                             for entry in outcome["sources"]))
+                       for entry in outcome["sources"]))
         emit(report.store_check_text(outcome["check"]))
     if not outcome["check"]["ok"]:
         raise Exit(EXIT_UNUSABLE, _damaged_store_line(outcome["check"]))
@@ -555,10 +555,10 @@ def golden_verify(name, directory, strict, output_format, as_json, junit_path, s
     if isinstance(outcome, ShardStored):
         stored = f"{outcome.prompts} prompts run, stored in {outcome.store}"
         emit(report.to_json(outcome.as_dict()) if chosen == "json" else
-                   f"### evalrun golden {report.markdown_cell(name)} shard {outcome.shard}: "
-                   f"{report.markdown_cell(stored)}\n\nnext: {report.markdown_cell(outcome.next_steps)}"
-                   if chosen == "markdown" else
-                   f"golden {name} shard {outcome.shard}: {stored}\nnext: {outcome.next_steps}")
+             f"### evalrun golden {report.markdown_cell(name)} shard {outcome.shard}: "
+             f"{report.markdown_cell(stored)}\n\nnext: {report.markdown_cell(outcome.next_steps)}"
+             if chosen == "markdown" else
+             f"golden {name} shard {outcome.shard}: {stored}\nnext: {outcome.next_steps}")
         return
     code = broadcast_int(outcome.exit_code if outcome is not None else 0)  # every rank exits as rank 0 does
     if outcome is None:
@@ -648,7 +648,7 @@ def golden_show(name, directory, output_format, as_json) -> None:
     json_out = chosen_format(output_format, as_json) == "json"
     results = opened.results("pinned")
     emit(report.to_json(report.golden_json(opened, results)) if json_out
-               else report.golden_text(opened, results))
+         else report.golden_text(opened, results))
 
 
 @cli.command()
@@ -766,17 +766,16 @@ def bench(model, prompts, dtype, device, max_new_tokens, batch_size, matrix_name
     changes = bench_compare.compare(rows, baseline, rules) if baseline is not None else None
     if chosen_format(output_format, as_json) == "json":
         emit(report.to_json(rows if changes is None else {"rows": rows,
-                                                                "comparison": bench_compare.as_dicts(changes)}))
+                                                          "comparison": bench_compare.as_dicts(changes)}))
     else:
         emit(report.bench_table(rows))
         if changes is not None:
             emit(f"\nagainst {baseline_path}:\n" + report.table(*bench_compare.table(changes)))
-    failed = [row["config"] for row in rows if row.get("error")]
+    failed = [row for row in rows if row.get("error")]
     if failed:
-        first = next(row for row in rows if row.get("error"))
         raise Exit(EXIT_UNUSABLE, f"evalrun: error: {len(failed)} of {len(rows)} bench configurations failed "
-                                  f"({', '.join(failed)}); their rows say why, the first: "
-                                  f"{first['error'].removeprefix('evalrun: error: ')}")
+                                  f"({', '.join(row['config'] for row in failed)}); their rows say why, the first: "
+                                  f"{failed[0]['error'].removeprefix('evalrun: error: ')}")
     if changes is not None and bench_compare.compared_nothing(changes, rules):
         measured = ", ".join(row["config"] for row in rows)[:200]
         raise Exit(EXIT_UNUSABLE, f"evalrun: error: --fail-on compared nothing: {baseline_path} has no figure of "
@@ -903,13 +902,14 @@ def _crash(error: BaseException) -> int:
     return EXIT_INTERNAL
 
 
-_said: list[str] = []  # the lines said on stderr: under --json an error's line is also a JSON object on stdout
+_last_said: str | None = None  # the line said on stderr: under --json an error's line is also a JSON object on stdout
 
 
 def _say(text: str) -> None:
-    _said.append(one_line(text))
+    global _last_said
+    _last_said = one_line(text)
     with contextlib.suppress(OSError):  # a closed stderr: the exit code still says it
-        click.echo(_said[-1], err=True)
+        click.echo(_last_said, err=True)
 
 
 def exit_code_of(error: BaseException) -> int:
@@ -987,10 +987,9 @@ def main(argv: list[str] | None = None) -> None:
     from .distributed import leave
     from .store import close_open_stores, open_stores
 
-    global _output_printed
-    code, already_open, _output_printed = 0, open_stores(), False
+    global _output_printed, _last_said
+    code, already_open, _output_printed, _last_said = 0, open_stores(), False, None
     words = list(sys.argv[1:] if argv is None else argv)
-    _said.clear()
     previous = _stop_on_sigterm()
     try:  # click's own main would turn a closed pipe into exit 1 and Ctrl-C or SIGTERM into a bare Abort
         if argv is None:  # a shell asking for completions (_EVALRUN_COMPLETE=bash_source evalrun) is answered, as
@@ -1003,7 +1002,7 @@ def main(argv: list[str] | None = None) -> None:
         code = exit_code_of(error)
         if not isinstance(error, Exit) and not _output_printed and json_requested(words) and _leader_or_unknown():
             with contextlib.suppress(OSError):  # a closed stdout: the stderr line stands alone
-                emit(report.to_json({"error": _said[-1] if _said else type(error).__name__, "exit_code": code}))
+                emit(report.to_json({"error": _last_said or type(error).__name__, "exit_code": code}))
     finally:
         if previous is not None:
             signal.signal(signal.SIGTERM, previous)
