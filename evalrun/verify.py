@@ -397,6 +397,12 @@ def verify_golden(golden: Golden, config: RunConfig, strict: bool = False,
     return judge_runs(context, compute_runs(context), function_check)
 
 
+def roles_read(golden: Golden) -> tuple[str, ...]:
+    """Every role a verification of `golden` may read: all of an evalrun golden's; a server golden's other roles
+    hold its server run (server_golden), read by what compares against it."""
+    return ("oracle",) if "server" in golden.meta else ("oracle", *ENVELOPE_ROLES, "function")
+
+
 def begin(golden: Golden, config: RunConfig, strict: bool = False, progress: Callable[[str, int], Any] | None = None,
           hook: Hook | None = None, function_check: str = "auto", observe: Callable[[str, Run], None] | None = None,
           reuse: Prepared | None = None) -> "Context | Verdict":
@@ -404,6 +410,9 @@ def begin(golden: Golden, config: RunConfig, strict: bool = False, progress: Cal
     if function_check not in FUNCTION_CHECK_MODES:
         raise ValueError(f"function_check must be one of {FUNCTION_CHECK_MODES}")
     started = time.perf_counter()
+    golden_results = golden.results("pinned")
+    for role in roles_read(golden):  # damage is found now, before the model loads, whatever the candidate
+        golden.results(role)
     candidate = prepare(config, reuse)
     if hook:
         hook(candidate)
@@ -413,7 +422,6 @@ def begin(golden: Golden, config: RunConfig, strict: bool = False, progress: Cal
     env_diff = dict_diff(golden_env, candidate_env)
     causes = [f"config: {k} {a} -> {b}" for k, a, b in config_diff]
     causes += environment_causes(env_diff, golden_env, candidate_env)
-    golden_results = golden.results("pinned")
     gated = _gate(golden, candidate, golden_results)
     # other text with every field that turns ids into text the golden's is no gate (_gate decoded the rest)
     other_text = decoding_difference(golden_results, candidate.loaded.tokenizer) \
