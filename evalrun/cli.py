@@ -72,16 +72,33 @@ def _leader_or_unknown() -> bool:
 
 def json_requested(argv: list[str]) -> bool:
     """Whether the command line asks for JSON output, read from the words themselves (an error can come before click
-    has parsed them) as click reads them: `--json` wins (`chosen_format`), else the last `--format`."""
-    chosen = "text"
-    for word, following in zip(argv, [*argv[1:], None]):
+    has parsed them) as click reads them: `--json` wins (`chosen_format`), else the last `--format`; the word after an
+    option that takes a value is that value (`--label --json` names a label), and none after `--` is an option."""
+    chosen, words = "text", iter(argv)
+    for word in words:
+        if word == "--":
+            break
         if word == "--json":
             return True
         if word.startswith("--format="):
             chosen = word.removeprefix("--format=")
-        elif word == "--format" and following is not None:
-            chosen = following
+        elif word == "--format":
+            chosen = next(words, chosen)
+        elif word in options_taking_a_value():
+            next(words, None)
     return chosen == "json"
+
+
+def options_taking_a_value() -> frozenset[str]:
+    """Every option word of evalrun's commands whose next word is its value."""
+    words: set[str] = set()
+    commands: list[click.Command] = [cli]
+    while commands:
+        command = commands.pop()
+        commands.extend(getattr(command, "commands", {}).values())
+        words.update(word for param in command.params if isinstance(param, click.Option)
+                     and not param.is_flag and not param.count for word in param.opts)
+    return frozenset(words)
 
 
 def run_options(command: Callable) -> Callable:

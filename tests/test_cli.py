@@ -147,6 +147,10 @@ def test_json_is_requested_as_click_reads_the_words():
     assert json_requested(["run", "--json", "--format", "text"])  # --json wins, as in chosen_format
     assert not json_requested(["run", "--format", "json", "--format", "text"])  # the last --format
     assert not json_requested(["run", "--format"]) and not json_requested(["run"])
+    assert not json_requested(["run", "--label", "--json"]) and not json_requested(["bench", "--matrix", "--json"])
+    assert json_requested(["run", "--label", "--json", "--json"]) and json_requested(["run", "-O", "2", "--json"])
+    assert not json_requested(["run", "--prompts", "--format", "--format", "text"])
+    assert not json_requested(["run", "--", "--json"])
 
 
 def test_shell_completion_is_answered_as_clicks_own_entry_point_did():
