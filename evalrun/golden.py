@@ -68,8 +68,12 @@ def golden_path(name: str, directory: str | Path = DEFAULT_DIR) -> Path:
     if not NAME_PATTERN.fullmatch(name):
         raise GoldenError(f"golden name {name!r} is not valid; use up to 100 letters, digits, '.', '_' and '-'")
     if name.lower().endswith(".db"):  # golden/x.db.db would be read or written
-        raise GoldenError(f"golden name {name!r} ends in .db; name the golden without it ({name[:-3]!r}: its file "
-                          "is NAME.db)")
+        older = Path(directory) / f"{name}.db"  # where an evalrun before stop 49 wrote it
+        renamed = Path(directory) / name
+        fix = (f"an older evalrun wrote it as {older}: rename that file to {renamed} and name the golden {name[:-3]!r}"
+               if older.is_file() and not renamed.exists() else
+               f"name the golden without it ({name[:-3]!r}: its file is NAME.db)")
+        raise GoldenError(f"golden name {name!r} ends in .db; {fix}")
     return Path(directory) / f"{name}.db"
 
 

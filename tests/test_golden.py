@@ -194,6 +194,17 @@ def test_bad_golden_name(cli, tmp_path):
     assert code == 2 and "ends in .db; name the golden without it ('x'" in err, err
 
 
+def test_a_golden_an_older_evalrun_wrote_as_name_db_db_is_named_with_its_rename(cli, tiny_golden, tmp_path):
+    """`golden create x.db` once wrote golden/x.db.db; the name is refused now, and the line says how to keep it."""
+    shutil.copy(tiny_golden / "g.db", tmp_path / "x.db.db")
+    code, _, err = cli("golden", "verify", "x.db", "--dir", str(tmp_path), "--quiet")
+    assert code == 2 and len(err.strip().splitlines()) == 1, err
+    assert f"an older evalrun wrote it as {tmp_path / 'x.db.db'}: rename that file to {tmp_path / 'x.db'}" in err
+    (tmp_path / "x.db.db").rename(tmp_path / "x.db")
+    code, out, err = cli("golden", "show", "x", "--dir", str(tmp_path), "--json")
+    assert code == 0 and json.loads(out)["name"] == "x", err
+
+
 def test_another_programs_sqlite_file_is_named_so_and_never_offered_to_force(cli, tmp_path):
     """Its one line advised `golden create other --force`, which would write over another program's database."""
     with sqlite3.connect(tmp_path / "other.db") as conn:
