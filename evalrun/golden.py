@@ -39,6 +39,7 @@ from . import __version__, distributed
 from .config import (DECODE_LEVER_DEFAULTS, INDUCTOR_DEFAULTS, CompilationMode, CUDAGraphMode, EffectiveConfig,
                      RunConfig, resolve)
 from .errors import ConfigError, GoldenError, OutputError, StoreError
+from .json_input import RepeatedKey, object_without_repeated_keys
 from .routing import PROMPT_ARRAY, RoutingPath, has_routing, routing_path
 from .rules import EPSILON, logit_scale, step_errors
 from .runner import Prepared, Probes, Run, execute, prepare, record
@@ -340,7 +341,10 @@ def open_golden(name: str, directory: str | Path = DEFAULT_DIR) -> Golden:
         stored = rows.pop("content_digest", None)
         if stored != content_digest(store.db.conn):
             raise GoldenError(f"golden {path} was edited or damaged (content digest mismatch); {fix}")
-        meta = {key: json.loads(value) for key, value in rows.items()}
+        meta = {key: json.loads(value, object_pairs_hook=object_without_repeated_keys) for key, value in rows.items()}
+    except RepeatedKey as key:
+        raise GoldenError(f"golden {path} is damaged (its golden table names the key {str(key)!r} twice in one "
+                          f"object); {fix}") from None
     except ForeignFileError:  # not "re-create it with --force", which would write over another program's file
         raise GoldenError(f"{path} is a SQLite file of another program, not a golden; pass another name or --dir "
                           "(leave that file as it is)") from None

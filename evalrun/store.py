@@ -36,6 +36,7 @@ import sqlite_utils
 
 from . import routing
 from .errors import StoreError
+from .json_input import RepeatedKey, object_without_repeated_keys
 from .hashing import array_from_bytes, array_to_bytes, hash_bytes
 
 SCHEMA_VERSION = 2
@@ -200,7 +201,10 @@ def _json_cell(row: dict[str, Any], column: str) -> Any:
     text = row[column]
     if isinstance(text, (str, bytes)) and len(text) > MAX_JSON_CELL_BYTES:
         raise ValueError(f"its {column} is {len(text):,} bytes, past the {MAX_JSON_CELL_BYTES:,} evalrun writes")
-    return json.loads(text) if text else None
+    try:
+        return json.loads(text, object_pairs_hook=object_without_repeated_keys) if text else None
+    except RepeatedKey as key:  # read as its last value here, maybe as its first by a reviewer's SQLite tool
+        raise ValueError(f"its {column} names the key {str(key)!r} twice") from None
 
 
 def run_from_row(row: dict[str, Any]) -> RunRecord:

@@ -763,6 +763,26 @@ def test_a_golden_whose_measured_values_hold_nan_is_refused_not_changed(base_gol
     assert len(result.err.strip().splitlines()) == 1
 
 
+@pytest.mark.parametrize("table, column", [("runs", "config_json"), ("results", "record_json"), ("golden", "value")])
+def test_stored_json_naming_a_key_twice_is_damaged_not_read_as_one_of_them(base_golden, tmp_path, table, column):
+    """A forged golden whose JSON names a key twice (`{"dtype": "float64", ..., "dtype": "float32"}`): Python read
+    the last, SQLite's json_extract and a reviewer's eye the first. Refused as damaged (exit 2), naming the key."""
+    path = tmp_path / "g.db"
+    shutil.copy(base_golden, path)
+    conn = sqlite3.connect(path, isolation_level=None)
+    key = {"config_json": "dtype", "record_json": "id", "value": "pinned"}[column]
+    where = "key = 'roles'" if table == "golden" else "rowid = (SELECT min(rowid) FROM " + table + ")"
+    (text,) = conn.execute(f"SELECT {column} FROM {table} WHERE {where}").fetchone()
+    assert text.startswith("{") and f'"{key}"' in text
+    conn.execute(f"UPDATE {table} SET {column} = ? WHERE {where}", ['{"' + key + '": "forged", ' + text[1:]])
+    conn.close()
+    reseal(path)
+    for args in (("golden", "verify", "g", "--quiet"), ("golden", "show", "g")):
+        result = invoke(*args, "--dir", str(tmp_path), "--json")
+        assert result.code == 2 and f"names the key {key!r} twice" in result.err, (args, result.err)
+        assert len(result.err.strip().splitlines()) == 1
+
+
 @pytest.mark.parametrize("relative", [1e-2, 5e-3])
 def test_a_golden_whose_function_run_is_no_float32_run_of_its_oracle_is_refused(tmp_path, relative):
     """The function run replaced by its oracle plus noise and resealed (a red-team pass): its error set the function
