@@ -240,6 +240,18 @@ def writable_output(path: Path | None, what: str, *taken: Path | None) -> None:
     _try_opening_for_writing(path, what)
 
 
+MAX_TIMEOUT_S = 7 * 24 * 3600.0  # subprocess's wait overflows past ~24 days (milliseconds in a C int)
+
+
+def timeout_seconds(context: click.Context, param: click.Parameter, value: float) -> float:
+    """A timeout option's seconds (a click callback): FloatRange(min=1) let through NaN (no comparison is true of
+    it), and inf or 1e10, which crashed the wait for a child process (exit 3) where a bad value is exit 2."""
+    if not (1 <= value <= MAX_TIMEOUT_S):  # false for NaN too
+        raise click.BadParameter(f"{value} is not a number of seconds from 1 to {MAX_TIMEOUT_S:.0f} (a week)",
+                                 context, param)
+    return value
+
+
 def plot_output(path: Path | None) -> None:
     """--plot checked before any run: a writable path, and matplotlib to draw with."""
     writable_output(path, "--plot")
@@ -748,7 +760,9 @@ def invariance(store_path, batch_sizes, positions, repeats, output_format, as_js
                    "the compilation modes on CPU).")
 @click.option("--no-baselines", is_flag=True, help="Skip transformers' generate baselines.")
 @click.option("--config-timeout", type=click.FloatRange(min=1), default=3600, show_default=True, metavar="SECONDS",
-              help="Stop a configuration that runs longer (its row shows the timeout); the others still run.")
+              callback=timeout_seconds,
+              help="Stop a configuration that runs longer (its row shows the timeout; at most a week); the others "
+                   "still run.")
 @click.option("--compare", "baseline_path", type=click.Path(path_type=Path), metavar="BASELINE.json",
               help="An earlier `evalrun bench --json` output: print each config's change against it.")
 @click.option("--fail-on", "fail_on", multiple=True, metavar="METRIC:PCT",
@@ -841,7 +855,8 @@ def _check_bench_inputs(request) -> None:
 @click.option("--in-process", is_flag=True, help="Run probes in this process instead of a fresh one each (faster; "
                                                  "compiled state may carry from one probe to the next).")
 @click.option("--probe-timeout", type=click.FloatRange(min=1), default=3600, show_default=True, metavar="SECONDS",
-              help="Stop a probe that runs longer (it counts as skipped).")
+              callback=timeout_seconds,
+              help="Stop a probe that runs longer (it counts as skipped; at most a week).")
 @click.option("--compare-compiler-bisector", "compare", is_flag=True,
               help="Also run torch's CompilerBisector alone on BAD (its reference: BAD under the eager backend) "
                    "and print its calls and answer beside evalrun's.")
@@ -853,7 +868,8 @@ def bisect(good_spec, bad_spec, until, golden_name, golden_dir, store_path, skip
     """Find the knob, compiler pass, layer and step that turn GOOD into BAD.
 
     Probes are ordinary stored runs (labelled bisect:SESSION probe N); a second bisect on the same store
-    reuses them. Exit 0 when a culprit is found or GOOD and BAD do not differ, 2 on bad input.
+    reuses them. Exit 0 when a culprit is found or GOOD and BAD do not differ; 2 on bad input, or when GOOD
+    or BAD cannot be run or judged (a failed, timed-out or skipped probe of either).
 
     \b
     Example:

@@ -224,6 +224,14 @@ _one_line_exit_2 = one_line_exit_2
     (["--good", "O0", "--bad", "O1", "--until", "often"], "--until 'often'"),
     (["--good", "O0", "--bad", "seed=5"], "same model, prompts and tokens"),
     (["--good", "O0", "--bad", "tf32=true", "--until", "cmd:exit 3"], "GOOD itself does not pass"),
+    # BAD that cannot run, or that the predicate skips, was "no culprit" and exit 0: nothing was bisected
+    (["--good", "O0", "--bad", "engine=openai:http://127.0.0.1:9/v1"], "BAD could not be judged (bits: skip"),
+    (["--good", "O0", "--bad", "tf32=true", "--until",
+      'cmd:grep -q "^tf32 = true" "$EVALRUN_BISECT_CONFIG" && exit 125 || exit 0'], "BAD could not be judged"),
+    # NaN passed FloatRange(min=1) and ran; out of process, NaN, inf and 1e10 crashed the wait for a probe (exit 3)
+    (["--good", "O0", "--bad", "tf32=true", "--probe-timeout", "nan"], "--probe-timeout"),
+    (["--good", "O0", "--bad", "tf32=true", "--probe-timeout", "inf"], "--probe-timeout"),
+    (["--good", "O0", "--bad", "tf32=true", "--probe-timeout", "1e10"], "--probe-timeout"),
 ])
 def test_bad_input_is_one_line_and_exit_2(cli, store_path, args, needle):
     _one_line_exit_2(cli("bisect", *args, "--in-process", "--quiet", "--model", "random:tiny", "--prompts", "smoke",

@@ -174,6 +174,13 @@ def test_bench_unknown_config(cli):
     assert code == 2 and "unknown bench config" in err
 
 
+@pytest.mark.parametrize("seconds", ["nan", "inf", "1e10"])
+def test_bench_config_timeout_past_a_week_or_nan_is_refused(cli, seconds):
+    """FloatRange(min=1) let them through; the wait for a configuration's process then crashed (exit 3)."""
+    one_line_exit_2(cli("bench", "--model", "random:tiny", "--prompts", "smoke", "--matrix", "O0", "--no-baselines",
+                        "--config-timeout", seconds), "--config-timeout", "from 1 to 604800")
+
+
 @pytest.mark.parametrize("matrix,needle", [("O0,O0", "names 'O0' twice"), ("O0, O2,O0", "names 'O0' twice"),
                                            ("O2+seed=1,O2+seed=1", "names 'O2+seed=1' twice"),
                                            ("", "names no configuration"), (" , ", "names no configuration")])
