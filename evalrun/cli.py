@@ -856,7 +856,8 @@ def _check_bench_inputs(request) -> None:
                                                  "compiled state may carry from one probe to the next).")
 @click.option("--probe-timeout", type=click.FloatRange(min=1), default=3600, show_default=True, metavar="SECONDS",
               callback=timeout_seconds,
-              help="Stop a probe that runs longer (it counts as skipped; at most a week).")
+              help="Stop a probe's process that runs longer (it counts as skipped; at most a week; not with "
+                   "--in-process).")
 @click.option("--compare-compiler-bisector", "compare", is_flag=True,
               help="Also run torch's CompilerBisector alone on BAD (its reference: BAD under the eager backend) "
                    "and print its calls and answer beside evalrun's.")
@@ -882,6 +883,13 @@ def bisect(good_spec, bad_spec, until, golden_name, golden_dir, store_path, skip
     plot_output(plot_path)
     if plot_path and "layer" in skipped:
         raise click.UsageError("--plot draws stage 3's per-layer errors; drop --skip layer or --plot")
+    if golden_name is not None and until.strip() != "verdict":  # it was never read
+        raise click.UsageError(f"--golden names the golden of --until verdict, and --until {until} reads none; "
+                               "drop --golden or pass --until verdict")
+    given = click.get_current_context().get_parameter_source("probe_timeout")
+    if in_process and given is click.core.ParameterSource.COMMANDLINE:
+        raise click.UsageError("--probe-timeout stops a probe's own process, and --in-process runs every probe in "
+                               "this one; drop one of them")
     config_source, flags, sets = run_flags(kwargs)
     request = BisectRequest(good_spec, bad_spec, until, golden_name, golden_dir, config_source, flags, sets, store_path,
                             in_process, stages=tuple(s for s in STAGES if s not in skipped),

@@ -232,6 +232,9 @@ _one_line_exit_2 = one_line_exit_2
     (["--good", "O0", "--bad", "tf32=true", "--probe-timeout", "nan"], "--probe-timeout"),
     (["--good", "O0", "--bad", "tf32=true", "--probe-timeout", "inf"], "--probe-timeout"),
     (["--good", "O0", "--bad", "tf32=true", "--probe-timeout", "1e10"], "--probe-timeout"),
+    # options that were silently not read: a golden beside --until bits, a timeout of probes run in this process
+    (["--good", "O0", "--bad", "tf32=true", "--golden", "g"], "--until bits reads none"),
+    (["--good", "O0", "--bad", "tf32=true", "--probe-timeout", "60"], "drop one of them"),
 ])
 def test_bad_input_is_one_line_and_exit_2(cli, store_path, args, needle):
     _one_line_exit_2(cli("bisect", *args, "--in-process", "--quiet", "--model", "random:tiny", "--prompts", "smoke",
