@@ -735,6 +735,9 @@ def invariance(store_path, batch_sizes, positions, repeats, output_format, as_js
     from .invariance import check_request, measure_invariance, parse_batch_sizes, parse_positions
     from .invariance_report import invariance_markdown, invariance_text
 
+    if kwargs.get("batch_size") is not None:  # the report named it as the batch size, and no run used it
+        raise click.UsageError("invariance runs each batch size of --batch-sizes and reads no --batch-size; "
+                               f"pass --batch-sizes 1,{kwargs['batch_size']} instead")
     config = config_from(kwargs)
     sizes, places = parse_batch_sizes(batch_sizes), parse_positions(positions)
     check_request(config, sizes, places, repeats)  # before the store is opened (or made)

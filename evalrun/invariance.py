@@ -119,8 +119,13 @@ def check_request(config: RunConfig, batch_sizes: list[int], positions: list[str
 
 
 def cells_for(batch_sizes: list[int], positions: list[str]) -> list[Cell]:
-    """Alone first (the reference), then every batch size > 1 at every position."""
-    return [Cell(1, "alone")] + [Cell(size, position) for size in batch_sizes if size > 1 for position in positions]
+    """Alone first (the reference), then every batch size > 1 at every position, each row once (in a batch of 2 the
+    middle row is the last: it ran twice, as two cells)."""
+    cells = [Cell(1, "alone")]
+    for size in (size for size in batch_sizes if size > 1):
+        rows = {cell.row(): cell for cell in reversed([Cell(size, position) for position in positions])}
+        cells += sorted(rows.values(), key=lambda cell: positions.index(cell.position))
+    return cells
 
 
 def placement(prompt_count: int, cell: Cell) -> Placement:

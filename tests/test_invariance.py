@@ -109,6 +109,7 @@ def test_cli_markdown_names_the_summary_and_escapes_prompt_ids(cli, tiny_args):
     (("--batch-sizes", "4096", "--repeats", "100"), "limit 20,000"),  # a time bomb, refused before any run
     (("--batch-sizes", "1", "--repeats", "1"), "compares nothing"),  # it said deterministic and invariant: yes
     (("--batch-sizes", "1" * 5000), "give sizes from 1 to 4096"),  # int() raised ValueError past 4300 digits: exit 3
+    (("--batch-sizes", "1,2", "--batch-size", "8"), "pass --batch-sizes 1,8"),  # reported as its batch size, unused
 ])
 def test_cli_bad_input_is_one_line_and_exit_2(cli, tiny_args, options, needle, tmp_path):
     store = tmp_path / "never.db"
@@ -128,3 +129,10 @@ def test_what_one_repeat_or_no_batch_cannot_show_is_not_measured_not_yes(cli, ti
     assert code == 0, err
     assert out.splitlines()[0] == ("batch-invariant: not measured (no batch size but 1); "
                                    "run-to-run deterministic: yes")
+
+
+def test_a_row_is_one_cell_however_many_positions_name_it():
+    """In a batch of 2 the middle row is the last: it ran twice and was reported as two cells."""
+    cells = cells_for([1, 2, 4], ["first", "middle", "last"])
+    assert [cell.name for cell in cells] == ["alone", "b2/first", "b2/middle", "b4/first", "b4/middle", "b4/last"]
+    assert len({(cell.batch_size, cell.row()) for cell in cells}) == len(cells)
