@@ -126,7 +126,8 @@ def prepare(config: RunConfig | EffectiveConfig, reuse: Prepared | None = None) 
     use_evalrun_cache()  # before anything reads Inductor's cache folder (the first read fixes it for the process)
     effective = config if isinstance(config, EffectiveConfig) else effective_config(config)
     if is_server_engine(effective.engine):  # a server computes those runs: server_run, not this engine
-        raise ConfigError(f"engine={effective.engine[:80]!r} is a server; its runs go through evalrun.server_run")
+        raise ConfigError(f"engine={effective.engine[:80]!r} is a server, which `evalrun run` and `golden create` or "
+                          "`verify` reach, not this command; give it --engine evalrun or transformers")
     baseline_backend_flags()  # read the environment's own flags before the config changes any
     applied = apply_numerics_flags(effective)  # before anything initialises CUDA
     distributed.join(effective.device)  # under torchrun: the process group, this rank's GPU
