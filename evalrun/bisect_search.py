@@ -173,12 +173,14 @@ def search_knobs(count: int, test: Callable[[frozenset[int]], Outcome]) -> Culpr
     group = list(range(lo, hi))
     alone = test(frozenset(group))  # when lo == 0 this is prefix hi itself (BAD when hi == count)
     if alone == "bad":
-        note = "" if len(group) == 1 else "these knobs only change together (configs between them are not valid)"
+        note = "" if len(group) == 1 else ("these knobs were judged together: the configs between them were "
+                                           "skipped (not valid here, or their runs failed; the probes say which)")
         return Culprit("knob", group, note)
     minimal = ddmin(list(range(lo)), lambda subset: test(frozenset(subset) | frozenset(group)) == "bad")
     note = "each knob alone keeps GOOD good; together they turn it bad"
     if alone == "skip":
-        note = "the last knobs alone do not form a valid config, so they were judged together with earlier ones"
+        note = ("the last knobs alone were skipped (not a valid config here, or the run failed; the probes say "
+                "which), so they were judged together with earlier ones")
     return Culprit("interaction", sorted(minimal) + group, note)
 
 
