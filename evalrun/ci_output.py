@@ -11,7 +11,7 @@ from __future__ import annotations
 import os
 from pathlib import Path
 
-ANNOTATION_LEVEL = {"changed": "error", "incomparable": "error", "drift": "warning"}
+ANNOTATION_LEVEL = {"changed": "error", "incomparable": "error", "error": "error", "drift": "warning"}
 
 
 def on_github_actions() -> bool:

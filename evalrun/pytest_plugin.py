@@ -11,6 +11,10 @@ The verdict is judged after the test body, like every evalrun verdict:
   drift      passes with an `EvalrunDriftWarning` (fails with --evalrun-strict or strict=True)
   changed    fails, with the Markdown verdict as a report section
   incomparable, an unreadable golden or bad options: an error (reported like a verdict, no traceback)
+The judgment wraps every kind of test (a unittest.TestCase's too), and a body that calls pytest.skip() or
+pytest.xfail() after the check does not hide a failing verdict (skip with a skipif marker). Two markers at
+one level (a function's, a class's, a module's pytestmark) are a usage error; a test that pytest did not
+parametrize (unittest, a marker added after collection) takes the marker's single config, or is refused.
 Marker options besides run options: `golden_dir` (default: --evalrun-golden-dir, relative to the
 rootdir), `create` (a preset, TOML file or dict of run options: how --evalrun-update makes the
 golden), `strict`, `enforce=False` (leave the judgment to the test body).
@@ -195,6 +199,23 @@ class GoldenCheck:
         return f"evalrun golden create {self.name} --dir {self.directory}{how}"
 
 
+def _closest_level_markers(item: pytest.Item) -> list[pytest.Mark]:
+    """The markers of the nearest node (function, class, module) that has any: two there are ambiguous (the
+    closest marker would check one golden and silently drop the other), while a nearer level overriding a
+    farther one is pytest's closest-marker rule. A class's markers are its own, not its bases' (a subclass's
+    marker overrides its base's)."""
+    for node in reversed(item.listchain()):
+        if node is item:
+            marks = list(getattr(item, "own_markers", []))
+        else:
+            declared = getattr(getattr(node, "obj", None), "__dict__", {}).get("pytestmark", [])
+            marks = list(declared) if isinstance(declared, (list, tuple)) else [declared]
+        marks = [getattr(mark, "mark", mark) for mark in marks if getattr(mark, "name", None) == MARKER]
+        if marks:
+            return marks
+    return []
+
+
 @dataclass
 class SessionState:
     """Per process: loaded models to reuse, goldens already re-created, what was used and seen."""
@@ -213,7 +234,7 @@ class SessionState:
                                     f"argument, e.g. @pytest.mark.{MARKER}('smollm2-cpu', opt_level=[0, 2])")
         # the closest marker is the one checked (a function's over its class's or module's, as pytest's own):
         # others on the function itself, or names past the first, were ignored silently (their goldens unchecked)
-        own = [mark for mark in getattr(item, "own_markers", []) if mark.name == MARKER]
+        own = _closest_level_markers(item)
         if len(own) > 1 or len(marker.args) > 1:
             names = [str(name) for mark in own or [marker] for name in mark.args]
             raise pytest.UsageError(f"{item.nodeid}: @pytest.mark.{MARKER} names {len(names)} goldens "
@@ -256,7 +277,7 @@ class SessionState:
     def ensure_golden(self, check: GoldenCheck) -> str | None:
         """Create or re-create the golden as the session asks; a problem message to fail with, or None."""
         update = self.config.getoption("evalrun_update")
-        made = self._made(check)
+        made = self._made(check, settled=True)
         if made == "created" and not update:  # every test of a golden created this session fails alike
             return self._created_message(check)
         if check.path.exists() and not update:
@@ -274,10 +295,16 @@ class SessionState:
     def _mark(self, check: GoldenCheck) -> Path:
         return self.marks / (hashlib.sha256(str(check.path.resolve()).encode()).hexdigest()[:32] + ".made")
 
-    def _made(self, check: GoldenCheck) -> str | None:
-        """'created' or 'updated' when this session (any worker) made the golden, else None."""
+    def _made(self, check: GoldenCheck, settled: bool = False) -> str | None:
+        """'created' or 'updated' when this session (any worker) made the golden, else None. `settled`: once no
+        worker is making one (a golden linked into place before its mark is written read as there all along, and
+        its test verified it while the creator's failed)."""
         mark = self._mark(check)
-        return mark.read_text() if mark.exists() else None
+        if not settled:
+            return mark.read_text() if mark.exists() else None
+        with open(self.marks / "update.lock", "w") as lock:
+            fcntl.flock(lock, fcntl.LOCK_SH)
+            return mark.read_text() if mark.exists() else None
 
     def _create_once(self, check: GoldenCheck) -> str:
         """Make the golden once per session, whichever worker gets here first; 'created' (it did not exist)
@@ -339,7 +366,19 @@ def _evalrun_golden_check(request: pytest.FixtureRequest, evalrun_config: dict[s
     from .errors import EvalrunError
 
     state: SessionState = request.config.stash[STATE]
-    check = state.check_for(item, evalrun_config)
+    try:
+        if "evalrun_config" not in getattr(getattr(item, "callspec", None), "params", {}):
+            # not parametrized by pytest_generate_tests (a unittest.TestCase, a marker added after collection):
+            # the marker's options still apply, never silently the golden's own config instead
+            configs = configs_of(item.get_closest_marker(MARKER))
+            if len(configs) > 1:
+                raise pytest.UsageError(f"{item.nodeid}: @pytest.mark.{MARKER} lists {len(configs)} configs, but this "
+                                        "test is not parametrized by them (a unittest.TestCase, or a marker added "
+                                        "after collection); give one value per option, or mark a test function")
+            evalrun_config.update(configs[0])
+        check = state.check_for(item, evalrun_config)
+    except pytest.UsageError as error:  # a mistake in the marker: one line, like every evalrun error, no traceback
+        pytest.fail(str(error), pytrace=False)
     state.folders.add(check.directory)
     state.used.add(check.path)
     item.stash[CHECK] = check
@@ -347,13 +386,17 @@ def _evalrun_golden_check(request: pytest.FixtureRequest, evalrun_config: dict[s
         problem = state.ensure_golden(check)
         if problem:
             item.stash[PROBLEM] = problem
+            _record_error(item, check, problem)
             return
         verdict, run_id, store = state.verify(check, item.nodeid)
     except EvalrunError as error:  # bad options, an unreadable golden: an error, reported like a verdict
         _record_error(item, check, str(error))
         pytest.fail(f"golden {check.name} [{config_id(check.options)}]: {error}", pytrace=False)
+    except Exception as error:  # evalrun's own failure: the traceback stays, and the summary says so too
+        _record_error(item, check, f"evalrun failed: {type(error).__name__}: {error}", "error")
+        raise
     item.stash[VERDICT] = verdict
-    _record_properties(item, check, verdict, run_id, store)
+    _record_properties(item, check, verdict, run_id, store, state._made(check))
     if verdict.verdict == "incomparable":
         pytest.fail(f"golden {check.name} [{config_id(check.options)}]: incomparable: {'; '.join(verdict.causes)}",
                     pytrace=False)
@@ -365,47 +408,74 @@ def evalrun_verdict(request: pytest.FixtureRequest, _evalrun_golden_check):
     return request.node.stash.get(VERDICT, None)
 
 
-def _record_properties(item: pytest.Item, check: GoldenCheck, verdict, run_id: str | None, store: str) -> None:
+def _record_properties(item: pytest.Item, check: GoldenCheck, verdict, run_id: str | None, store: str,
+                       made: str | None = None) -> None:
     from . import verdict_report
 
     properties = [("evalrun.golden", check.name), ("evalrun.config", config_id(check.options)),
                   ("evalrun.verdict", verdict.verdict), ("evalrun.distance", f"{verdict.distance:.4g}"),
                   ("evalrun.closest", verdict.closest), ("evalrun.causes", "; ".join(verdict.causes)),
                   ("evalrun.run", run_id or ""), ("evalrun.store", store)]
+    markdown = verdict_report.markdown(verdict)
+    if made:  # --evalrun-update: verified against a golden this very model just made; say so wherever it is read
+        properties.append(("evalrun.golden_made", made))
+        markdown = (f"> ⚠️ golden `{check.name}` was {made} by this session (--evalrun-update): this verdict is "
+                    "against the candidate model's own output and checks nothing about a model change\n\n" + markdown)
     item.user_properties.extend(properties)
-    item.add_report_section("call", SECTION, verdict_report.markdown(verdict))
+    item.add_report_section("call", SECTION, markdown)
 
 
-def _record_error(item: pytest.Item, check: GoldenCheck, message: str) -> None:
-    """A golden that could not be checked still reaches JUnit, the step summary and the PR comment."""
+def _record_error(item: pytest.Item, check: GoldenCheck, message: str, verdict: str = "incomparable") -> None:
+    """A golden that could not be checked (or is missing, or evalrun failed: verdict 'error') still reaches
+    JUnit, the step summary and the PR comment."""
     from .golden import NAME_PATTERN
     from .report import markdown_cell
 
     item.user_properties.extend([("evalrun.golden", check.name), ("evalrun.config", config_id(check.options)),
-                                 ("evalrun.verdict", "incomparable"), ("evalrun.causes", message)])
+                                 ("evalrun.verdict", verdict), ("evalrun.causes", message)])
     # a valid name is code as the verdict's heading has it (escapes show literally in a code span); any other, text
     name = f"`{check.name}`" if NAME_PATTERN.fullmatch(check.name) else markdown_cell(check.name)
-    item.add_report_section("setup", SECTION, f"### ⛔ evalrun golden {name}: **incomparable**"
+    item.add_report_section("setup", SECTION, f"### ⛔ evalrun golden {name}: **{verdict}**"
                                               f"\n\n- {markdown_cell(message)}\n")
 
 
 @pytest.hookimpl(wrapper=True)
-def pytest_pyfunc_call(pyfuncitem: pytest.Function):
-    problem = pyfuncitem.stash.get(PROBLEM, None)
+def pytest_runtest_call(item: pytest.Item):
+    """The judgment, around the body of every kind of test (a unittest.TestCase's runs no pytest_pyfunc_call)."""
+    problem = item.stash.get(PROBLEM, None)
     if problem:
         pytest.fail(problem, pytrace=False)
-    result = yield
-    verdict = pyfuncitem.stash.get(VERDICT, None)
-    check = pyfuncitem.stash.get(CHECK, None)
-    if verdict is None or check is None or not check.enforce:
-        return result
-    summary = f"golden {check.name} [{config_id(check.options)}]: {verdict.verdict}"
-    detail = f"{verdict.causes[0] if verdict.causes else ''}; {verdict.closest} at {verdict.distance:.2f} of its budget"
-    if verdict.verdict == "changed" or (check.strict and verdict.verdict == "drift"):
-        pytest.fail(f"{summary}: {detail}", pytrace=False)
-    if verdict.verdict == "drift":
-        warnings.warn(EvalrunDriftWarning(f"{summary}: {detail}"), stacklevel=1)
+    try:
+        result = yield
+    except (pytest.skip.Exception, pytest.xfail.Exception) as outcome:
+        failure = _verdict_failure(item)
+        if failure:  # the verdict was made before the body: a body that skips does not skip a changed model
+            how = "xfailed" if isinstance(outcome, pytest.xfail.Exception) else "skipped"
+            pytest.fail(f"{failure} (the test body {how} after the check; skip with a skipif marker, which "
+                        "runs before it)", pytrace=False)
+        raise
+    failure = _verdict_failure(item)
+    if failure:
+        pytest.fail(failure, pytrace=False)
+    verdict, check = item.stash.get(VERDICT, None), item.stash.get(CHECK, None)
+    if verdict is not None and check is not None and check.enforce and verdict.verdict == "drift":
+        warnings.warn(EvalrunDriftWarning(_verdict_line(check, verdict)), stacklevel=1)
     return result
+
+
+def _verdict_line(check: GoldenCheck, verdict) -> str:
+    detail = f"{verdict.causes[0] if verdict.causes else ''}; {verdict.closest} at {verdict.distance:.2f} of its budget"
+    return f"golden {check.name} [{config_id(check.options)}]: {verdict.verdict}: {detail}"
+
+
+def _verdict_failure(item: pytest.Item) -> str | None:
+    """The failure message when the verdict fails the test (changed; drift when strict), else None."""
+    verdict, check = item.stash.get(VERDICT, None), item.stash.get(CHECK, None)
+    if verdict is None or check is None or not check.enforce:
+        return None
+    if verdict.verdict == "changed" or (check.strict and verdict.verdict == "drift"):
+        return _verdict_line(check, verdict)
+    return None
 
 
 # ---------------------------------------------------------------- the session's end (controller)

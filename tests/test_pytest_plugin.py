@@ -283,3 +283,143 @@ def test_an_unwritable_comment_path_is_refused_before_any_test_and_a_stale_comme
     stale.write_text("## evalrun: 1 identical (an old session)")
     _run(pytester, f"--evalrun-comment={stale}").assert_outcomes(passed=1)
     assert stale.read_text().startswith("## evalrun: no golden was checked")
+
+
+FAULTY_MODEL = '''
+    import evalrun.runner as runner
+    import evalrun.verify as verify
+    from evalrun.engine.faults import Fault, fault_hook
+
+    _real, _hook = runner.prepare, fault_hook(Fault("scale", 0.25))
+
+
+    def _faulty(*args, **kwargs):  # the model computes another function: every run this process verifies
+        prepared = _real(*args, **kwargs)
+        _hook(prepared)
+        return prepared
+
+
+    verify.prepare = _faulty
+'''
+
+
+def test_a_changed_model_fails_a_unittest_case_and_a_body_that_skips(golden_dir, env, pytester):
+    """The judgment ran in pytest_pyfunc_call, which a unittest.TestCase's test never reaches, and a body's
+    pytest.skip() came out as a skip: both were green with a changed model (and '::error ... changed')."""
+    pytester.makeconftest(FAULTY_MODEL)
+    pytester.makepyfile(f'''
+        import unittest
+        import pytest
+
+        @pytest.mark.evalrun_golden("g", golden_dir={str(golden_dir)!r})
+        class TestCase(unittest.TestCase):
+            def test_g(self):
+                pass
+
+        @pytest.mark.evalrun_golden("g", golden_dir={str(golden_dir)!r})
+        def test_skips(evalrun_verdict):
+            pytest.skip("not on this platform")
+    ''')
+    result = _run(pytester)
+    result.assert_outcomes(failed=2)
+    result.stdout.fnmatch_lines(["*golden g ?golden?: changed*test body skipped after the check*"])
+
+
+def test_options_apply_where_not_parametrized_and_two_goldens_on_a_class_or_module_are_refused(golden_dir, env,
+                                                                                                pytester):
+    """A unittest case (no pytest_generate_tests) and a marker added after collection were verified in the
+    golden's own config, their options silently dropped; two markers on a class or in a module's pytestmark
+    checked one golden and dropped the other."""
+    pytester.makeconftest(f'''
+        import pytest
+
+        def pytest_collection_modifyitems(items):
+            for item in items:
+                if item.name == "test_late":
+                    item.add_marker(pytest.mark.evalrun_golden("g", golden_dir={str(golden_dir)!r}, batch_size=[1, 3]))
+    ''')
+    pytester.makepyfile(test_options=f'''
+        import unittest
+        import pytest
+
+        @pytest.mark.evalrun_golden("g", golden_dir={str(golden_dir)!r}, batch_size=3)
+        class TestCase(unittest.TestCase):
+            def test_g(self):
+                pass
+
+        def test_late():
+            pass
+
+        @pytest.mark.evalrun_golden("g", golden_dir={str(golden_dir)!r})
+        @pytest.mark.evalrun_golden("other", golden_dir={str(golden_dir)!r})
+        class TestTwo:
+            def test_two(self):
+                pass
+    ''', test_module=f'''
+        import pytest
+
+        pytestmark = [pytest.mark.evalrun_golden("g", golden_dir={str(golden_dir)!r}),
+                      pytest.mark.evalrun_golden("other", golden_dir={str(golden_dir)!r})]
+
+        def test_module():
+            pass
+    ''')
+    result = _run(pytester, "--junitxml=report.xml")
+    result.assert_outcomes(passed=1, warnings=1, errors=3)
+    for line in ("*test_late*lists 2 configs, but this test is not parametrized*",
+                 "*test_two*names 2 goldens (other, g)*", "*test_module*names 2 goldens (g, other)*"):
+        result.stdout.fnmatch_lines([line])
+    assert "Traceback" not in result.stdout.str() and "def _evalrun_golden_check" not in result.stdout.str()
+    case = next(c for c in ElementTree.parse(pytester.path / "report.xml").getroot().iter("testcase")
+                if c.get("name") == "test_g")
+    properties = {p.get("name"): p.get("value") for p in case.iter("property")}
+    assert properties["evalrun.config"] == "batch_size=3" and properties["evalrun.verdict"] == "drift"
+    assert not (golden_dir / "other.db").exists()
+
+
+def test_a_missing_golden_evalruns_crash_and_an_update_are_said_in_the_comment(golden_dir, env, monkeypatch, pytester):
+    """The comment said 'no golden was checked in this session' for a failing job (a missing golden, evalrun's
+    own crash), and '✅ identical' for a golden --evalrun-update had just re-made from the candidate."""
+    pytester.makeconftest('''
+        import evalrun.verify as verify
+
+        _real = verify.verify_golden
+
+
+        def _crash(golden, *args, **kwargs):
+            if golden.name == "g":
+                raise RuntimeError("boom")
+            return _real(golden, *args, **kwargs)
+
+
+        verify.verify_golden = _crash
+    ''')
+    pytester.makepyfile(f'''
+        import pytest
+
+        @pytest.mark.evalrun_golden("g", golden_dir={str(golden_dir)!r})
+        def test_crash():
+            pass
+
+        @pytest.mark.evalrun_golden("missing", golden_dir={str(golden_dir)!r})
+        def test_missing():
+            pass
+    ''')
+    comment = env["results"] / "comment.md"
+    monkeypatch.setenv("CI", "true")
+    result = _run(pytester, f"--evalrun-comment={comment}")
+    result.assert_outcomes(failed=1, errors=1)
+    assert comment.read_text().startswith("## evalrun: 1 error, 1 incomparable")
+    result.stdout.fnmatch_lines(["::error title=evalrun g ?golden?::*error"])
+    pytester.makeconftest("")
+    shutil.copy(golden_dir / "g.db", golden_dir / "u.db")
+    pytester.makepyfile(f'''
+        import pytest
+
+        @pytest.mark.evalrun_golden("u", golden_dir={str(golden_dir)!r})
+        def test_u():
+            pass
+    ''')
+    _run(pytester, "--evalrun-update", "-k", "test_u", f"--evalrun-comment={comment}", "--junitxml=report.xml")
+    assert "was updated by this session (--evalrun-update)" in comment.read_text()
+    assert 'name="evalrun.golden_made" value="updated"' in (pytester.path / "report.xml").read_text()
