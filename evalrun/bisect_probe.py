@@ -132,9 +132,10 @@ class Prober:
         said GOOD and BAD agree); the probes made so far stay stored."""
         report = self.probe(everything).report
         if report.outcome in ("skip", "invalid"):
+            timed_out = "timed out" in (report.note or "")
             raise BisectError(f"BAD could not be judged ({self.predicate.describe()}: {report.outcome}, "
-                              f"{report.note or 'no detail'}); choose a BAD that runs here and that the predicate "
-                              "judges (or raise --probe-timeout)")
+                              f"{report.note or 'no detail'}); " + ("raise --probe-timeout" if timed_out else
+                              "choose a BAD that runs here and that the predicate judges"))
 
     def judge(self, indices: frozenset[int]) -> Outcome:
         outcome = self.probe(indices).report.outcome

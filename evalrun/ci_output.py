@@ -40,7 +40,7 @@ def _escape(text: str, for_property: bool = False) -> str:
 
 
 def annotation(verdict: str, title: str, message: str) -> str | None:
-    """The workflow command for a verdict (`::error` for changed/incomparable, `::warning` for drift),
+    """The workflow command for a verdict (`::error` for changed, incomparable and error: evalrun failed; `::warning` for drift),
     or None when the verdict needs none."""
     level = ANNOTATION_LEVEL.get(verdict)
     if level is None:

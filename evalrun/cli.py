@@ -737,7 +737,7 @@ def invariance(store_path, batch_sizes, positions, repeats, output_format, as_js
 
     if kwargs.get("batch_size") is not None:  # the report named it as the batch size, and no run used it
         raise click.UsageError("invariance runs each batch size of --batch-sizes and reads no --batch-size; "
-                               f"pass --batch-sizes 1,{kwargs['batch_size']} instead")
+                               "drop it (--batch-sizes 1,4,16 names the sizes)")
     config = config_from(kwargs)
     sizes, places = parse_batch_sizes(batch_sizes), parse_positions(positions)
     check_request(config, sizes, places, repeats)  # before the store is opened (or made)
@@ -859,8 +859,8 @@ def _check_bench_inputs(request) -> None:
                                                  "compiled state may carry from one probe to the next).")
 @click.option("--probe-timeout", type=click.FloatRange(min=1), default=3600, show_default=True, metavar="SECONDS",
               callback=timeout_seconds,
-              help="Stop a probe's process that runs longer (it counts as skipped; at most a week; not with "
-                   "--in-process).")
+              help="Stop a probe's process, or a cmd: predicate, that runs longer (it counts as skipped; at most "
+                   "a week; with --in-process, the cmd: predicate's only).")
 @click.option("--compare-compiler-bisector", "compare", is_flag=True,
               help="Also run torch's CompilerBisector alone on BAD (its reference: BAD under the eager backend) "
                    "and print its calls and answer beside evalrun's.")
@@ -890,9 +890,9 @@ def bisect(good_spec, bad_spec, until, golden_name, golden_dir, store_path, skip
         raise click.UsageError(f"--golden names the golden of --until verdict, and --until {until} reads none; "
                                "drop --golden or pass --until verdict")
     given = click.get_current_context().get_parameter_source("probe_timeout")
-    if in_process and given is click.core.ParameterSource.COMMANDLINE:
-        raise click.UsageError("--probe-timeout stops a probe's own process, and --in-process runs every probe in "
-                               "this one; drop one of them")
+    if in_process and given is click.core.ParameterSource.COMMANDLINE and not until.strip().startswith("cmd:"):
+        raise click.UsageError("--probe-timeout stops a probe's own process (and a cmd: predicate's), and "
+                               "--in-process runs every probe in this one; drop one of them")
     config_source, flags, sets = run_flags(kwargs)
     request = BisectRequest(good_spec, bad_spec, until, golden_name, golden_dir, config_source, flags, sets, store_path,
                             in_process, stages=tuple(s for s in STAGES if s not in skipped),

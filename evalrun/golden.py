@@ -71,9 +71,12 @@ def golden_path(name: str, directory: str | Path = DEFAULT_DIR) -> Path:
     if name.lower().endswith(".db"):  # golden/x.db.db would be read or written
         older = Path(directory) / f"{name}.db"  # where an evalrun before stop 49 wrote it
         renamed = Path(directory) / name
+        try:
+            written_so = older.is_file() and not renamed.exists()
+        except OSError:  # a folder that cannot be searched: the hint below still holds
+            written_so = False
         fix = (f"an older evalrun wrote it as {older}: rename that file to {renamed} and name the golden {name[:-3]!r}"
-               if older.is_file() and not renamed.exists() else
-               f"name the golden without it ({name[:-3]!r}: its file is NAME.db)")
+               if written_so else f"name the golden without it ({name[:-3]!r}: its file is NAME.db)")
         raise GoldenError(f"golden name {name!r} ends in .db; {fix}")
     return Path(directory) / f"{name}.db"
 
@@ -294,13 +297,20 @@ def role_problem(role: str, results: list[PromptResult], results_of: Callable[[s
     return problem
 
 
+def roles_verify_reads(meta: dict[str, Any]) -> tuple[str, ...]:
+    """The roles besides the pinned run that a verification of a golden with this meta reads: all of an evalrun
+    golden's; of a server golden's, the oracle (its other roles hold its server run, read by what compares
+    against it: server_verify)."""
+    return ("oracle",) if "server" in meta else ("oracle", *ENVELOPE_ROLES, "function")
+
+
 def created_problem(created: CreatedRuns) -> str:
     """Why the runs just made cannot be a golden ('' when they can): a golden verify would refuse as damaged
     (NaN in what the checks measure: a model whose logits are not finite) must never be written over a good one.
     Only the roles verify reads are checked: a server golden's (server_golden) are its server run and the oracle;
     its other roles hold the server run too, which computes in the server's dtype, no float32 function run."""
     results_of = lambda role: created.runs[role].results  # noqa: E731
-    read = ("pinned", "oracle") if "server" in created.meta else tuple(created.runs)
+    read = ("pinned", *roles_verify_reads(created.meta))
     for role in read:
         problem = role_problem(role, results_of(role), results_of, created.meta.get("routing") == ROUTING_FOLLOWED)
         if problem:

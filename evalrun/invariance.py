@@ -101,13 +101,14 @@ def parse_positions(text: str) -> list[str]:
 def check_request(config: RunConfig, batch_sizes: list[int], positions: list[str], repeats: int) -> RunConfig:
     """What an invariance asks for, refused before any store is opened or model loads: repeats out of range, batch
     size 1 alone run once (it compares nothing: it said invariant and deterministic, yes), more batch rows than
-    MAX_ROWS. Returns the effective config."""
+    MAX_ROWS. Returns the effective config of the alone cell (batch size 1: a preset's or --set's batch size is
+    what --batch-sizes replaces, and no run used it)."""
     if not 1 <= repeats <= MAX_REPEATS:
         raise ConfigError(f"--repeats {repeats}: use 1 to {MAX_REPEATS}")
     if set(batch_sizes) <= {1} and repeats == 1:
         raise ConfigError("invariance: batch size 1 alone, run once, compares nothing; add a batch size "
                           "(--batch-sizes 1,4,16) or repeats (--repeats 2)")
-    effective = effective_config(config)
+    effective = effective_config(config).replace(batch_size=1)
     cells = cells_for(batch_sizes, positions)
     prompt_count = len(read_records(resolve_path(effective.prompts)))
     rows_computed = repeats * prompt_count * sum(cell.batch_size for cell in cells)

@@ -37,6 +37,7 @@ comment body. Goldens in the used folders that no test of the session used are l
 
 from __future__ import annotations
 
+import contextlib
 import fcntl
 import hashlib
 import itertools
@@ -277,10 +278,11 @@ class SessionState:
     def ensure_golden(self, check: GoldenCheck) -> str | None:
         """Create or re-create the golden as the session asks; a problem message to fail with, or None."""
         update = self.config.getoption("evalrun_update")
-        made = self._made(check, settled=True)
+        with self._locked(check, fcntl.LOCK_SH):  # once no worker is making it: a golden linked into place before
+            made, exists = self._made(check), check.path.exists()  # its mark read as there all along
         if made == "created" and not update:  # every test of a golden created this session fails alike
             return self._created_message(check)
-        if check.path.exists() and not update:
+        if exists and not update:
             return None
         if not check.path.exists() and not update and _in_ci():
             return (f"golden {check.path} does not exist, and goldens are never created implicitly when CI is set: "
@@ -295,16 +297,18 @@ class SessionState:
     def _mark(self, check: GoldenCheck) -> Path:
         return self.marks / (hashlib.sha256(str(check.path.resolve()).encode()).hexdigest()[:32] + ".made")
 
-    def _made(self, check: GoldenCheck, settled: bool = False) -> str | None:
-        """'created' or 'updated' when this session (any worker) made the golden, else None. `settled`: once no
-        worker is making one (a golden linked into place before its mark is written read as there all along, and
-        its test verified it while the creator's failed)."""
+    def _made(self, check: GoldenCheck) -> str | None:
+        """'created' or 'updated' when this session (any worker) made the golden, else None."""
         mark = self._mark(check)
-        if not settled:
-            return mark.read_text() if mark.exists() else None
-        with open(self.marks / "update.lock", "w") as lock:
-            fcntl.flock(lock, fcntl.LOCK_SH)
-            return mark.read_text() if mark.exists() else None
+        return mark.read_text() if mark.exists() else None
+
+    @contextlib.contextmanager
+    def _locked(self, check: GoldenCheck, how: int):
+        """This golden's lock across xdist workers (one a golden: making one stalls no test of another). Not
+        re-entrant: a process holding it that asks again waits for itself."""
+        with open(self._mark(check).with_suffix(".lock"), "w") as lock:
+            fcntl.flock(lock, how)
+            yield
 
     def _create_once(self, check: GoldenCheck) -> str:
         """Make the golden once per session, whichever worker gets here first; 'created' (it did not exist)
@@ -314,8 +318,7 @@ class SessionState:
         from .golden import create_golden
         from .server_golden import create_server_golden
 
-        with open(self.marks / "update.lock", "w") as lock:
-            fcntl.flock(lock, fcntl.LOCK_EX)  # xdist workers: one creates, the others find it made
+        with self._locked(check, fcntl.LOCK_EX):  # xdist workers: one creates, the others find it made
             made = self._made(check)
             if made:
                 return made
@@ -445,15 +448,7 @@ def pytest_runtest_call(item: pytest.Item):
     problem = item.stash.get(PROBLEM, None)
     if problem:
         pytest.fail(problem, pytrace=False)
-    try:
-        result = yield
-    except (pytest.skip.Exception, pytest.xfail.Exception) as outcome:
-        failure = _verdict_failure(item)
-        if failure:  # the verdict was made before the body: a body that skips does not skip a changed model
-            how = "xfailed" if isinstance(outcome, pytest.xfail.Exception) else "skipped"
-            pytest.fail(f"{failure} (the test body {how} after the check; skip with a skipif marker, which "
-                        "runs before it)", pytrace=False)
-        raise
+    result = yield  # a body's skip or xfail goes on to the report: pytest_runtest_makereport judges it
     failure = _verdict_failure(item)
     if failure:
         pytest.fail(failure, pytrace=False)
@@ -461,6 +456,25 @@ def pytest_runtest_call(item: pytest.Item):
     if verdict is not None and check is not None and check.enforce and verdict.verdict == "drift":
         warnings.warn(EvalrunDriftWarning(_verdict_line(check, verdict)), stacklevel=1)
     return result
+
+
+@pytest.hookimpl(wrapper=True)
+def pytest_runtest_makereport(item: pytest.Item, call: pytest.CallInfo):
+    """A body that skipped or xfailed after the check does not hide a failing verdict, made before it ran: the
+    report fails. Here, not around the call: a unittest.TestCase's skipTest() or pytest.skip() reaches no
+    wrapper of the call (unittest keeps it, and pytest's report takes it from there). An xfail marker, which a
+    reader sees on the test, still holds a changed verdict as expected."""
+    report = yield
+    if call.when == "call" and report.skipped and item.get_closest_marker("xfail") is None:
+        failure = _verdict_failure(item)
+        if failure:
+            how = "xfailed" if hasattr(report, "wasxfail") else "skipped"
+            report.outcome = "failed"
+            report.longrepr = (f"{failure} (the test body {how} after the check; skip with a skipif marker, "
+                               "which runs before it)")
+            if hasattr(report, "wasxfail"):
+                del report.wasxfail
+    return report
 
 
 def _verdict_line(check: GoldenCheck, verdict) -> str:

@@ -45,7 +45,7 @@ import numpy as np
 from .compare import dict_diff, digest_mismatch_steps, environment_causes, first_divergence, worst_verdict
 from .config import DECODE_LEVER_DEFAULTS, EffectiveConfig, RunConfig, build_config
 from .errors import ConfigError, GoldenError
-from .golden import ENVELOPE_ROLES, Golden, Hook, reference_config, routing_layout
+from .golden import ENVELOPE_ROLES, Golden, Hook, reference_config, roles_verify_reads, routing_layout
 from .hashing import hash_value
 from .routing import (PROMPT_ARRAY, RoutingFlip, RoutingPath, has_routing, left_path, result_flip, result_movement,
                       result_router_error, routing_path)
@@ -397,12 +397,6 @@ def verify_golden(golden: Golden, config: RunConfig, strict: bool = False,
     return judge_runs(context, compute_runs(context), function_check)
 
 
-def roles_read(golden: Golden) -> tuple[str, ...]:
-    """Every role a verification of `golden` may read: all of an evalrun golden's; a server golden's other roles
-    hold its server run (server_golden), read by what compares against it."""
-    return ("oracle",) if "server" in golden.meta else ("oracle", *ENVELOPE_ROLES, "function")
-
-
 def begin(golden: Golden, config: RunConfig, strict: bool = False, progress: Callable[[str, int], Any] | None = None,
           hook: Hook | None = None, function_check: str = "auto", observe: Callable[[str, Run], None] | None = None,
           reuse: Prepared | None = None) -> "Context | Verdict":
@@ -411,7 +405,7 @@ def begin(golden: Golden, config: RunConfig, strict: bool = False, progress: Cal
         raise ValueError(f"function_check must be one of {FUNCTION_CHECK_MODES}")
     started = time.perf_counter()
     golden_results = golden.results("pinned")
-    for role in roles_read(golden):  # damage is found now, before the model loads, whatever the candidate
+    for role in roles_verify_reads(golden.meta):  # damage found now, before the model loads, whatever the candidate
         golden.results(role)
     candidate = prepare(config, reuse)
     if hook:

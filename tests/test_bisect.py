@@ -236,6 +236,8 @@ _one_line_exit_2 = one_line_exit_2
     # options that were silently not read: a golden beside --until bits, a timeout of probes run in this process
     (["--good", "O0", "--bad", "tf32=true", "--golden", "g"], "--until bits reads none"),
     (["--good", "O0", "--bad", "tf32=true", "--probe-timeout", "60"], "drop one of them"),
+    (["--good", "O0", "--bad", "tf32=true", "--probe-timeout", "1", "--until",  # cmd: keeps its timeout in-process
+      'cmd:grep -q "^tf32 = true" "$EVALRUN_BISECT_CONFIG" && sleep 3; exit 0'], "timed out after 1 s); raise --probe"),
 ])
 def test_bad_input_is_one_line_and_exit_2(cli, store_path, args, needle):
     _one_line_exit_2(cli("bisect", *args, "--in-process", "--quiet", "--model", "random:tiny", "--prompts", "smoke",

@@ -77,10 +77,12 @@ def test_on_cuda_batch_invariant_mode_is_bit_identical_eager_and_with_cuda_graph
 
 
 def test_cli_json_stores_ordinary_runs_that_diff_compares(cli, tiny_args, store_path):
+    # a batch size set by --set (or a preset) is what --batch-sizes replaces: the report's config is the alone cell's
     code, out, err = cli("invariance", *tiny_args, "--batch-sizes", "4", "--positions", "last", "--repeats", "1",
-                         "--json", "--quiet")
+                         "--set", "batch_size=8", "--json", "--quiet")
     assert code == 0, err
     report = json.loads(out)
+    assert report["config"]["batch_size"] == 1, report["config"]
     assert [r["cell"] for r in report["runs"]] == ["alone", "b4/last"]
     assert report["batch_invariant"] is False and len(report["prompts"]) == 3
     alone, batched = (r["run_id"] for r in report["runs"])
@@ -109,7 +111,7 @@ def test_cli_markdown_names_the_summary_and_escapes_prompt_ids(cli, tiny_args):
     (("--batch-sizes", "4096", "--repeats", "100"), "limit 20,000"),  # a time bomb, refused before any run
     (("--batch-sizes", "1", "--repeats", "1"), "compares nothing"),  # it said deterministic and invariant: yes
     (("--batch-sizes", "1" * 5000), "give sizes from 1 to 4096"),  # int() raised ValueError past 4300 digits: exit 3
-    (("--batch-sizes", "1,2", "--batch-size", "8"), "pass --batch-sizes 1,8"),  # reported as its batch size, unused
+    (("--batch-sizes", "1,2", "--batch-size", "8"), "drop it"),  # reported as its batch size, and unused
 ])
 def test_cli_bad_input_is_one_line_and_exit_2(cli, tiny_args, options, needle, tmp_path):
     store = tmp_path / "never.db"

@@ -317,12 +317,30 @@ def test_a_changed_model_fails_a_unittest_case_and_a_body_that_skips(golden_dir,
                 pass
 
         @pytest.mark.evalrun_golden("g", golden_dir={str(golden_dir)!r})
+        class TestSkipping(unittest.TestCase):
+            def test_skip_test(self):
+                self.skipTest("not on this platform")
+
+            def test_pytest_skip(self):
+                pytest.skip("not on this platform")
+
+        @pytest.mark.evalrun_golden("g", golden_dir={str(golden_dir)!r})
         def test_skips(evalrun_verdict):
             pytest.skip("not on this platform")
+
+        @pytest.mark.evalrun_golden("g", golden_dir={str(golden_dir)!r})
+        def test_xfails(evalrun_verdict):
+            pytest.xfail("known")
+
+        @pytest.mark.xfail(reason="changed until the golden is re-created", strict=True)
+        @pytest.mark.evalrun_golden("g", golden_dir={str(golden_dir)!r})
+        def test_marked_xfail():
+            pass
     ''')
     result = _run(pytester)
-    result.assert_outcomes(failed=2)
+    result.assert_outcomes(failed=5, xfailed=1)
     result.stdout.fnmatch_lines(["*golden g ?golden?: changed*test body skipped after the check*"])
+    result.stdout.fnmatch_lines(["*golden g ?golden?: changed*test body xfailed after the check*"])
 
 
 def test_options_apply_where_not_parametrized_and_two_goldens_on_a_class_or_module_are_refused(golden_dir, env,
