@@ -40,8 +40,8 @@ def _escape(text: str, for_property: bool = False) -> str:
 
 
 def annotation(verdict: str, title: str, message: str) -> str | None:
-    """The workflow command for a verdict (`::error` for changed, incomparable and error: evalrun failed; `::warning` for drift),
-    or None when the verdict needs none."""
+    """The workflow command for a verdict (`::error` for changed, incomparable and error, evalrun's own failure;
+    `::warning` for drift), or None when the verdict needs none."""
     level = ANNOTATION_LEVEL.get(verdict)
     if level is None:
         return None
