@@ -130,23 +130,26 @@ def test_parametrized_configs_junit_step_summary_store_and_one_model_load(golden
     assert {"key": "batch_size", "a": 3, "b": 1} in json.loads(done.stdout)["config"]
 
 
+FAULTY_MODEL = '''
+    import evalrun.runner as runner
+    import evalrun.verify as verify
+    from evalrun.engine.faults import Fault, fault_hook
+
+    _real, _hook = runner.prepare, fault_hook(Fault("scale", 0.25))
+
+
+    def _faulty(*args, **kwargs):  # the model computes another function: every run this process verifies
+        prepared = _real(*args, **kwargs)
+        _hook(prepared)
+        return prepared
+
+
+    verify.prepare = _faulty
+'''
+
+
 def test_changed_fails_with_the_markdown_verdict_and_strict_fails_drift(golden_dir, env, pytester):
-    pytester.makeconftest('''
-        import evalrun.runner as runner
-        import evalrun.verify as verify
-        from evalrun.engine.faults import Fault, fault_hook
-
-        _real, _hook = runner.prepare, fault_hook(Fault("scale", 0.25))
-
-
-        def _faulty(*args, **kwargs):  # the model computes another function: every run this process prepares
-            prepared = _real(*args, **kwargs)
-            _hook(prepared)
-            return prepared
-
-
-        verify.prepare = _faulty
-    ''')
+    pytester.makeconftest(FAULTY_MODEL)
     pytester.makepyfile(f'''
         import pytest
 
@@ -283,24 +286,6 @@ def test_an_unwritable_comment_path_is_refused_before_any_test_and_a_stale_comme
     stale.write_text("## evalrun: 1 identical (an old session)")
     _run(pytester, f"--evalrun-comment={stale}").assert_outcomes(passed=1)
     assert stale.read_text().startswith("## evalrun: no golden was checked")
-
-
-FAULTY_MODEL = '''
-    import evalrun.runner as runner
-    import evalrun.verify as verify
-    from evalrun.engine.faults import Fault, fault_hook
-
-    _real, _hook = runner.prepare, fault_hook(Fault("scale", 0.25))
-
-
-    def _faulty(*args, **kwargs):  # the model computes another function: every run this process verifies
-        prepared = _real(*args, **kwargs)
-        _hook(prepared)
-        return prepared
-
-
-    verify.prepare = _faulty
-'''
 
 
 def test_a_changed_model_fails_a_unittest_case_and_a_body_that_skips(golden_dir, env, pytester):
