@@ -212,10 +212,10 @@ def run_bisect(request: BisectRequest) -> BisectResult:
         prober = Prober(session, good, knobs, predicate, good_prepared, options, request.store_path, Path(scratch))
         try:
             prober.judge_good()
+            if knobs:
+                prober.judge_bad(frozenset(range(len(knobs))))  # the search's first probe (memoised)
             culprit = search_knobs(len(knobs), prober.judge) if knobs else Culprit(
                 "none", [], "GOOD and BAD resolve to the same execution knobs")
-            if knobs:
-                prober.check_bad_judged(frozenset(range(len(knobs))))
             result = BisectResult(session, request.good_spec, request.bad_spec, predicate.describe(),
                                   str(prober.store.path), good.as_dict(), bad.as_dict(), knobs, prober.reports,
                                   culprit, prober.runs, run_bound(len(knobs)))

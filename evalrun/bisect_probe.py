@@ -126,7 +126,7 @@ class Prober:
                               f"{probe.report.outcome}, {probe.report.note or 'no detail'}); choose a GOOD that passes")
         self.good_record = self.store.get_run(probe.report.run_id)
 
-    def check_bad_judged(self, everything: frozenset[int]) -> None:
+    def judge_bad(self, everything: frozenset[int]) -> None:
         """BisectError when BAD (GOOD with every knob) could not be judged: its run failed or timed out, it is not a
         config here, or the predicate skipped it. Nothing was bisected, so that is no answer ("no culprit", exit 0,
         said GOOD and BAD agree); the probes made so far stay stored."""

@@ -74,7 +74,7 @@ def json_requested(argv: list[str]) -> bool:
     """Whether the command line asks for JSON output, read from the words themselves (an error can come before click
     has parsed them) as click reads them: `--json` wins (`chosen_format`), else the last `--format`; the word after an
     option that takes a value is that value (`--label --json` names a label), and none after `--` is an option."""
-    chosen, words = "text", iter(argv)
+    chosen, words, taking_a_value = "text", iter(argv), options_taking_a_value()
     for word in words:
         if word == "--":
             break
@@ -84,7 +84,7 @@ def json_requested(argv: list[str]) -> bool:
             chosen = word.removeprefix("--format=")
         elif word == "--format":
             chosen = next(words, chosen)
-        elif word in options_taking_a_value():
+        elif word in taking_a_value:
             next(words, None)
     return chosen == "json"
 

@@ -284,7 +284,7 @@ class SessionState:
             return self._created_message(check)
         if exists and not update:
             return None
-        if not check.path.exists() and not update and _in_ci():
+        if not exists and not update and _in_ci():
             return (f"golden {check.path} does not exist, and goldens are never created implicitly when CI is set: "
                     f"create it with `{check.create_command()}` (or pytest --evalrun-update) and commit it")
         made = self._create_once(check)
