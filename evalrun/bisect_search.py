@@ -34,25 +34,34 @@ class Predicate:
         return f"verdict against golden {self.golden}" if self.kind == "verdict" else "bits"
 
 
-def parse_predicate(until: str, golden: str | None, golden_dir: Path, goldens_in_specs: list[str]) -> Predicate:
-    """`--until bits|verdict|cmd:"..."`; verdict needs `--golden NAME` or a golden:NAME item in a SPEC."""
+def parse_until(until: str) -> tuple[str, str]:
+    """`--until`'s kind (bits, verdict or cmd) and its command (cmd: only); BisectError for any other value.
+
+    The command line checks this first: the options that depend on the kind (--golden, --probe-timeout) are
+    judged against a value that names one."""
     text = until.strip()
-    if text == "bits":
-        return Predicate("bits", golden_dir=str(golden_dir))
-    if text == "verdict":
-        name = golden or (goldens_in_specs[0] if goldens_in_specs else None)
-        if not name:
-            raise BisectError("--until verdict needs a golden: pass --golden NAME or use a golden:NAME item in "
-                              "--good or --bad")
-        return Predicate("verdict", golden=name, golden_dir=str(golden_dir))
+    if text in ("bits", "verdict"):
+        return text, ""
     if text.startswith("cmd:"):
         command = text[4:].strip()
         if len(command) >= 2 and command[0] == command[-1] and command[0] in "\"'":
             command = command[1:-1].strip()
         if not command:
             raise BisectError('--until cmd:"..." needs a command, e.g. --until \'cmd:pytest -x tests/test_model.py\'')
-        return Predicate("cmd", command=command, golden_dir=str(golden_dir))
+        return "cmd", command
     raise BisectError(f"--until {until!r} is not valid; use bits, verdict or cmd:\"COMMAND\"")
+
+
+def parse_predicate(until: str, golden: str | None, golden_dir: Path, goldens_in_specs: list[str]) -> Predicate:
+    """`--until bits|verdict|cmd:"..."`; verdict needs `--golden NAME` or a golden:NAME item in a SPEC."""
+    kind, command = parse_until(until)
+    if kind == "verdict":
+        name = golden or (goldens_in_specs[0] if goldens_in_specs else None)
+        if not name:
+            raise BisectError("--until verdict needs a golden: pass --golden NAME or use a golden:NAME item in "
+                              "--good or --bad")
+        return Predicate("verdict", golden=name, golden_dir=str(golden_dir))
+    return Predicate(kind, command=command, golden_dir=str(golden_dir))
 
 
 # ---------------------------------------------------------------- the knob ladder

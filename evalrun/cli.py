@@ -882,15 +882,17 @@ def bisect(good_spec, bad_spec, until, golden_name, golden_dir, store_path, skip
     """
     from . import bisect_report
     from .bisect import STAGES, BisectRequest, run_bisect
+    from .bisect_search import parse_until
 
     plot_output(plot_path)
     if plot_path and "layer" in skipped:
         raise click.UsageError("--plot draws stage 3's per-layer errors; drop --skip layer or --plot")
-    if golden_name is not None and until.strip() != "verdict":  # it was never read
+    kind, _ = parse_until(until)  # an invalid --until first: the checks below read its kind
+    if golden_name is not None and kind != "verdict":  # it was never read
         raise click.UsageError(f"--golden names the golden of --until verdict, and --until {until} reads none; "
                                "drop --golden or pass --until verdict")
     given = click.get_current_context().get_parameter_source("probe_timeout")
-    if in_process and given is click.core.ParameterSource.COMMANDLINE and not until.strip().startswith("cmd:"):
+    if in_process and given is click.core.ParameterSource.COMMANDLINE and kind != "cmd":
         raise click.UsageError("--probe-timeout stops a probe's own process (and a cmd: predicate's), and "
                                "--in-process runs every probe in this one; drop one of them")
     config_source, flags, sets = run_flags(kwargs)

@@ -223,6 +223,10 @@ _one_line_exit_2 = one_line_exit_2
     (["--good", "O0", "--bad", "warp9"], "SPEC item 'warp9'"),
     (["--good", "O0", "--bad", "O1", "--until", "verdict"], "needs a golden"),
     (["--good", "O0", "--bad", "O1", "--until", "often"], "--until 'often'"),
+    # an invalid --until is named before the options it would decide on (it read "--until often reads none")
+    (["--good", "O0", "--bad", "O1", "--until", "often", "--golden", "g"], "--until 'often' is not valid"),
+    (["--good", "O0", "--bad", "O1", "--until", "often", "--probe-timeout", "60"], "--until 'often' is not valid"),
+    (["--good", "O0", "--bad", "O1", "--until", "cmd:", "--golden", "g"], "needs a command"),
     (["--good", "O0", "--bad", "seed=5"], "same model, prompts and tokens"),
     (["--good", "O0", "--bad", "tf32=true", "--until", "cmd:exit 3"], "GOOD itself does not pass"),
     # BAD that cannot run, or that the predicate skips, was "no culprit" and exit 0: nothing was bisected
