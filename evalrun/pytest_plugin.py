@@ -13,16 +13,18 @@ The verdict is judged after the test body, like every evalrun verdict:
   incomparable, an unreadable golden or bad options: an error (reported like a verdict, no traceback)
 The judgment wraps every kind of test (a unittest.TestCase's too), and a body that calls pytest.skip() or
 pytest.xfail() after the check does not hide a failing verdict (skip with a skipif marker). Two markers at
-one level (a function's, a class's, a module's pytestmark) are a usage error; a test that pytest did not
-parametrize (unittest, a marker added after collection) takes the marker's single config, or is refused.
+one level (a function's, a class's with its bases', a module's pytestmark, those a hook added to the node:
+what pytest reads) are a usage error; a test that pytest did not parametrize (unittest, a marker added
+after collection) takes the marker's single config, or is refused.
 Marker options besides run options: `golden_dir` (default: --evalrun-golden-dir, relative to the
 rootdir), `create` (a preset, TOML file or dict of run options: how --evalrun-update makes the
 golden), `strict`, `enforce=False` (leave the judgment to the test body).
 
 A missing golden fails its tests with the command that creates it. Outside CI it is also created then
-(its tests still fail: commit the golden and re-run, as pytest-regressions does); with `CI` set it is
-never created implicitly. `--evalrun-update` re-creates every golden the session's tests use, once
-each, then verifies against it. What the session made is kept in its own temporary folder (shared by
+(its tests still fail: commit the golden and re-run, as pytest-regressions does); on CI it is never
+created implicitly (`CI` set, or where `CI` has no value a CI system's own variable: CI_VARIABLES;
+CI=false or CI=0 says it is not CI). `--evalrun-update` re-creates every golden the session's tests
+use, once each, then verifies against it. What the session made is kept in its own temporary folder (shared by
 xdist workers, with the lock), never beside the goldens, and not judged by file times.
 
 One process loads a model once for all the configs it verifies (`verify_golden(reuse=...)`). Each
@@ -56,6 +58,10 @@ import pytest
 MARKER = "evalrun_golden"
 SPECIAL_KEYS = ("golden_dir", "create", "strict", "enforce")
 SECTION = "evalrun"  # report section key: the verdict's Markdown travels with the report (xdist too)
+# CI systems' own variables, for those that set no `CI` (or a runner that clears it): GitHub Actions, GitLab,
+# Jenkins, Azure Pipelines, TeamCity, Buildkite, CircleCI, Travis, AppVeyor, Bitbucket Pipelines, AWS CodeBuild
+CI_VARIABLES = ("GITHUB_ACTIONS", "GITLAB_CI", "JENKINS_URL", "TF_BUILD", "TEAMCITY_VERSION", "BUILDKITE", "CIRCLECI",
+                "TRAVIS", "APPVEYOR", "BITBUCKET_BUILD_NUMBER", "CODEBUILD_BUILD_ID")
 
 
 class EvalrunDriftWarning(UserWarning):
@@ -203,18 +209,15 @@ class GoldenCheck:
 def _closest_level_markers(item: pytest.Item) -> list[pytest.Mark]:
     """The markers of the nearest node (function, class, module) that has any: two there are ambiguous (the
     closest marker would check one golden and silently drop the other), while a nearer level overriding a
-    farther one is pytest's closest-marker rule. A class's markers are its own, not its bases' (a subclass's
-    marker overrides its base's)."""
-    for node in reversed(item.listchain()):
-        if node is item:
-            marks = list(getattr(item, "own_markers", []))
-        else:
-            declared = getattr(getattr(node, "obj", None), "__dict__", {}).get("pytestmark", [])
-            marks = list(declared) if isinstance(declared, (list, tuple)) else [declared]
-        marks = [getattr(mark, "mark", mark) for mark in marks if getattr(mark, "name", None) == MARKER]
-        if marks:
-            return marks
-    return []
+    farther one is pytest's closest-marker rule. A node's markers are the ones pytest itself reads for
+    `get_closest_marker` (its `own_markers`): those a hook added to the node too, and a class's bases' (pytest
+    reads a marked base's marker first, so a subclass's own marker beside it would be dropped)."""
+    found = list(item.iter_markers_with_node(MARKER))  # nearest node first
+    distinct: list[pytest.Mark] = []  # a subclass repeating its base's marker names one golden, not two
+    for mark in (mark for node, mark in found if node is found[0][0]):
+        if not any(mark.args == seen.args and mark.kwargs == seen.kwargs for seen in distinct):
+            distinct.append(mark)
+    return distinct
 
 
 @dataclass
@@ -284,8 +287,9 @@ class SessionState:
             return self._created_message(check)
         if exists and not update:
             return None
-        if not exists and not update and _in_ci():
-            return (f"golden {check.path} does not exist, and goldens are never created implicitly when CI is set: "
+        ci = _ci_variable()
+        if not exists and not update and ci:
+            return (f"golden {check.path} does not exist, and goldens are never created implicitly when {ci} is set: "
                     f"create it with `{check.create_command()}` (or pytest --evalrun-update) and commit it")
         made = self._create_once(check)
         return None if update else self._created_message(check) if made == "created" else None
@@ -348,8 +352,16 @@ def _creation_config(check: GoldenCheck):
     return build_config()
 
 
-def _in_ci() -> bool:
-    return os.environ.get("CI", "").lower() not in ("", "0", "false", "no")
+def _truthy(value: str | None) -> bool:
+    return (value or "").lower() not in ("", "0", "false", "no")
+
+
+def _ci_variable() -> str | None:
+    """The environment variable that says this is a CI run, or None. `CI` decides when it has a value (CI=false
+    or CI=0 says it is not one); otherwise a CI system's own variable, for those that do not set CI."""
+    if os.environ.get("CI"):
+        return "CI" if _truthy(os.environ["CI"]) else None
+    return next((name for name in CI_VARIABLES if _truthy(os.environ.get(name))), None)
 
 
 # ---------------------------------------------------------------- fixtures and the judgment

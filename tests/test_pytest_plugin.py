@@ -20,7 +20,7 @@ from pathlib import Path
 import pytest
 
 from evalrun.ci_output import annotation
-from evalrun.pytest_plugin import config_id, configs_of, gpu_for_worker
+from evalrun.pytest_plugin import CI_VARIABLES, _ci_variable, config_id, configs_of, gpu_for_worker
 
 pytest_plugins = ["pytester"]
 
@@ -192,6 +192,7 @@ def test_missing_golden_under_ci_is_never_created_and_update_creates_it(env, tmp
                                  "--set model=random:tiny*"])
     assert not (folder / "h.db").exists()
     monkeypatch.delenv("CI")
+    monkeypatch.delenv("GITHUB_ACTIONS")  # a CI system's own variable says CI too (test_ci_is_known_by_...)
     first = _run(pytester)  # locally: created, and every test of it fails once (commit it, re-run)
     first.assert_outcomes(failed=2)
     first.stdout.fnmatch_lines(["*did not exist: created it now*commit it and re-run*"])
@@ -202,6 +203,25 @@ def test_missing_golden_under_ci_is_never_created_and_update_creates_it(env, tmp
     _run(pytester, "--evalrun-update").assert_outcomes(passed=2, warnings=1)
     assert (folder / "h.db").stat().st_mtime_ns != int(2e9 * 1e9)
     assert sorted(p.name for p in folder.iterdir()) == ["h.db"]  # no lock or mark left beside the goldens
+
+
+@pytest.mark.parametrize("variables,expected", [
+    ({}, None), ({"CI": "true"}, "CI"), ({"CI": "1"}, "CI"),
+    ({"JENKINS_URL": "https://jenkins.example/"}, "JENKINS_URL"), ({"TF_BUILD": "True"}, "TF_BUILD"),
+    ({"TEAMCITY_VERSION": "2024.1"}, "TEAMCITY_VERSION"), ({"BUILDKITE": "true"}, "BUILDKITE"),
+    ({"GITLAB_CI": "true"}, "GITLAB_CI"), ({"GITHUB_ACTIONS": "true"}, "GITHUB_ACTIONS"),
+    ({"CI": "", "GITLAB_CI": "true"}, "GITLAB_CI"), ({"GITHUB_ACTIONS": "false"}, None),
+    # CI with a value decides, as before: CI=false or CI=0 says this is not CI, whatever else is set
+    ({"CI": "false", "JENKINS_URL": "https://jenkins.example/"}, None), ({"CI": "0", "GITHUB_ACTIONS": "true"}, None),
+    ({"CI": "no"}, None),
+])
+def test_ci_is_known_by_the_ci_systems_own_variables_too(variables, expected, monkeypatch):
+    """Only CI was read: on Jenkins, Azure Pipelines, TeamCity, ... without it a missing golden was created."""
+    for name in ("CI", *CI_VARIABLES):
+        monkeypatch.delenv(name, raising=False)
+    for name, value in variables.items():
+        monkeypatch.setenv(name, value)
+    assert _ci_variable() == expected
 
 
 def test_xdist_workers_take_one_gpu_each_and_unused_goldens_are_listed(golden_dir, env, monkeypatch, pytester):
@@ -377,6 +397,52 @@ def test_options_apply_where_not_parametrized_and_two_goldens_on_a_class_or_modu
                 if c.get("name") == "test_g")
     properties = {p.get("name"): p.get("value") for p in case.iter("property")}
     assert properties["evalrun.config"] == "batch_size=3" and properties["evalrun.verdict"] == "drift"
+    assert not (golden_dir / "other.db").exists()
+
+
+def test_a_marker_a_hook_adds_to_a_class_or_a_marked_base_class_is_a_second_golden_of_the_class(golden_dir, env,
+                                                                                                  pytester):
+    """The two-golden check read a class's own pytestmark attribute, and pytest reads the class node's markers:
+    a marker a hook added to the class node, or a marked base class beside the subclass's marker, made one golden
+    checked (the one pytest reads first) and the other silently dropped."""
+    pytester.makeconftest(f'''
+        import pytest
+
+        def pytest_collection_modifyitems(items):
+            for item in items:
+                if item.name == "test_hooked":
+                    item.parent.add_marker(pytest.mark.evalrun_golden("other", golden_dir={str(golden_dir)!r}))
+    ''')
+    pytester.makepyfile(test_classes=f'''
+        import pytest
+
+        @pytest.mark.evalrun_golden("g", golden_dir={str(golden_dir)!r})
+        class TestHooked:
+            def test_hooked(self):
+                pass
+
+        @pytest.mark.evalrun_golden("g", golden_dir={str(golden_dir)!r})
+        class TestBase:
+            pass
+
+        @pytest.mark.evalrun_golden("other", golden_dir={str(golden_dir)!r})
+        class TestSub(TestBase):
+            def test_sub(self):
+                pass
+
+            @pytest.mark.evalrun_golden("g", golden_dir={str(golden_dir)!r})
+            def test_own(self):  # the function's own marker is the closest: one golden
+                pass
+
+        @pytest.mark.evalrun_golden("g", golden_dir={str(golden_dir)!r})
+        class TestRepeated(TestBase):  # its base's marker again: one golden
+            def test_repeated(self):
+                pass
+    ''')
+    result = _run(pytester)
+    result.assert_outcomes(passed=2, errors=2)
+    result.stdout.fnmatch_lines_random(["*test_hooked*names 2 goldens (g, other)*",
+                                        "*test_sub*names 2 goldens (g, other)*"])
     assert not (golden_dir / "other.db").exists()
 
 
