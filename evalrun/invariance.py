@@ -48,6 +48,12 @@ class Cell:
     def row(self) -> int:
         return {"first": 0, "middle": self.batch_size // 2, "last": self.batch_size - 1}.get(self.position, 0)
 
+    def named_by_row(self) -> Cell:
+        """The same row under its own name: a batch of 2 has no middle row, the row `middle` picks is the last."""
+        if self.position == "middle" and self.row() == self.batch_size - 1:
+            return Cell(self.batch_size, "last")
+        return self
+
 
 @dataclass
 class PromptInvariance:
@@ -120,12 +126,11 @@ def check_request(config: RunConfig, batch_sizes: list[int], positions: list[str
 
 
 def cells_for(batch_sizes: list[int], positions: list[str]) -> list[Cell]:
-    """Alone first (the reference), then every batch size > 1 at every position, each row once (in a batch of 2 the
-    middle row is the last: it ran twice, as two cells)."""
+    """Alone first (the reference), then every batch size > 1 at every position, each row once, in row order and
+    named by its row (a batch of 2 has no middle row: `middle` picks the last, the cell `b2/last`)."""
     cells = [Cell(1, "alone")]
     for size in (size for size in batch_sizes if size > 1):
-        rows = {cell.row(): cell for cell in reversed([Cell(size, position) for position in positions])}
-        cells += sorted(rows.values(), key=lambda cell: positions.index(cell.position))
+        cells += sorted({Cell(size, position).named_by_row() for position in positions}, key=Cell.row)
     return cells
 
 

@@ -134,7 +134,27 @@ def test_what_one_repeat_or_no_batch_cannot_show_is_not_measured_not_yes(cli, ti
 
 
 def test_a_row_is_one_cell_however_many_positions_name_it():
-    """In a batch of 2 the middle row is the last: it ran twice and was reported as two cells."""
+    """In a batch of 2 the middle row is the last: it ran twice and was reported as two cells, then as one named
+    `b2/middle` (a batch of 2 has no middle row): it is `b2/last`, whichever positions name it."""
     cells = cells_for([1, 2, 4], ["first", "middle", "last"])
-    assert [cell.name for cell in cells] == ["alone", "b2/first", "b2/middle", "b4/first", "b4/middle", "b4/last"]
+    assert [cell.name for cell in cells] == ["alone", "b2/first", "b2/last", "b4/first", "b4/middle", "b4/last"]
     assert len({(cell.batch_size, cell.row()) for cell in cells}) == len(cells)
+    assert [cell.name for cell in cells_for([2, 3], ["middle"])] == ["alone", "b2/last", "b3/middle"]
+    assert [(cell.position, cell.row()) for cell in cells_for([2], ["first", "middle"])[1:]] == [("first", 0),
+                                                                                                 ("last", 1)]
+
+
+def test_cli_json_and_text_name_the_second_row_of_a_batch_of_2_last(cli, tiny_args):
+    """The cell, its position and the cells a prompt differs in agree: `b2/last`, never `b2/middle`."""
+    code, out, err = cli("invariance", *tiny_args, "--batch-sizes", "2", "--positions", "middle", "--repeats", "1",
+                         "--json", "--quiet")
+    assert code == 0, err
+    data = json.loads(out)
+    assert [(r["cell"], r["position"]) for r in data["runs"]] == [("alone", "alone"), ("b2/last", "last")]
+    assert data["batch_invariant"] is False  # the engine's batch bits: the cell is named where prompts differ
+    assert {cell for prompt in data["prompts"] for cell in prompt["differs_in"]} == {"b2/last"}
+    code, out, err = cli("invariance", *tiny_args, "--batch-sizes", "2", "--positions", "middle", "--repeats", "1",
+                         "--quiet")
+    assert code == 0, err
+    assert [line.split()[0] for line in out.splitlines() if line.startswith("b2/")] == ["b2/last"]
+    assert "b2/middle" not in out
