@@ -21,9 +21,13 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable
 
+import numpy as np
+
 from . import distributed, runner
 from .distributed import Shard
-from .errors import StoreError
+from .compare import dict_diff
+from .config import NUMERICS_FACTORS, WORKLOAD_FACTORS
+from .errors import ConfigError, StoreError
 from .golden import Golden
 from .hashing import hash_value
 from .runner import Prepared, Run, NullBar, plan_batches, record
@@ -73,14 +77,62 @@ def runs_to_bytes(runs: list[tuple[str, dict[str, Any], Run]]) -> bytes:
         return path.read_bytes()
 
 
-def runs_from_bytes(data: bytes) -> dict[str, Run]:
-    """label -> Run, from `runs_to_bytes` output (another rank's: read as any store, validated)."""
+HASHED_FACTORS = frozenset(NUMERICS_FACTORS + WORKLOAD_FACTORS)
+IDENTITY_HASHES = (("config_hash", "config_hash"), ("environment_hash", "environment_hash"),
+                   ("model_hash", "model"), ("prompts_hash", "prompt_set"))  # the row's column, the header's key
+
+
+def _header_hash(header: dict[str, Any], key: str) -> str:
+    return header[key] if key.endswith("_hash") else header[key]["hash"]
+
+
+def _differing_hashes(stored, header: dict[str, Any]) -> list[str]:
+    """The row's identity hash columns (IDENTITY_HASHES, in order) whose value is not the run header's."""
+    return [column for column, key in IDENTITY_HASHES if getattr(stored, column) != _header_hash(header, key)]
+
+
+def _check_rank(stored, header: dict[str, Any], rank: int) -> None:
+    """A rank's results join rank 0's only when it ran rank 0's config, environment, model and prompt set: else
+    the one run stored would hold another model's (or machine's) results under rank 0's identity."""
+    differing = _differing_hashes(stored, header)
+    if not differing:
+        return
+    column = differing[0]
+    key = dict(IDENTITY_HASHES)[column]
+    what = column.removesuffix("_hash").replace("prompts", "prompt set")
+    shown = _first_difference(stored, header, key.removesuffix("_hash"), rank) or \
+        f"{str(getattr(stored, column))[:12]} against {str(_header_hash(header, key))[:12]}"
+    raise ConfigError(f"torchrun rank {rank} ran another {what} than rank 0 ({shown}): its results cannot join "
+                      "rank 0's; give every rank the same model files, prompts, options, software and machine "
+                      "settings")
+
+
+def _first_difference(stored, header: dict[str, Any], part: str, rank: int) -> str | None:
+    """The first key of a rank's config or environment record that is not rank 0's, for the one line."""
+    if part not in ("config", "environment"):
+        return None
+    ours, theirs = header.get(part) or {}, stored.json.get(part) or {}
+    if part == "config":  # the hashed factors only (warmup, keep_logits, ... are recorded, not hashed)
+        ours, theirs = ({k: v for k, v in side.items() if k in HASHED_FACTORS} for side in (ours, theirs))
+    diff = dict_diff(ours, theirs)
+    if not diff:
+        return None
+    name, at_rank0, at_rank = diff[0]
+    more = f", and {len(diff) - 1} more" if len(diff) > 1 else ""
+    return f"{part} {name}: rank 0 {str(at_rank0)[:60]}, rank {rank} {str(at_rank)[:60]}{more}"
+
+
+def runs_from_bytes(data: bytes, header: dict[str, Any] | None = None, rank: int = 0) -> dict[str, Run]:
+    """label -> Run, from `runs_to_bytes` output (another rank's: read as any store, validated; each run's hashes
+    checked against `header`, rank 0's, when given)."""
     with tempfile.TemporaryDirectory(prefix="evalrun-shard-") as folder:
         path = Path(folder) / "shard.db"
         path.write_bytes(data)
         store = Store(path, readonly=True)
         runs = {}
         for stored in store.list_runs():
+            if header is not None:
+                _check_rank(stored, header, rank)
             runs[stored.label or ""] = Run({}, store.load_results(stored.id), stored.json.get("timings") or {},
                                            stored.json.get("evidence") or {}, stored.json.get("batches") or [])
         store.close()
@@ -121,7 +173,8 @@ def gather_runs(label: str, header: dict[str, Any], mine: Run) -> list[Run] | No
     if not distributed.world().distributed:
         return [mine]
     gathered = distributed.gather_bytes(runs_to_bytes([(label, header, mine)]))
-    return None if gathered is None else [runs_from_bytes(data)[label] for data in gathered]
+    return None if gathered is None else [runs_from_bytes(data, header, rank)[label]
+                                          for rank, data in enumerate(gathered)]
 
 
 # ---------------------------------------------------------------- evalrun run, sharded
@@ -222,6 +275,15 @@ def verify_sharded(golden: Golden, config, strict: bool = False, progress=None, 
     all did, the verdict ignores them)."""
     here = distributed.world()
     context = begin(golden, config, strict, progress, observe=observe)  # observe: whole verifies only (cli)
+    if here.distributed:  # ranks whose gates disagree would wait for each other in unmatched collectives
+        gated = isinstance(context, Verdict)
+        if distributed.any_rank(gated) and distributed.any_rank(not gated):
+            line = f"{context.verdict}: {(context.causes or ['-'])[0]}" if gated else ""
+            lines = distributed.gather_bytes(line.encode())  # every rank's on rank 0, which prints the line
+            named = "; ".join(f"rank {rank} {text.decode()[:160]}" for rank, text in enumerate(lines or []) if text)
+            raise ConfigError(f"the torchrun ranks disagree whether golden {golden.name} gates this candidate "
+                              f"({named or 'on another rank'}; the others not): they load another model, tokenizer "
+                              "or prompt set; give every rank the same files")
     if isinstance(context, Verdict):  # a gate: the same verdict on every shard
         return context if here.leader else None
     current = active_shard(context.candidate.config.tensor_parallel, shard)
@@ -238,8 +300,8 @@ def verify_sharded(golden: Golden, config, strict: bool = False, progress=None, 
         mine = {phase: _as_run(context.candidate.header, results) for phase, results in _phase_runs(runs).items()}
         gathered = distributed.gather_bytes(runs_to_bytes([(phase, context.candidate.header, run)
                                                            for phase, run in mine.items()]))
-        return None if gathered is None else judge_runs(context, _join_verify_runs([runs_from_bytes(data)
-                                                                                   for data in gathered]))
+        return None if gathered is None else judge_runs(context, _join_verify_runs([
+            runs_from_bytes(data, context.candidate.header, rank) for rank, data in enumerate(gathered)]))
     return _store_shard(golden, context, runs, current, store)
 
 
@@ -262,20 +324,66 @@ def _store_shard(golden: Golden, context, runs: VerifyRuns, shard: Shard, store:
                        f"evalrun golden verify {golden.name} --store ALL.db --from-shards (same options)")
 
 
+def _check_shard_row(store: Store, stored, header: dict[str, Any]) -> None:
+    """A run labelled as this verification's shard must say so in its row: the label's key names the config and
+    environment hashes, which the row records (a relabelled run of another config is refused, not judged). Its
+    model must be the one here: the config names the model by its path, and a job whose files at that path held
+    another checkpoint (weights, config or tokenizer) computed another model under the same label."""
+    differing = _differing_hashes(stored, header)
+    labelled = [column for column in differing if column != "model_hash"]  # what the label's key names
+    if labelled:
+        raise StoreError(f"{store.path}: run {stored.id[:12]} is labelled {stored.label!r} but its {labelled[0]} is "
+                         "another verification's (an edited label?); `evalrun store show` it, and merge the "
+                         "shards' own stores into a new ALL.db")
+    if differing:
+        raise StoreError(f"{store.path}: run {stored.id[:12]} ({stored.label!r}) was computed by another model "
+                         f"than the one here ({stored.model_hash[:12]} against {header['model']['hash'][:12]}: the "
+                         f"files at {header['model'].get('ref')} differ); give every shard job and this join the same "
+                         "model files")
+
+
+# Arrays a run holds or not by keep_logits, which is no hashed factor (two jobs of one shard may differ in it); each
+# step's logits digest covers them
+KEPT_LOGITS = ("logits", "logits_steps")
+
+
+def _same_result(a: PromptResult, b: PromptResult) -> bool:
+    """Two stored results of one prompt are the same result: digests and every array equal (kept logits aside)."""
+    names = set(a.arrays) - set(KEPT_LOGITS)
+    return (a.tokens_digest, a.logits_digest) == (b.tokens_digest, b.logits_digest) and \
+        names == set(b.arrays) - set(KEPT_LOGITS) and \
+        all(a.arrays[name].dtype == b.arrays[name].dtype and
+            np.array_equal(a.arrays[name], b.arrays[name], equal_nan=a.arrays[name].dtype.kind == "f")
+            for name in names)
+
+
 def _stored_shards(golden: Golden, context, store: Store | None) -> VerifyRuns:
-    """The phase runs the store holds for this verification (newest first per prompt), checked complete."""
+    """The phase runs the store holds for this verification, checked complete. A prompt stored by several runs (a
+    shard re-run, shards of two counts) must hold the same result in each: two that differ are refused."""
     assert store is not None, "--from-shards reads a store"
+    header = context.candidate.header
     newest: dict[str, dict[int, PromptResult]] = {}
+    source: dict[tuple[str, int], str] = {}  # (phase, prompt index) -> the run its result came from
     for phase in VERIFY_PHASES:
-        label = verify_label(golden, context.candidate.header, phase)
-        for stored in store.list_runs():  # newest first: the first result seen for a prompt wins
+        label = verify_label(golden, header, phase)
+        for stored in store.list_runs():  # newest first
             if stored.label == label and stored.status == "complete":
+                _check_shard_row(store, stored, header)
                 for result in store.load_results(stored.id):  # each array's bytes checked against its digest
                     problem = result_problem(result)  # then what a verdict reads: shapes, integer ids
                     if problem:
                         raise StoreError(f"{store.path}: run {stored.id[:12]} is damaged (it {problem}); "
                                          "`evalrun store check` lists what is wrong")
-                    newest.setdefault(phase, {}).setdefault(result.prompt_index, result)
+                    seen = newest.setdefault(phase, {}).get(result.prompt_index)
+                    if seen is None:
+                        newest[phase][result.prompt_index] = result
+                        source[(phase, result.prompt_index)] = stored.id
+                    elif not _same_result(seen, result):  # two jobs' runs of one prompt disagree: mixed data
+                        raise StoreError(
+                            f"{store.path}: runs {source[(phase, result.prompt_index)][:12]} and {stored.id[:12]} both "
+                            f"hold golden {golden.name}'s {phase} run of prompt {result.prompt_id!r} for this config "
+                            "and environment, with other bits (a changed model, or two jobs of one shard of a config "
+                            "that is not deterministic); merge the stores of one job per shard into a new ALL.db")
     wanted = {r.prompt_index for r in context.golden_results}
     needed = ["free", "forced"]
     needed += ["function"] if _function_config(context).compute_hash() != context.candidate.config.compute_hash() else []

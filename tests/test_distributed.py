@@ -443,3 +443,177 @@ def test_a_shard_job_refuses_junit_and_speaks_markdown(cli, tmp_path, golden_dir
     code, out, err = cli(*verify, "--format", "markdown")
     assert code == 0, err
     assert out.startswith("### evalrun golden tiny shard 0/2: ") and "\n\nnext: " in out
+
+
+def _faulty_prepare(monkeypatch):
+    """Every run the verify prepares computes another function (a model change that no identity hash sees)."""
+    from evalrun import runner, verify
+    from evalrun.engine.faults import Fault, fault_hook
+
+    real, hook = runner.prepare, fault_hook(Fault("scale", 0.01))
+
+    def faulty(*args, **kwargs):
+        prepared = real(*args, **kwargs)
+        hook(prepared)
+        return prepared
+
+    monkeypatch.setattr(verify, "prepare", faulty)
+
+
+def test_two_jobs_of_one_shard_that_disagree_are_refused_not_judged_newest_first(cli, tmp_path, golden_dir,
+                                                                                  monkeypatch):
+    """A store holding shard 0 from a changed model and, newer, from the unchanged one verified `identical` (the
+    newest result of each prompt won, the changed one unseen; per phase, so two jobs' phases could mix): two
+    results of one prompt that differ are mixed data now, exit 2 with one line."""
+    from conftest import one_line_exit_2
+
+    verify = ["golden", "verify", "tiny", *TINY, "--dir", str(golden_dir)]
+    with monkeypatch.context() as patched:
+        _faulty_prepare(patched)
+        assert cli(*verify, "--shard", "0/2", "--store", str(tmp_path / "changed0.db"))[0] == 0
+    for index in range(2):
+        assert cli(*verify, "--shard", f"{index}/2", "--store", str(tmp_path / f"good{index}.db"))[0] == 0
+    merge_stores(tmp_path / "mixed.db", [tmp_path / name for name in ("changed0.db", "good0.db", "good1.db")])
+    one_line_exit_2(cli(*verify, "--store", str(tmp_path / "mixed.db"), "--from-shards"), "with other bits",
+                    "merge the stores of one job per shard")
+    merge_stores(tmp_path / "changed.db", [tmp_path / "changed0.db", tmp_path / "good1.db"])
+    assert cli(*verify, "--store", str(tmp_path / "changed.db"), "--from-shards")[0] == 1  # one changed shard
+    merge_stores(tmp_path / "again.db", [tmp_path / name for name in ("good0.db", "good1.db", "good0.db")])
+    assert cli(*verify, "--store", str(tmp_path / "again.db"), "--from-shards")[0] == 0
+    for index in range(3):  # the same prompts in shards of another count: the same results, joined
+        assert cli(*verify, "--shard", f"{index}/3", "--store", str(tmp_path / f"third{index}.db"))[0] == 0
+    merge_stores(tmp_path / "counts.db", [tmp_path / name for name in ("good0.db", "good1.db", "third0.db",
+                                                                       "third1.db", "third2.db")])
+    assert cli(*verify, "--store", str(tmp_path / "counts.db"), "--from-shards")[0] == 0
+
+
+def test_a_run_relabelled_as_another_verifications_shard_is_refused(cli, tmp_path, golden_dir):
+    """The label's key names config and environment; a bfloat16 candidate's shards relabelled as the float32
+    candidate's were judged as its runs (`changed`, blaming the execution config): refused now."""
+    import sqlite3
+
+    from conftest import one_line_exit_2
+
+    verify = ["golden", "verify", "tiny", *TINY, "--dir", str(golden_dir)]
+    for index in range(2):
+        assert cli(*verify, "--dtype", "bfloat16", "--shard", f"{index}/2", "--store",
+                   str(tmp_path / f"bf{index}.db"))[0] == 0
+    assert cli(*verify, "--shard", "0/2", "--store", str(tmp_path / "fp.db"))[0] == 0
+    key = lambda path: Store(path, readonly=True).list_runs()[0].label.split(":")[2]  # noqa: E731
+    theirs, ours = key(tmp_path / "bf0.db"), key(tmp_path / "fp.db")
+    merge_stores(tmp_path / "forged.db", [tmp_path / "bf0.db", tmp_path / "bf1.db"])
+    with sqlite3.connect(tmp_path / "forged.db") as conn:
+        conn.execute("UPDATE runs SET label = replace(label, ?, ?)", [theirs, ours])
+    conn.close()
+    one_line_exit_2(cli(*verify, "--store", str(tmp_path / "forged.db"), "--from-shards"), "config_hash",
+                    "edited label")
+
+
+RANK_ONE_DIFFERS = '''
+import os, sys
+import evalrun.models as models
+import evalrun.verify as verify
+if os.environ.get("RANK") == "1":  # another node: the same model path holds other weights
+    _real = models._load_random
+    models._load_random = lambda ref, seed, device, dtype: _real(ref, seed + 1, device, dtype)
+from evalrun.cli import main
+sys.argv[0] = "evalrun"
+main()
+'''
+
+
+def test_a_shard_job_whose_files_held_another_model_is_refused_not_joined(cli, tmp_path, golden_dir, monkeypatch):
+    """The label names the config (the model by its path) and environment: a shard job whose files at that path
+    held another checkpoint joined the others under the same label, one verdict of two models."""
+    from conftest import one_line_exit_2
+
+    from evalrun import runner
+
+    verify = ["golden", "verify", "tiny", *TINY, "--dir", str(golden_dir)]
+    assert cli(*verify, "--shard", "0/2", "--store", str(tmp_path / "s0.db"))[0] == 0
+    with monkeypatch.context() as patched:
+        real = runner.model_identity
+        patched.setattr(runner, "model_identity", lambda loaded: {**real(loaded), "hash": "another-checkpoint"})
+        assert cli(*verify, "--shard", "1/2", "--store", str(tmp_path / "s1.db"))[0] == 0
+    merge_stores(tmp_path / "all.db", [tmp_path / "s0.db", tmp_path / "s1.db"])
+    one_line_exit_2(cli(*verify, "--store", str(tmp_path / "all.db"), "--from-shards"),
+                    "was computed by another model than the one here", "give every shard job and this join the same")
+
+
+def test_a_rank_with_another_model_is_refused_not_joined_nor_waited_for(tmp_path, golden_dir):
+    """Rank 1 loading other weights at the same path: `run` stored one complete run under rank 0's model identity
+    holding rank 1's prompts of the other model; `golden verify` gated on rank 1 only (changed) while rank 0 went
+    on, and the two waited in unmatched collectives (the 30-minute timeout). Both refuse with one line now."""
+    script = tmp_path / "rank_one_differs.py"
+    script.write_text(RANK_ONE_DIFFERS)
+    launcher = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2", str(script)]
+    store = tmp_path / "mixed.db"
+    done = subprocess.run([*launcher, "run", *TINY, "--store", str(store)], cwd=ROOT, env=ENV, capture_output=True,
+                          text=True, timeout=300)
+    assert done.returncode != 0 and "rank 1 ran another model than rank 0" in done.stderr, done.stderr[-2000:]
+    assert [record.status for record in Store(store, readonly=True).list_runs()] == ["failed"]
+    done = subprocess.run([*launcher, "golden", "verify", "tiny", *TINY, "--dir", str(golden_dir), "--json"], cwd=ROOT,
+                          env=ENV, capture_output=True, text=True, timeout=300)
+    assert done.returncode != 0 and json.loads(done.stdout)["exit_code"] == 2, done.stderr[-2000:]
+    error = json.loads(done.stdout)["error"]
+    assert "ranks disagree whether golden tiny gates this candidate (rank 1 changed: " in error, error
+    assert "; the others not)" in error and "rank 0 " not in error, error
+
+
+def test_a_shard_job_rerun_keeping_logits_joins_its_first_run(cli, tmp_path, golden_dir):
+    """keep_logits is no hashed factor: a shard re-run with --set keep_logits=all has the same label and bits, and
+    holds the logits arrays besides; --from-shards refused the two as runs 'with other bits'."""
+    verify = ["golden", "verify", "tiny", *TINY, "--dir", str(golden_dir)]
+    for index in range(2):
+        assert cli(*verify, "--shard", f"{index}/2", "--store", str(tmp_path / f"s{index}.db"))[0] == 0
+    assert cli(*verify, "--shard", "0/2", "--set", "keep_logits=all", "--store", str(tmp_path / "kept0.db"))[0] == 0
+    merge_stores(tmp_path / "all.db", [tmp_path / name for name in ("s0.db", "s1.db", "kept0.db")])
+    code, out, err = cli(*verify, "--store", str(tmp_path / "all.db"), "--from-shards")
+    assert code == 0, err
+
+
+def test_a_rank_with_another_environment_is_refused_naming_what_differs():
+    """The line named two hash prefixes only: which of some twenty environment keys differed between the nodes
+    (a kernel release, a driver, a thread count) was for the user to find."""
+    import copy
+
+    from evalrun.sharding import empty_run, runs_from_bytes, runs_to_bytes
+
+    header = {"config": {"dtype": "float32"}, "config_hash": "c" * 32, "environment": {"os": "Linux 6.8.0-45",
+              "backend_flags": {"num_threads": 96}}, "environment_hash": "e" * 32, "model": {"hash": "m" * 32},
+              "prompt_set": {"hash": "p" * 32, "name": "smoke"}}
+    rank0 = copy.deepcopy(header)
+    rank0["environment"]["os"], rank0["environment_hash"] = "Linux 6.8.0-40", "f" * 32
+    data = runs_to_bytes([("shard", header, empty_run(header))])
+    with pytest.raises(ConfigError, match="rank 1 ran another environment than rank 0 .environment os: rank 0 "
+                                          "Linux 6.8.0-40, rank 1 Linux 6.8.0-45"):
+        runs_from_bytes(data, rank0, 1)
+    assert runs_from_bytes(data, header, 1).keys() == {"shard"}
+    rank0 = copy.deepcopy(header)  # a factor named, not a recorded knob that no hash covers
+    rank0["config"], rank0["config_hash"] = {"dtype": "bfloat16", "keep_logits": "all"}, "d" * 32
+    with pytest.raises(ConfigError, match=r"another config than rank 0 \(config dtype: rank 0 bfloat16, rank 1 "
+                                          r"float32\)"):
+        runs_from_bytes(data, rank0, 1)
+
+
+RANK_ONE_ENVIRONMENT = '''
+import os, sys
+if os.environ.get("RANK") == "1":  # another node: a numerics variable set there only
+    os.environ["TORCHINDUCTOR_FREEZING"] = "1"
+from evalrun.cli import main
+sys.argv[0] = "evalrun"
+main()
+'''
+
+
+def test_a_verify_rank_with_another_environment_is_refused_not_joined(tmp_path, golden_dir):
+    """The verify path's rank check: an environment difference is no gate, so both ranks run and rank 0 joined
+    rank 1's prompts into a verdict under its own environment (no test reached this path)."""
+    script = tmp_path / "rank_one_environment.py"
+    script.write_text(RANK_ONE_ENVIRONMENT)
+    launcher = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2", str(script)]
+    done = subprocess.run([*launcher, "golden", "verify", "tiny", *TINY, "--dir", str(golden_dir), "--json"], cwd=ROOT,
+                          env=ENV, capture_output=True, text=True, timeout=300)
+    assert done.returncode != 0, done.stderr[-2000:]
+    error = json.loads(done.stdout)["error"]
+    assert "rank 1 ran another environment than rank 0 (environment env.TORCHINDUCTOR_FREEZING" in error, error
