@@ -36,6 +36,7 @@ import torch
 
 from .engine.mixing import GOLDEN_GAMMA, logical_shift_right, splitmix64
 from .engine.model_support import HF_EAGER_ONLY, check_architecture
+from . import gguf_check
 from .errors import ModelError
 from .hashing import hash_bytes, hash_value
 
@@ -206,6 +207,20 @@ def _quietly(function, *args, **kwargs):
 GGUF_MAGIC = b"GGUF"  # a GGUF file's first four bytes
 
 
+def _read_gguf(gguf: Path, auto: Any, **options: Any) -> Any:
+    """`auto.from_pretrained` of a GGUF file (transformers converts it), its damage named as the input's fault."""
+    try:
+        return _quietly(auto.from_pretrained, gguf.parent, gguf_file=gguf.name, **options)
+    except (ValueError, IndexError, KeyError, EOFError, struct.error) as error:
+        # what gguf's reader and transformers' converter raise on a truncated or damaged file: the input's
+        # fault, not evalrun's (a 2 MB head of SmolLM2's file: "cannot reshape array of size 214336 ...")
+        raise ModelError(f"cannot read {gguf.name} as a GGUF model ({error}); the file "
+                         "is damaged or truncated: download it again") from error
+    except NotImplementedError as error:  # a family (or a file's name, "mistral") transformers cannot convert
+        raise ModelError(f"transformers cannot convert {gguf.name} ({str(error)[:120]}); "
+                         f"{gguf_check.FIX}") from error
+
+
 def converted_gguf_dir(gguf: Path, digest: str | None = None) -> Path:
     """A Hugging Face directory converted from `gguf`, made once and reused.
 
@@ -216,7 +231,8 @@ def converted_gguf_dir(gguf: Path, digest: str | None = None) -> Path:
     import transformers
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    key = hash_value([digest or file_digest(gguf), transformers.__version__])[:24]
+    # gguf_check.CHECKED: conversions cached before these checks existed are made (and checked) again
+    key = hash_value([digest or file_digest(gguf), transformers.__version__, gguf_check.CHECKED])[:24]
     target = cache_root() / "gguf" / f"{gguf.stem}-{key}"
     if (target / "config.json").exists():
         return target
@@ -227,15 +243,10 @@ def converted_gguf_dir(gguf: Path, digest: str | None = None) -> Path:
     target.parent.mkdir(parents=True, exist_ok=True)
     staging = Path(tempfile.mkdtemp(prefix=".tmp-", dir=target.parent))
     try:
-        try:
-            tokenizer = _quietly(AutoTokenizer.from_pretrained, gguf.parent, gguf_file=gguf.name)
-            model = _quietly(AutoModelForCausalLM.from_pretrained, gguf.parent, gguf_file=gguf.name,
-                             dtype=torch.float32)
-        except (ValueError, IndexError, KeyError, EOFError, struct.error) as error:
-            # what gguf's reader and transformers' converter raise on a truncated or damaged file: the input's
-            # fault, not evalrun's (a 2 MB head of SmolLM2's file: "cannot reshape array of size 214336 ...")
-            raise ModelError(f"cannot read {gguf.name} as a GGUF model ({error}); the file "
-                             "is damaged or truncated: download it again") from error
+        model, info = _read_gguf(gguf, AutoModelForCausalLM, dtype=torch.float32, output_loading_info=True)
+        check_loading(gguf, info)  # a tensor the file lacks would be randomly initialised, then cached
+        gguf_check.check_read_whole(gguf, model)  # before the tokenizer, whose conversion takes most of the time
+        tokenizer = _read_gguf(gguf, AutoTokenizer)
         # transformers refuses to re-save a GGUF-loaded model; its weights are plain fp32 tensors by
         # now, so write them with safetensors and the config without the quantization entry.
         from safetensors.torch import save_model
@@ -342,6 +353,8 @@ def _load_directory(ref: str, directory: Path | str, device: torch.device, dtype
     from transformers import AutoModelForCausalLM
 
     family = check_directory_family(directory) if isinstance(directory, Path) and check_family else None
+    if isinstance(directory, Path):
+        check_weight_files(directory)
     if family in HF_EAGER_ONLY:  # transformers has no SDPA path for it (and refuses to load one)
         attn = "eager"
     try:
@@ -384,6 +397,48 @@ def stored_dtype(directory: Path | str) -> torch.dtype:
         return found.pop()
     wide = found & {torch.float32, torch.float64}  # none: bfloat16 with float16, which float32 holds both of
     return max(wide, key=lambda d: torch.finfo(d).bits) if wide else torch.float32
+
+
+SAFETENSORS_INDEX = "model.safetensors.index.json"
+INDEX_LIMIT = 64 << 20  # bytes; a large model's index is a few MB
+
+
+def check_weight_files(directory: Path) -> None:
+    """The folder holds one set of weights. Beside an index, transformers loads `model.safetensors` when it is
+    there (a loader that reads the index, vLLM's, the shards), and of a tensor stored in two of the index's files
+    it keeps the later file's, whatever the index maps it to: two readers of one folder computed two models, and
+    evalrun said nothing. Refuse both."""
+    index = directory / SAFETENSORS_INDEX
+    if not index.is_file():
+        return
+    try:
+        if index.stat().st_size > INDEX_LIMIT:
+            raise ModelError(f"{index} is larger than {INDEX_LIMIT >> 20} MiB; it is not a safetensors index: "
+                             "remove it, or give the checkpoint's own index")
+        weight_map = json.loads(index.read_text(encoding="utf-8")).get("weight_map")
+    except (OSError, ValueError, RecursionError, AttributeError):
+        weight_map = None  # transformers names what is wrong with the index itself
+    files = {file for file in weight_map.values() if isinstance(file, str)} if isinstance(weight_map, dict) else set()
+    # an index whose every tensor is in model.safetensors describes that one file: one copy of the weights
+    if (directory / "model.safetensors").exists() and files != {"model.safetensors"}:
+        raise ModelError(f"model {directory} holds model.safetensors beside {SAFETENSORS_INDEX} and its shards: "
+                         "transformers loads the one file, a loader that reads the index the shards; remove the "
+                         "one that is not the checkpoint")
+    if not isinstance(weight_map, dict):
+        return
+    from safetensors import safe_open
+
+    stored_in: dict[str, str] = {}
+    for name in sorted(files):
+        if not (directory / name).is_file():
+            continue  # a missing shard: transformers' loading report names the weights it lacks
+        with safe_open(str(directory / name), "pt") as handle:
+            for key in handle.keys():
+                if key in stored_in:
+                    raise ModelError(f"model {directory} stores {key} in both {stored_in[key]} and {name}, which "
+                                     f"may differ (transformers keeps the later file's); keep it only in the file "
+                                     f"the index maps it to ({weight_map.get(key)})")
+                stored_in[key] = name
 
 
 def check_loading(directory: Path | str, info: dict[str, Any]) -> None:

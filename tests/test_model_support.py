@@ -16,7 +16,7 @@ from evalrun.engine.driver import generate_batch
 from evalrun.engine.generate import BatchSpec
 from evalrun.engine.model_support import ARCHITECTURES, FAMILIES, check_config
 from evalrun.engine.transformer import Transformer
-from evalrun.errors import UnsupportedModelError
+from evalrun.errors import ModelError, UnsupportedModelError
 from evalrun.models import byte_tokenizer, load_model
 
 STEPS = 32
@@ -410,6 +410,30 @@ def test_run_on_a_model_folder_records_its_tokens(tmp_path, cli, store_path, cas
     assert len(data["results"]) == 3 and all(len(r["tokens"]) == 4 for r in data["results"])
 
 
+@pytest.mark.parametrize("case", ["llama", "gemma2", "gemma3"])
+def test_the_scale_fault_scales_the_mlps_contribution_in_every_family(tmp_path, case):
+    """Gemma normalises the MLP's output before the residual, so the `scale` fault (the down projection x(1+m))
+    was cancelled by that norm: a planted change that changed nothing (found by a red-team pass). It scales the
+    norm's output there: the MLP's contribution x(1+m) in every family, the logits moving as for Llama."""
+    from evalrun.engine.faults import Fault, apply, apply_to_module
+
+    family, overrides = CASES[case]
+    loaded = load_model(str(_checkpoint(tmp_path / case, family, **overrides)), "cpu", "float64")
+    spec = BatchSpec([[5, 6, 7, 8, 9]], 2, pad_id=0, keep_logits=True)
+    clean = generate_batch(Transformer(loaded.model), spec).logits
+    faulty = Transformer(loaded.model)
+    apply(faulty, Fault("scale", 0.01, layer=0))
+    moved = np.abs(generate_batch(faulty, spec).logits - clean).max() / np.abs(clean).max()
+    assert moved > 1e-4, moved  # Gemma before: about 1e-9 (the norm's epsilon)
+    module = loaded.model  # --engine transformers: the fault planted in the module
+    ids = torch.tensor([[5, 6, 7, 8, 9]])
+    with torch.no_grad():
+        before = module(ids).logits
+        apply_to_module(module, Fault("scale", 0.01, layer=0))
+        after = module(ids).logits
+    assert float((after - before).abs().max() / before.abs().max()) > 1e-4
+
+
 # ---------------------------------------------------------------- the files hold the model the config says
 
 def _edit_weights(directory: Path, edit, metadata: dict | None = None) -> Path:
@@ -439,6 +463,51 @@ def test_weights_missing_unused_or_contradicting_the_config_are_refused(tmp_path
     result = cli("run", "--model", str(directory), "--prompts", "smoke", "--max-new-tokens", "2",
                  "--store", str(store_path))
     one_line_exit_2(result, *needles)
+
+
+def test_a_sharded_folder_with_a_second_copy_of_its_weights_is_refused(tmp_path, cli, store_path):
+    """A model.safetensors left beside the index and its shards (transformers loaded the one file, vLLM the shards)
+    and a tensor stored in two shards (transformers kept the later file's) ran without a word: two readers of one
+    folder, two models. The shards alone still load (the control)."""
+    from safetensors.torch import load_file, save_file
+    from transformers import AutoModelForCausalLM
+
+    whole = _checkpoint(tmp_path / "whole", "llama")
+    sharded = tmp_path / "sharded"
+    AutoModelForCausalLM.from_pretrained(whole).save_pretrained(sharded, max_shard_size="20KB")
+    for path in whole.iterdir():  # the tokenizer's files
+        if not (sharded / path.name).exists() and path.suffix != ".safetensors":
+            shutil.copy(path, sharded / path.name)
+    shards = sorted(sharded.glob("model-*.safetensors"))
+    assert len(shards) > 2 and (sharded / "model.safetensors.index.json").exists()
+    assert _digest(cli, sharded, store_path) == _digest(cli, whole, store_path)
+
+    leftover = tmp_path / "leftover"
+    shutil.copytree(sharded, leftover)
+    shutil.copy(whole / "model.safetensors", leftover / "model.safetensors")
+    one_line_exit_2(cli("run", "--model", str(leftover), "--prompts", "smoke", "--max-new-tokens", "2", "--store",
+                        str(store_path)), "holds model.safetensors beside model.safetensors.index.json")
+
+    twice = tmp_path / "twice"
+    shutil.copytree(sharded, twice)
+    first, last = (load_file(shards[0]), twice / shards[-1].name)
+    key = next(iter(first))
+    save_file({**load_file(last), key: first[key] + 1}, last, metadata={"format": "pt"})
+    one_line_exit_2(cli("run", "--model", str(twice), "--prompts", "smoke", "--max-new-tokens", "2", "--store",
+                        str(store_path)), f"stores {key} in both {shards[0].name} and {last.name}")
+
+
+def test_an_index_of_the_one_model_safetensors_is_one_copy_not_refused(tmp_path, cli, store_path):
+    """Some checkpoints ship model.safetensors with an index mapping every tensor to it (one copy, which every
+    loader reads alike): it was refused as 'model.safetensors beside its shards'."""
+    from safetensors import safe_open
+
+    whole = _checkpoint(tmp_path / "whole", "llama")
+    before = _digest(cli, whole, store_path)
+    with safe_open(str(whole / "model.safetensors"), "pt") as handle:
+        weight_map = {key: "model.safetensors" for key in handle.keys()}
+    (whole / "model.safetensors.index.json").write_text(json.dumps({"metadata": {}, "weight_map": weight_map}))
+    assert _digest(cli, whole, store_path) == before
 
 
 def _digest(cli, directory: Path, store_path: Path) -> tuple[str, str]:
@@ -512,3 +581,225 @@ def test_engine_in_bfloat16_on_cuda_stays_within_transformers_bfloat16_envelope(
     print(f"{case}: engine bf16 {ours_error:.3g}, transformers bf16 {their_error:.3g} "
           f"(ratio {ours_error / their_error:.2f})")
     assert 0 < their_error and ours_error <= ENVELOPE_MULTIPLIER * their_error, (ours_error, their_error)
+
+
+# ---------------------------------------------------------------- a GGUF file is read whole
+
+def _tiny_gguf(path: Path, extra_tensors: dict | None = None, extra_metadata: dict | None = None,
+               drop: str | None = None) -> Path:
+    """A tiny Llama GGUF (float32 tensors in llama.cpp's layout) without a tokenizer: evalrun reads the model first."""
+    from gguf import GGUFWriter
+    from transformers import AutoModelForCausalLM
+
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_config(_config("llama"))
+    _randomize(model, 0)
+    writer = GGUFWriter(str(path), "llama")
+    writer.add_context_length(256), writer.add_embedding_length(64), writer.add_block_count(2)
+    writer.add_feed_forward_length(128), writer.add_head_count(4), writer.add_head_count_kv(2)
+    writer.add_rope_dimension_count(16), writer.add_layer_norm_rms_eps(1e-6), writer.add_rope_freq_base(10000.0)
+    writer.add_vocab_size(320)
+    for key, value in (extra_metadata or {}).items():
+        writer.add_string(key, value) if isinstance(value, str) else writer.add_float32(key, value)
+    names = {"model.embed_tokens.weight": "token_embd.weight", "model.norm.weight": "output_norm.weight",
+             "lm_head.weight": "output.weight"}
+    parts = {"input_layernorm": "attn_norm", "post_attention_layernorm": "ffn_norm", "self_attn.q_proj": "attn_q",
+             "self_attn.k_proj": "attn_k", "self_attn.v_proj": "attn_v", "self_attn.o_proj": "attn_output",
+             "mlp.gate_proj": "ffn_gate", "mlp.up_proj": "ffn_up", "mlp.down_proj": "ffn_down"}
+    names.update({f"model.layers.{i}.{hf}.weight": f"blk.{i}.{g}.weight" for i in range(2) for hf, g in parts.items()})
+    for hf, name in names.items():
+        if name == drop:
+            continue
+        weight = model.state_dict()[hf].numpy()
+        if ".attn_q." in name or ".attn_k." in name:  # llama.cpp's rotary row order
+            heads = 4 if ".attn_q." in name else 2
+            weight = weight.reshape(heads, 2, -1, 64).swapaxes(1, 2).reshape(weight.shape)
+        writer.add_tensor(name, np.ascontiguousarray(weight))
+    for name, value in (extra_tensors or {}).items():
+        writer.add_tensor(name, value)
+    writer.write_header_to_file(), writer.write_kv_data_to_file(), writer.write_tensors_to_file(), writer.close()
+    return path
+
+
+@pytest.mark.parametrize("edit,needles", [
+    (dict(extra_tensors={"blk.0.attn_q.bias": np.ones(64, np.float32)}), ["skips blk.0.attn_q.bias"]),
+    (dict(extra_tensors={"rope_freqs.weight": np.full(8, 4.0, np.float32)}), ["skips rope_freqs.weight"]),
+    (dict(extra_metadata={"llama.rope.scaling.type": "linear", "llama.rope.scaling.factor": 8.0}),
+     ["llama.rope.scaling"]),
+    (dict(drop="blk.1.ffn_down.weight"), ["lacks weights", "model.layers.1.mlp.down_proj.weight"]),
+    # transformers picks its converter by general.name too: a llama file named "mistral" crashed (exit 3)
+    (dict(extra_metadata={"general.name": "mistral"}), ["transformers cannot convert edited.gguf", "Hugging Face"]),
+])
+def test_a_gguf_file_transformers_converts_only_in_part_is_refused(tmp_path, monkeypatch, cli, store_path, edit,
+                                                                    needles):
+    """Before: transformers' converter skipped tensors and metadata it has no name for (a Llama file's attention
+    biases, Llama 3's rope_freqs, rope scaling), and a missing tensor ran randomly initialised (cached, so each
+    machine another model), without a word: the same bits and identity as the file without them, `identical`."""
+    monkeypatch.setenv("EVALRUN_CACHE", str(tmp_path / "cache"))
+    result = cli("run", "--model", str(_tiny_gguf(tmp_path / "edited.gguf", **edit)), "--prompts", "smoke",
+                 "--max-new-tokens", "2", "--store", str(store_path))
+    one_line_exit_2(result, *needles)
+
+
+def test_smollm2s_gguf_file_is_read_whole():
+    """The control of the test above: every tensor and family key of SmolLM2's file is what its conversion read."""
+    from evalrun.gguf_check import check_read_whole
+
+    loaded = load_model("smollm2-135m", "cpu", "float32")
+    assert loaded.source["kind"] == "gguf"
+    check_read_whole(loaded.gguf_path, loaded.model)
+
+
+def _family_gguf(path: Path, model_type: str, arch: str, overrides: dict, metadata: dict,
+                 name: str = "Tiny") -> tuple[Path, torch.nn.Module]:
+    """A tiny GGUF of any family transformers converts: the family keys llama.cpp's converter writes for it
+    (`metadata`, "{arch}" standing for the architecture), a token list (the other families' vocab_size), and
+    the tensors under gguf's names (their values and row order do not matter to the check). With the model
+    written: the config transformers' converter makes of the file where `overrides` are keys it reads."""
+    from gguf import MODEL_ARCH_NAMES, GGUFWriter, get_tensor_name_map
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_config(AutoConfig.for_model(model_type, **{**TINY, **overrides}))
+    names = get_tensor_name_map(next(key for key, value in MODEL_ARCH_NAMES.items() if value == arch),
+                                model.config.num_hidden_layers)
+    writer = GGUFWriter(str(path), arch)
+    writer.add_name(name), writer.add_tokenizer_model("gpt2")
+    writer.add_token_list([f"t{i}" for i in range(TINY["vocab_size"])])
+    writer.add_bos_token_id(1), writer.add_eos_token_id(2), writer.add_pad_token_id(0)
+    for key, value in metadata.items():
+        key = key.replace("{arch}", arch)
+        add = {bool: writer.add_bool, str: writer.add_string, float: writer.add_float32, int: writer.add_uint32,
+               list: writer.add_array}[type(value)]
+        add(key, value)
+    for hf_name, weight in model.state_dict().items():
+        if hf_name == "lm_head.weight" and model.config.tie_word_embeddings:  # llama.cpp stores it once
+            continue
+        base, suffix = hf_name.rsplit(".", 1) if hf_name.endswith((".weight", ".bias")) else (hf_name, "weight")
+        weight = weight.numpy()
+        if base.endswith("experts.gate_up_proj"):  # merged experts: llama.cpp stores gate and up apart
+            half = weight.shape[1] // 2
+            block = base.split(".")[2]
+            writer.add_tensor(f"blk.{block}.ffn_gate_exps.weight", np.ascontiguousarray(weight[:, :half]))
+            writer.add_tensor(f"blk.{block}.ffn_up_exps.weight", np.ascontiguousarray(weight[:, half:]))
+            continue
+        gguf_name = names.get_name(base)
+        if "ffn_gate_inp_shexp" in gguf_name:
+            weight = weight.reshape(-1)
+        writer.add_tensor(f"{gguf_name}.{suffix}", np.ascontiguousarray(weight))
+    writer.write_header_to_file(), writer.write_kv_data_to_file(), writer.write_tensors_to_file(), writer.close()
+    return path, model
+
+
+def _llama_cpp_keys(**keys) -> dict:
+    """The keys every family's file carries (llama.cpp's TextModel), TINY's values, plus `keys`."""
+    return {"{arch}.context_length": 256, "{arch}.embedding_length": 64, "{arch}.block_count": 2,
+            "{arch}.feed_forward_length": 128, "{arch}.attention.head_count": 4, "{arch}.attention.head_count_kv": 2,
+            "{arch}.rope.freq_base": 10000.0, "{arch}.attention.layer_norm_rms_epsilon": 1e-6,
+            **{key.replace("__", "."): value for key, value in keys.items()}}
+
+
+_HD256 = {"{arch}.attention.key_length": 256, "{arch}.attention.value_length": 256}
+_GEMMA2_KEYS = {**_llama_cpp_keys(), **_HD256, "{arch}.attn_logit_softcapping": 50.0,
+                "{arch}.final_logit_softcapping": 30.0, "{arch}.attention.sliding_window": 128}
+_GEMMA3_KEYS = {**_llama_cpp_keys(), **_HD256, "{arch}.rope.freq_base": 1e6, "{arch}.block_count": 6,
+                "{arch}.attention.sliding_window": 128}
+_MOE = dict(num_experts=4, num_experts_per_tok=2)
+_MOE_KEYS = {"{arch}.expert_count": 4, "{arch}.expert_used_count": 2}
+# (model_type, llama.cpp architecture, config, keys): files llama.cpp writes for real checkpoints of each family
+GGUF_FAMILIES = {
+    # transformers reads qwen3moe.* under its own name qwen3_moe: every key was refused as unread
+    "qwen3moe": ("qwen3_moe", "qwen3moe", dict(head_dim=16, moe_intermediate_size=768, **_MOE),
+                 {**_llama_cpp_keys(), **_MOE_KEYS, "{arch}.attention.key_length": 16,
+                  "{arch}.attention.value_length": 16, "{arch}.expert_feed_forward_length": 768}),
+    "qwen2moe": ("qwen2_moe", "qwen2moe", dict(moe_intermediate_size=1408, shared_expert_intermediate_size=5632,
+                                               **_MOE),
+                 {**_llama_cpp_keys(), **_MOE_KEYS, "{arch}.expert_feed_forward_length": 1408,
+                  "{arch}.expert_shared_feed_forward_length": 5632}),
+    # Phi-4: the original context length (read only by a scaled rotary) and sliding_window 0
+    "phi3": ("phi3", "phi3", dict(num_key_value_heads=4),
+             {**_llama_cpp_keys(), "{arch}.attention.head_count_kv": 4, "{arch}.rope.dimension_count": 16,
+              "{arch}.rope.scaling.original_context_length": 256, "{arch}.attention.sliding_window": 0}),
+    "gemma2": ("gemma2", "gemma2", dict(head_dim=256, sliding_window=128, tie_word_embeddings=True), _GEMMA2_KEYS),
+    "gemma3": ("gemma3_text", "gemma3", dict(head_dim=256, sliding_window=128, num_hidden_layers=6,
+                                             tie_word_embeddings=True),
+               {**_GEMMA3_KEYS, "{arch}.rope.freq_base_swa": 10000.0,
+                "{arch}.attention.sliding_window_pattern": [True] * 5 + [False]}),
+    # converted from an old GGML file: a layout note llama.cpp never reads
+    "llama-legacy": ("llama", "llama", {}, {**_llama_cpp_keys(), "{arch}.vocab_size": 320,
+                                            "{arch}.rope.dimension_count": 16,
+                                            "{arch}.tensor_data_layout": "Meta AI original pth"}),
+}
+
+
+@pytest.mark.parametrize("family", GGUF_FAMILIES)
+def test_a_gguf_file_of_each_family_as_llama_cpp_writes_it_is_read_whole(tmp_path, family):
+    """Before: a Qwen3-MoE or Qwen2-MoE file was refused on its first key (qwen3moe.context_length: the check
+    looked transformers' key map up under llama.cpp's name), a Phi-4 file on its original context length, a
+    Gemma 3 file carrying its sliding layers' rotary base or pattern, an old Llama file on its layout note."""
+    from transformers import AutoModelForCausalLM
+
+    from evalrun.gguf_check import check_read_whole
+
+    model_type, arch, overrides, keys = GGUF_FAMILIES[family]
+    path, _ = _family_gguf(tmp_path / f"{family}.gguf", model_type, arch, overrides, keys)
+    model = AutoModelForCausalLM.from_pretrained(tmp_path, gguf_file=path.name, dtype=torch.float32)
+    check_read_whole(path, model)
+
+
+@pytest.mark.parametrize("model_type,arch,overrides,keys,needles", [
+    # any other Gemma: by 1/sqrt(head_dim)
+    ("gemma2", "gemma2", dict(head_dim=16, tie_word_embeddings=True),
+     {**_GEMMA2_KEYS, "{arch}.attention.key_length": 16, "{arch}.attention.value_length": 16},
+     ["1/sqrt(16)", "1/sqrt(256)"]),
+    ("gemma3_text", "gemma3", dict(head_dim=256, num_hidden_layers=6, tie_word_embeddings=True),
+     {**_GEMMA3_KEYS, "{arch}.rope.freq_base_swa": 20000.0}, ["gemma3.rope.freq_base_swa = 20000.0"]),
+    ("gemma3_text", "gemma3", dict(head_dim=256, num_hidden_layers=6, tie_word_embeddings=True),
+     {**_GEMMA3_KEYS, "{arch}.rope.scaling.type": "linear", "{arch}.rope.scaling.factor": 8.0},
+     ["gemma3.rope.scaling.type = linear"]),
+    # Phi-3-mini-4k's window: the converted model has none
+    ("phi3", "phi3", dict(num_key_value_heads=4),
+     GGUF_FAMILIES["phi3"][3] | {"{arch}.attention.sliding_window": 2047},
+     ["phi3.attention.sliding_window = 2047"]),
+    # a scaled rotary still is refused once the key map is found under transformers' name
+    ("qwen3_moe", "qwen3moe", GGUF_FAMILIES["qwen3moe"][2],
+     GGUF_FAMILIES["qwen3moe"][3] | {"{arch}.rope.scaling.type": "yarn", "{arch}.rope.scaling.factor": 4.0,
+                                     "{arch}.rope.scaling.original_context_length": 64},
+     ["qwen3moe.rope.scaling.type = yarn"]),
+])
+def test_a_gguf_file_whose_model_the_converter_changes_is_refused(tmp_path, monkeypatch, model_type, arch, overrides,
+                                                                  keys, needles):
+    """Before: Gemma files were accepted whose attention scale the converter changes (it reads no
+    query_pre_attn_scalar: Gemma 2 / 3 27B ran with 1/sqrt(256) where llama.cpp computes 1/sqrt(144) and
+    1/sqrt(168))."""
+    from evalrun.models import converted_gguf_dir
+
+    monkeypatch.setenv("EVALRUN_CACHE", str(tmp_path / "cache"))
+    path, _ = _family_gguf(tmp_path / "family.gguf", model_type, arch, overrides, keys)
+    with pytest.raises(ModelError) as refused:
+        converted_gguf_dir(path)  # refused before the tokenizer converts
+    assert all(needle in str(refused.value) for needle in needles), str(refused.value)
+
+
+@pytest.mark.parametrize("model_type,arch,layers,scalar", [("gemma2", "gemma2", 46, 144),
+                                                         ("gemma3_text", "gemma3", 62, 168)])
+def test_a_27b_gemma_gguf_file_is_refused_for_its_attention_scale(tmp_path, model_type, arch, layers, scalar):
+    """llama.cpp knows Gemma 2 / 3 27B by its layer count and scales its scores by 1/sqrt(hidden/heads)
+    (144 and 168 for the real ones), where the converted model keeps transformers' default 1/sqrt(256). Checked
+    on the model the converter makes (its default query_pre_attn_scalar; transformers' own 46-layer conversion
+    takes half a minute), hidden/heads = `scalar` as in the real checkpoints."""
+    from evalrun.gguf_check import check_read_whole
+
+    heads = 2
+    keys = {**_llama_cpp_keys(), **_HD256, "{arch}.block_count": layers, "{arch}.embedding_length": heads * scalar,
+            "{arch}.attention.head_count": heads, "{arch}.attention.head_count_kv": 1,
+            "{arch}.attention.sliding_window": 128, "{arch}.feed_forward_length": 8}
+    if arch == "gemma2":
+        keys |= {"{arch}.attn_logit_softcapping": 50.0, "{arch}.final_logit_softcapping": 30.0}
+    path, model = _family_gguf(tmp_path / "27b.gguf", model_type, arch,
+                               dict(head_dim=256, num_hidden_layers=layers, hidden_size=heads * scalar,
+                                    num_attention_heads=heads, num_key_value_heads=1, intermediate_size=8,
+                                    sliding_window=128, tie_word_embeddings=True), keys)
+    assert model.config.query_pre_attn_scalar == 256  # what the converter leaves
+    with pytest.raises(ModelError, match=rf"1/sqrt\({scalar}\), transformers' GGUF converter by 1/sqrt\(256\)"):
+        check_read_whole(path, model)

@@ -37,6 +37,7 @@ from typing import Any, Callable
 import torch
 
 from .modes import build_execution_mode
+from .model_support import OFFSET_NORM_FAMILIES
 from .transformer import LayerWeights, Transformer
 
 KINDS = ("scale", "int8", "rope_theta", "norm_eps", "mask_position", "sign_flip", "swap_layers", "router")
@@ -102,11 +103,23 @@ def _moe_fault(weights: LayerWeights, fault: Fault) -> LayerWeights:
     return dataclasses.replace(weights, qkv=_fake_int8(weights.qkv), o=_fake_int8(weights.o), moe=quantized)
 
 
-def _layer_fault(weights: LayerWeights, fault: Fault) -> LayerWeights:
+def _scaled_norm(weight: torch.Tensor, factor: float, offset: bool) -> torch.Tensor:
+    """A norm weight whose output is `factor` x the original's: w x factor, or for Gemma's (1 + w) scaling
+    (1 + w) x factor - 1; in float64, rounded once."""
+    wide = weight.detach().double()
+    return _like(weight, ((1 + wide) * factor - 1 if offset else wide * factor).to(weight.dtype))
+
+
+def _layer_fault(weights: LayerWeights, fault: Fault, norm_offset: bool = False) -> LayerWeights:
     if weights.moe is not None:
         return _moe_fault(weights, fault)
     if fault.kind == "router":
         raise ValueError("fault kind 'router' needs an MoE layer; pass Fault(layer=...) naming one")
+    if fault.kind == "scale" and weights.mlp_out_norm is not None:
+        # Gemma normalises the MLP's output: a scaled down projection would be cancelled (a red-team pass found the
+        # fault a no-op there); scaling that norm's output scales the MLP's contribution to the residual instead
+        return dataclasses.replace(weights, mlp_out_norm=_scaled_norm(weights.mlp_out_norm, 1 + fault.magnitude,
+                                                                      norm_offset))
     if fault.kind == "scale":
         return dataclasses.replace(weights, down=_scaled(weights.down, 1 + fault.magnitude))
     if fault.kind == "sign_flip":
@@ -134,7 +147,7 @@ def apply(transformer: Transformer, fault: Fault) -> None:
     """Plant `fault` in an engine Transformer (its own copies of the tensors it changes)."""
     index = fault.layer if fault.layer is not None else len(transformer.layers) // 2
     if fault.kind in ("scale", "sign_flip", "int8", "router"):
-        transformer.layers[index] = _layer_fault(transformer.layers[index], fault)
+        transformer.layers[index] = _layer_fault(transformer.layers[index], fault, transformer.variant.norm_offset)
     elif fault.kind == "rope_theta":  # inv_freq = theta^(-2i/D): a new base scales it by (1+m)^(-2i/D)
         exponents = torch.arange(transformer.inv_freq.numel(), dtype=torch.float64) / transformer.inv_freq.numel()
         factor = ((1 + fault.magnitude) ** -exponents).to(transformer.inv_freq.device)
@@ -164,6 +177,13 @@ def apply_to_module(module: torch.nn.Module, fault: Fault) -> None:
     if not names:
         raise ValueError(f"no MLP output projection ({', '.join(HF_DOWN_PROJECTIONS)}) in {type(module).__name__}")
     index = fault.layer if fault.layer is not None else len(names) // 2
+    layer = module.get_submodule(names[index].rsplit(".", 2)[0])
+    after = getattr(layer, "post_feedforward_layernorm", None)  # Gemma: a norm would cancel a scaled projection
+    if fault.kind == "scale" and after is not None:
+        offset = getattr(getattr(module, "config", None), "model_type", None) in OFFSET_NORM_FAMILIES
+        after.weight = torch.nn.Parameter(_scaled_norm(after.weight, 1 + fault.magnitude, offset).detach().clone(),
+                                          requires_grad=False)
+        return
     projection = module.get_submodule(names[index])
     change = {"scale": lambda w: _scaled(w, 1 + fault.magnitude), "sign_flip": _sign_flipped,
               "int8": _fake_int8}[fault.kind]
