@@ -20,7 +20,7 @@ from typing import Any, Callable
 import numpy as np
 
 from .config import OPENAI_ENGINE_PREFIX, EffectiveConfig, RunConfig, is_server_engine
-from .engine.openai_server import Completion, OpenAIClient, TokenIndex
+from .engine.openai_server import Completion, OpenAIClient, TokenIndex, identity_entry
 from .engine.timing import latency_summary
 from .errors import ServerError
 from .fingerprint import environment_hash
@@ -85,10 +85,11 @@ def prepare_server(config: RunConfig | EffectiveConfig, local: Prepared | None =
 def server_header(config: EffectiveConfig, local: Prepared, identity: dict[str, Any]) -> dict[str, Any]:
     """The run header: the server's identity as its model and environment (what it exposes), the local
     tokenizer's identity (the ids every comparison uses)."""
-    served = {"model": identity["model"], "entry": identity["entry"]}
+    entry = identity_entry(identity["entry"])  # without serving settings: they are environment (named in a diff)
+    served = {"model": identity["model"], "entry": entry}
     local_model = local.header["model"]
     model = {"ref": config.model, "served_model": identity["model"], "weights": "served:" + hash_value(served),
-             "config": "served:" + hash_value(identity["entry"]), "tokenizer": local_model["tokenizer"],
+             "config": "served:" + hash_value(entry), "tokenizer": local_model["tokenizer"],
              "tokenizer_fields": local_model.get("tokenizer_fields"), "parameters": local_model["parameters"],
              "source": {"kind": "openai-server", "url": config.engine[len(OPENAI_ENGINE_PREFIX):]},
              "local_weights": local_model["weights"]}
@@ -166,6 +167,10 @@ def collect(sp: ServerPrepared, completion: Completion, where: str, into: Server
         into.digests.append(step_digest(step.token, step.logprob, step.top))
     if len(completion.steps) == 0 or completion.finish_reason == "stop":
         into.ended = len(into.tokens) < limit
+    elif len(into.tokens) < limit:  # stored, such a run made a golden no verify could read (incomparable)
+        raise ServerError(f"{where}: the server answered {len(into.tokens)} of {limit} tokens without ending the "
+                          f"sequence (finish_reason {completion.finish_reason!r}: a context limit?); raise the "
+                          "server's context length or lower --max-new-tokens")
 
 
 def greedy_note(chosen: float, top: dict[str, float], token: str, where: str) -> str | None:

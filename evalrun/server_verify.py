@@ -31,6 +31,7 @@ import numpy as np
 
 from .compare import dict_diff, digest_mismatch_steps, environment_causes, first_divergence, worst_verdict
 from .config import EffectiveConfig, RunConfig
+from .engine.openai_server import identity_entry
 from .golden import ENVELOPE_ROLES, Golden
 from .hashing import hash_value
 from .rules import EXECUTION_RULE, Evidence, aggregate, judge, judge_set, rule_for, step_errors, typical
@@ -97,7 +98,7 @@ def verify_with_server(golden: Golden, config: RunConfig | EffectiveConfig, stri
     started_forced = time.perf_counter()
     judged = _judge_all(golden, sp, golden_results, by_index, prompts, steps, from_server, causes, progress)
     timings["forced_s"] = time.perf_counter() - started_forced
-    return _decide(golden, sp, golden_results, prompts, judged, from_server, causes, verdict)
+    return _decide(golden, sp, golden_results, prompts, judged, from_server, causes, verdict, by_index)
 
 
 def _gate(golden: Golden, sp: ServerPrepared, golden_results: list[PromptResult], steps: dict[int, int],
@@ -121,20 +122,57 @@ def _gate(golden: Golden, sp: ServerPrepared, golden_results: list[PromptResult]
                     f"tokens, the candidate asks {wanted}; verify with --max-new-tokens {len(result.arrays['tokens'])}", [])
     if from_server:
         theirs, ours = golden.pinned.json["model"], sp.header["model"]
-        if (theirs.get("weights"), theirs.get("config")) != (ours["weights"], ours["config"]):
+        # by the entries themselves: a golden made before SERVING_FIELDS hashed its whole entry into its identity
+        entry = ((golden.pinned.json.get("environment") or {}).get("server") or {}).get("entry")
+        same = ((theirs.get("served_model"), identity_entry(entry)) ==
+                (ours["served_model"], identity_entry(sp.identity["entry"])) if entry is not None else
+                (theirs.get("weights"), theirs.get("config")) == (ours["weights"], ours["config"]))
+        if not same:
             return ("changed", f"model identity: the server serves {ours.get('served_model')!r} "
                     f"({sp.identity['entry']}), the golden's served {theirs.get('served_model')!r}", ["weights"])
     return None
 
 
+def _continued(golden_run: PromptResult, free: PromptResult, steps: int, from_server: bool) -> bool:
+    """The golden's server ended the sequence after `steps` tokens, and the candidate went on: its end-of-sequence
+    decision differs at step `steps`, where the golden holds no numbers (identical, unjudged, before)."""
+    ended = len(golden_run.arrays["tokens"])
+    return (from_server and golden_run.eos_step >= 0 and golden_run.eos_step == ended == steps
+            and len(free.arrays["tokens"]) > steps)
+
+
 def _free_verdict(golden_run: PromptResult, free: PromptResult, steps: int, from_server: bool) -> PromptVerdict:
     g_tokens, c_tokens = golden_run.arrays["tokens"][:steps], free.arrays["tokens"][:steps]
     mismatches = digest_mismatch_steps(golden_run.arrays["digests"][:steps], free.arrays["digests"][:steps])
-    same = from_server and mismatches.size == 0 and np.array_equal(g_tokens, c_tokens) and (
+    continued = _continued(golden_run, free, steps, from_server)
+    same = from_server and mismatches.size == 0 and np.array_equal(g_tokens, c_tokens) and not continued and (
         (golden_run.eos_step >= 0) == (free.eos_step >= 0) or len(g_tokens) >= steps)
     digest_diffs = int(mismatches.size) if from_server else min(len(g_tokens), len(c_tokens))
-    return PromptVerdict(golden_run.prompt_id, "identical" if same else "drift", first_divergence(g_tokens, c_tokens),
-                         digest_diffs)
+    first = first_divergence(g_tokens, c_tokens)
+    return PromptVerdict(golden_run.prompt_id, "identical" if same else "drift",
+                         steps if continued and first < 0 else first, digest_diffs)
+
+
+def _end_flip(sp: ServerPrepared, free: PromptResult, step: int, allowed: float) -> tuple[float | None, str]:
+    """The golden's server ended at `step` and the candidate chose a token: how far below its choice the candidate
+    put end-of-sequence (the golden holds no numbers there). Exact where end-of-sequence is among the candidate's
+    ids at that step; where it is not, at least the choice's lead over the last id shown, when every string the
+    server answered was read as an id (end-of-sequence left out as ambiguous, llama.cpp's "", could be anywhere:
+    None, not judged)."""
+    ids, values = free.arrays["probe_ids"][step].tolist(), free.arrays["probe_values"][step].tolist()
+    chosen, eos = int(free.arrays["tokens"][step]), sp.index.eos
+    text = f"step {step}: the golden's server ended the sequence, the candidate continued with " \
+           f"{sp.local.loaded.tokenizer.decode([chosen])!r}"
+    if chosen not in ids:
+        return None, f"{text} (outside its own top-k: not judged)"
+    if eos in ids:
+        gap = values[ids.index(chosen)] - values[ids.index(eos)]
+        return gap, f"{text} (its end-of-sequence {gap:.3g} below its choice, allowed {allowed:.3g})"
+    if sp.index.ambiguous or sp.index.unknown:
+        return None, (f"{text} (its end-of-sequence is not among the ids its answers were read as: "
+                      f"{sp.index.ambiguous + sp.index.unknown} strings were ambiguous or unknown; not judged)")
+    gap = values[ids.index(chosen)] - min(values)
+    return gap, f"{text} (its end-of-sequence at least {gap:.3g} below its choice, allowed {allowed:.3g})"
 
 
 # ---------------------------------------------------------------- the execution check's evidence
@@ -239,7 +277,7 @@ def _judge_all(golden, sp, golden_results, by_index, prompts, steps, from_server
     return evidence
 
 
-def _decide(golden, sp, golden_results, prompts, evidence, from_server, causes, verdict) -> Verdict:
+def _decide(golden, sp, golden_results, prompts, evidence, from_server, causes, verdict, by_index) -> Verdict:
     oracle_dtype = golden.config("oracle").dtype
     rule = rule_for(EXECUTION_RULE, "float32", oracle_dtype)
     envelope_errors = [max(aggregate(step_errors(m, e.oracle)) for m in e.envelope) for e, _ in evidence.values()]
@@ -259,6 +297,14 @@ def _decide(golden, sp, golden_results, prompts, evidence, from_server, causes, 
                                    float(golden_run.arrays["margins"][f.step]), f.oracle_gap, f.allowed_gap, f.passed)
                         for f in judgement.flips]
         closest.append((judgement.distance, f"prompt {prompt.prompt_id}, execution check"))
+        free, ended = by_index[golden_run.prompt_index], len(golden_run.arrays["tokens"])
+        if not judgement.reason and _continued(golden_run, free, ended, from_server):
+            allowed = rule.flip_multiplier * judgement.envelope_error + judgement.floor
+            gap, line = _end_flip(sp, free, ended, allowed)
+            causes.append("end of sequence: " + line)
+            if gap is not None and gap > allowed:
+                judgement.reason = "greedy flip across a clear margin: " + line
+                judgement.distance = max(judgement.distance, gap / max(allowed, np.finfo(np.float64).tiny))
         if judgement.reason:
             prompt.verdict, prompt.reason = "changed", "execution check: " + judgement.reason
             failed.append(prompt.prompt_id)

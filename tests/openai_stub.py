@@ -24,6 +24,7 @@ import json
 import threading
 import time
 import uuid
+from collections.abc import Callable
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
 import torch
@@ -36,6 +37,9 @@ class StubServer:
                  delay: float = 3.0, dtype: str = "float32") -> None:
         self.loaded = load_model(model_ref, "cpu", dtype)  # bfloat16: a server that computes as most do
         self.behaviour, self.served, self.delay = behaviour, served, delay
+        self.entry_extra: dict = {}  # more fields of its /v1/models entry (vLLM's root, max_model_len)
+        self.eos: int | None = None  # another end-of-sequence id than the tokenizer's (another generation config)
+        self.rewrite: Callable[[dict], dict] | None = None  # edits each completion answer before it is sent
         self.calls = 0
         self.lock = threading.Lock()
         self.logprobs([0, 1])  # the first forward imports what it needs now, not inside a pytester snapshot
@@ -82,7 +86,7 @@ class StubServer:
                 value = float(logprobs[token])
             elif self.behaviour == "runner-up" and float(values[0] - values[1]) < 0.4:
                 token, value = int(top_ids[1]), float(values[1])
-            if token == tokenizer.eos_token_id:
+            if token == (tokenizer.eos_token_id if self.eos is None else self.eos):
                 finish = "stop"
                 break
             generated.append(token)
@@ -92,11 +96,12 @@ class StubServer:
         if self.behaviour == "nan" and chosen:
             chosen[0] = float("nan")
             tops[0] = {name: float("nan") for name in tops[0]}
-        return {"id": "cmpl-stub", "object": "text_completion", "created": int(time.time()), "model": self.served,
-                "choices": [{"index": 0, "text": tokenizer.decode(generated), "finish_reason": finish,
-                             "logprobs": {"tokens": tokens, "token_logprobs": chosen, "top_logprobs": tops,
-                                          "text_offset": [0] * len(tokens)}}],
-                "usage": {"prompt_tokens": len(ids), "completion_tokens": len(generated)}}
+        answer = {"id": "cmpl-stub", "object": "text_completion", "created": int(time.time()), "model": self.served,
+                  "choices": [{"index": 0, "text": tokenizer.decode(generated), "finish_reason": finish,
+                               "logprobs": {"tokens": tokens, "token_logprobs": chosen, "top_logprobs": tops,
+                                            "text_offset": [0] * len(tokens)}}],
+                  "usage": {"prompt_tokens": len(ids), "completion_tokens": len(generated)}}
+        return self.rewrite(answer) if self.rewrite else answer
 
 
 class _QuietServer(ThreadingHTTPServer):
@@ -121,7 +126,8 @@ def _handler(stub: StubServer):
             if self.path == "/v1/models":
                 self._send(200, json.dumps({"object": "list", "data": [
                     {"id": stub.served, "object": "model", "created": int(time.time()), "owned_by": "stub",
-                     "permission": [{"id": f"modelperm-{uuid.uuid4().hex}", "object": "model_permission"}]}]}).encode())
+                     "permission": [{"id": f"modelperm-{uuid.uuid4().hex}", "object": "model_permission"}],
+                     **stub.entry_extra}]}).encode())
             elif self.path == "/version":
                 self._send(200, b'{"version": "stub-1.0"}')
             else:

@@ -61,7 +61,7 @@ def test_a_golden_of_a_bfloat16_server_is_made_and_verifies(cli, tmp_path):
 def behaving(stub):
     """The module's stub, reset to `ok` after the test whatever it set."""
     yield stub
-    stub.behaviour = "ok"
+    stub.behaviour, stub.entry_extra, stub.eos, stub.rewrite = "ok", {}, None, None
 
 
 def _complete_runs(store_path: Path) -> list[tuple[str, str]]:
@@ -286,3 +286,129 @@ def test_the_pytest_plugin_verifies_a_server(stub, golden_factory, tmp_path, mon
     result.assert_outcomes(passed=1)
     with sqlite3.connect(store) as db:
         assert db.execute("SELECT status FROM runs").fetchall() == [("complete",)]
+
+
+def _verify(cli, server, directory: Path, name: str = "g") -> tuple[int, dict | str, str]:
+    code, out, err = cli("golden", "verify", name, "--dir", str(directory), "-q", "--engine", f"openai:{server.url}",
+                         *LOCAL, "--json")
+    return code, (json.loads(out) if out.strip().startswith("{") else out), err
+
+
+def _server_golden(server, directory: Path, name: str = "g") -> Path:
+    config = build_config(flags={"model": "random:tiny", "prompts": "smoke", "max_new_tokens": 5,
+                                 "engine": f"openai:{server.url}"})
+    create_server_golden(name, config, directory, cuda_available=False)
+    return directory
+
+
+def test_a_restart_with_another_max_model_len_is_the_same_model(cli, behaving, tmp_path):
+    """vLLM's and SGLang's model-list entry holds max_model_len (--max-model-len, --context-length): a serving
+    setting, named as environment. It was hashed into the model's identity: a restart with another context limit
+    verified `changed`, exit 1. The rest of the entry still gates (the launch path, `root`)."""
+    behaving.entry_extra = {"root": "/models/smollm2", "parent": None, "max_model_len": 2048}
+    _server_golden(behaving, tmp_path)
+    behaving.entry_extra = {"root": "/models/smollm2", "parent": None, "max_model_len": 4096}
+    code, verdict, err = _verify(cli, behaving, tmp_path)
+    assert (code, verdict["verdict"]) == (0, "identical"), (verdict, err)
+    assert "environment: server.entry.max_model_len 2048 -> 4096" in verdict["causes"]
+    behaving.entry_extra = {"root": "/models/other", "parent": None, "max_model_len": 2048}
+    code, verdict, err = _verify(cli, behaving, tmp_path)
+    assert (code, verdict["verdict"]) == (1, "changed"), verdict
+
+
+def _tokens(directory: Path) -> list[list[int]]:
+    return [r.arrays["tokens"].tolist() for r in open_golden("g", directory).results("pinned")]
+
+
+def test_a_server_going_on_where_the_goldens_ended_is_changed(cli, behaving, tmp_path):
+    """The golden's server ended a prompt at step 2 (its end-of-sequence another id: another generation config);
+    the candidate, the same numbers bit for bit, goes on. It verified identical ("every token ... equal"): the step
+    where the golden ended was never looked at. Now the candidate's own lead over end-of-sequence there is judged
+    as a flip's gap."""
+    _server_golden(behaving, tmp_path / "plain")
+    behaving.eos = _tokens(tmp_path / "plain")[0][2]
+    _server_golden(behaving, tmp_path / "g")
+    assert len(_tokens(tmp_path / "g")[0]) == 2
+    behaving.eos = None
+    code, verdict, err = _verify(cli, behaving, tmp_path / "g")
+    assert (code, verdict["verdict"]) == (1, "changed"), (verdict, err)
+    assert any(c.startswith("end of sequence: step 2: the golden's server ended the sequence") and "at least" in c
+               for c in verdict["causes"]), verdict["causes"]
+
+
+def test_the_same_server_ending_where_the_golden_ended_stays_identical(cli, behaving, tmp_path):
+    behaving.eos = _tokens(_server_golden(behaving, tmp_path / "plain"))[0][2]
+    _server_golden(behaving, tmp_path / "g")
+    code, verdict, err = _verify(cli, behaving, tmp_path / "g")
+    assert (code, verdict["verdict"]) == (0, "identical"), (verdict, err)
+    assert any(r.eos_step >= 0 for r in open_golden("g", tmp_path / "g").results("pinned"))
+
+
+def _on_first_step(change):
+    def rewrite(answer: dict) -> dict:
+        logprobs = answer["choices"][0]["logprobs"]
+        if logprobs["tokens"]:
+            change(logprobs)
+        return answer
+    return rewrite
+
+
+def _first_top(key: str | None = None, value: float | None = None):
+    def change(logprobs: dict) -> None:
+        top = logprobs["top_logprobs"][0]
+        first = next(iter(top))
+        kept = top.pop(first)
+        top[key or first] = kept if value is None else value
+        if value is not None and logprobs["tokens"][0] == first:
+            logprobs["token_logprobs"][0] = value
+    return change
+
+
+def _every_first(value: float):
+    def change(logprobs: dict) -> None:
+        logprobs["token_logprobs"][0] = value
+        logprobs["top_logprobs"][0] = {key: value for key in logprobs["top_logprobs"][0]}
+    return change
+
+
+def _cut_short(finish: str | None):
+    def rewrite(answer: dict) -> dict:
+        choice = answer["choices"][0]
+        if len(choice["logprobs"]["tokens"]) > 2:
+            for name in ("tokens", "token_logprobs", "top_logprobs", "text_offset"):
+                choice["logprobs"][name] = choice["logprobs"][name][:-2]
+            choice["finish_reason"] = finish
+        return answer
+    return rewrite
+
+
+HOSTILE_ANSWERS = {
+    "id past the vocabulary": _on_first_step(_first_top(key="token_id:999999")),
+    "id past int64": _on_first_step(_first_top(key="token_id:" + "9" * 30)),
+    "positive log-probability": _on_first_step(_every_first(50.0)),
+    "log-probability -1e308": _on_first_step(_first_top(value=-1e308)),
+    "log-probability 1e308": _on_first_step(_every_first(1e308)),
+    "log-probability of 400 digits": _on_first_step(lambda logprobs: logprobs["token_logprobs"].__setitem__(
+        0, -10 ** 400)),
+    "cut short at its length": _cut_short("length"),
+    "cut short, no reason": _cut_short(None),
+}
+
+
+@pytest.mark.parametrize("hostile", sorted(HOSTILE_ANSWERS))
+def test_a_hostile_answer_is_one_line_exit_2_and_nothing_stored_good(cli, behaving, server_golden, tmp_path,
+                                                                     store_path, hostile):
+    """Before: a token id past the vocabulary or past int64, a log-probability past 1e308 as a JSON integer: exit 3
+    or `changed`; a positive or +-1e308 log-probability, or a completion cut short without ending the sequence:
+    stored complete and a golden written (one whose envelope was infinite, so a server computing another function
+    verified as drift; or one no verify could read)."""
+    behaving.rewrite = HOSTILE_ANSWERS[hostile]
+    target = ["--engine", f"openai:{behaving.url}", *LOCAL, "-q"]
+    code, out, err = cli("run", *target, "--store", str(store_path))
+    assert (code, out) == (2, "") and len(err.strip().splitlines()) == 1 and err.startswith("evalrun: error: "), err
+    assert [status for _, status in _complete_runs(store_path)] == ["failed"]
+    code, out, err = cli("golden", "create", "broken", "--dir", str(tmp_path / "g"), *target)
+    assert code == 2 and len(err.strip().splitlines()) == 1, err
+    assert not (tmp_path / "g").exists() or not list((tmp_path / "g").iterdir())
+    code, out, err = cli("golden", "verify", "served", "--dir", str(server_golden), *target)
+    assert code == 2 and len(err.strip().splitlines()) == 1, err

@@ -26,6 +26,11 @@ from ..errors import ServerError
 TOKEN_ID_PREFIX = "token_id:"
 KEPT_HEADERS = ("server", "x-powered-by", "openai-version", "x-request-model")  # identity, never timestamps
 MAX_RESPONSE_BYTES = 64 << 20
+# A log-probability is <= 0; a server printing float32 may round the top one a little above 0. Far below the
+# floor no server computes (vLLM clamps -inf to -9999): a value outside [LOGPROB_FLOOR, LOGPROB_CEILING] is a
+# malformed answer. Stored, one such value made a golden's envelope infinite (every server verified as drift).
+LOGPROB_CEILING = 1e-3
+LOGPROB_FLOOR = -1e5
 
 
 @dataclass
@@ -182,6 +187,17 @@ def _error_detail(error: urllib.error.HTTPError) -> str:
 VOLATILE_FIELDS = ("created", "timestamp", "date", "permission")  # vLLM's permission holds a new uuid per request
 
 
+# Model-list fields that are serving settings, not the model: vLLM's and SGLang's max_model_len follows
+# --max-model-len (--context-length), so a restart with another context limit verified as `changed`. They stay in
+# the server's environment record (named in every diff), out of its identity.
+SERVING_FIELDS = ("max_model_len",)
+
+
+def identity_entry(entry: Any) -> Any:
+    """A model-list entry as the identity gate compares it: without the serving settings."""
+    return {k: v for k, v in entry.items() if k not in SERVING_FIELDS} if isinstance(entry, dict) else entry
+
+
 def _stable(value: Any) -> Any:
     """A JSON value without the fields that change per request or restart (timestamps; vLLM's model permission,
     whose id is a new uuid each time /v1/models answers: every verify of its own golden was `changed`)."""
@@ -212,7 +228,7 @@ def parse_completion(answer: Any, where: str, headers: dict[str, str] | None = N
                           int(prompt_tokens) if isinstance(prompt_tokens, int) else None, dict(headers or {}))
     except ServerError:
         raise
-    except (KeyError, IndexError, TypeError, ValueError, AttributeError) as error:
+    except (KeyError, IndexError, TypeError, ValueError, AttributeError, OverflowError) as error:
         raise ServerError(f"server {where}: malformed completion ({type(error).__name__}: {str(error)[:80]}); "
                           "not an OpenAI-compatible completions endpoint?") from None
 
@@ -228,9 +244,11 @@ def _number(value: Any) -> float:
     never over it (a server answering NaN passed verify as drift), so a non-finite value is a malformed answer."""
     if isinstance(value, bool) or not isinstance(value, (int, float)):
         raise TypeError(f"expected a number, got {type(value).__name__}")
-    number = float(value)
+    number = float(value)  # OverflowError past 1e308 (an integer of 309-4300 digits): malformed too
     if not math.isfinite(number):
         raise ValueError(f"a log-probability that is not a finite number ({number})")
+    if not LOGPROB_FLOOR <= number <= LOGPROB_CEILING:
+        raise ValueError(f"a log-probability of {number:.4g}, outside [{LOGPROB_FLOOR:g}, {LOGPROB_CEILING:g}]")
     return number
 
 
@@ -242,6 +260,7 @@ class TokenIndex:
 
     def __init__(self, tokenizer: Any, vocab: int) -> None:
         self.eos = tokenizer.eos_token_id
+        self.vocab = vocab
         special = set(getattr(tokenizer, "all_special_ids", []) or [])
         by_text: dict[str, list[int]] = {}
         for index in range(vocab):
@@ -254,7 +273,11 @@ class TokenIndex:
 
     def lookup(self, text: str) -> int | None:
         if text.startswith(TOKEN_ID_PREFIX) and text[len(TOKEN_ID_PREFIX):].isdigit():
-            return int(text[len(TOKEN_ID_PREFIX):])
+            index = int(text[len(TOKEN_ID_PREFIX):])
+            if index >= self.vocab:  # stored, it crashed golden create and read as `changed` in verify
+                raise ServerError(f"the server answered token id {index}, outside the {self.vocab} ids of evalrun's "
+                                  "tokenizer: pass the --model the server serves")
+            return index
         ids = self.by_text.get(text)
         if not ids:
             self.unknown += 1
