@@ -16,7 +16,7 @@ import numpy as np
 from .compare import bits_to_float, dict_diff, digest_mismatch_steps, first_divergence, sketch_series, ulp_distance
 from .errors import StoreError
 from .routing import PromptRoutingDiff, RoutingFlip, prompt_routing_diff, result_flip
-from .store import PromptResult, RunRecord, Store, result_problem
+from .store import PromptResult, RunRecord, Store, results_problem
 
 CONTEXT_TOKENS = 6  # decoded tokens shown each side of the first divergence
 TOP_SHOWN = 5
@@ -60,11 +60,7 @@ def run_problem(record: RunRecord, results: list[PromptResult]) -> str:
         return "its model or prompt-set record is missing"
     if not results:
         return "it has no results"
-    for result in results:
-        problem = result_problem(result)
-        if problem:
-            return problem
-    return ""
+    return results_problem(results)
 
 
 def diff_refs(ref_a: str, ref_b: str, store_path: Path, golden_dir: str | Path = "golden",
@@ -202,6 +198,25 @@ def diff_prompt(a: PromptResult, b: PromptResult, dtype: str, decode, series: St
     return result
 
 
+def _cache_hits(evidence: dict) -> tuple[int, Any]:
+    cache = evidence.get("compile_cache") or {}
+    return int(cache.get("hits") or 0), cache.get("folder")
+
+
+def _cache_note(name_a: str, name_b: str, evidence_a: dict, evidence_b: dict, prompts: list[PromptDiff]) -> str:
+    """Where the bits differ and one run took compiled graphs from a cache the other did not take them from: a cache
+    replays what the process that wrote it compiled (Inductor's keys miss some of what the fingerprint names beside
+    them, compile_cache.py), so it is named as a candidate cause."""
+    (hits_a, folder_a), (hits_b, folder_b) = _cache_hits(evidence_a), _cache_hits(evidence_b)
+    if not any(p.digest_mismatches for p in prompts) or not (hits_a or hits_b) or \
+            (hits_a and hits_b and folder_a == folder_b):
+        return ""
+    said = [f"{name} took {hits} compiled graphs from {folder}" if hits else f"{name} took none from a cache"
+            for name, hits, folder in ((name_a, hits_a, folder_a), (name_b, hits_b, folder_b))]
+    return (f"compile cache: {', '.join(said)}; a cached graph is what the process that wrote it compiled: run "
+            "again with TORCHINDUCTOR_FORCE_DISABLE_CACHES=1 to compile afresh")
+
+
 def diff_runs(a: RunRef, b: RunRef, prompt_ids: tuple[str, ...] = (), decode=None) -> RunDiff:
     """Compare two runs; `prompt_ids` restricts the per-prompt part; `decode(ids) -> text`."""
     decode = decode or (lambda ids: " ".join(str(i) for i in ids))
@@ -228,6 +243,8 @@ def diff_runs(a: RunRef, b: RunRef, prompt_ids: tuple[str, ...] = (), decode=Non
     if ja["prompt_set"]["hash"] != jb["prompt_set"]["hash"]:
         note = (f"prompt sets differ ({ja['prompt_set']['name']} vs {jb['prompt_set']['name']}): only prompts with the "
                 "same id and input tokens are compared")
+    cache = _cache_note(a.name, b.name, ja.get("evidence") or {}, jb.get("evidence") or {}, prompts)
+    note = "; ".join(part for part in (note, cache) if part)
     if prompt_ids and not prompts and not not_comparable:
         raise StoreError(f"no prompt named {', '.join(prompt_ids)} in run {a.name}; see `evalrun store show {a.name}`")
     return RunDiff(a.name, b.name, dict_diff(ja["config"], jb["config"]), dict_diff(ja["environment"], jb["environment"]),

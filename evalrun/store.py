@@ -119,6 +119,20 @@ def result_problem(result: "PromptResult", probed: bool = False) -> str:
     return f"has {wrong} for prompt {result.prompt_id!r}" if wrong else ""
 
 
+def results_problem(results: list["PromptResult"]) -> str:
+    """What is wrong with a run's results ('' when nothing): each one's arrays (`result_problem`), and each prompt
+    id once: `diff` pairs prompts by id, so a second result under one id would go uncompared."""
+    seen: set[str] = set()
+    for result in results:
+        if result.prompt_id in seen:
+            return f"holds prompt {result.prompt_id!r} twice"
+        seen.add(result.prompt_id)
+        problem = result_problem(result)
+        if problem:
+            return problem
+    return ""
+
+
 @dataclass
 class PromptResult:
     """One prompt's outcome in a run; `arrays` holds tokens, digests, topk_ids, topk_values, margins, ..."""
@@ -521,20 +535,24 @@ class Store:
         stored bytes against the digest stored beside them, then dtype, shape and size. Declared sizes are
         checked against `max_array_bytes` each and `max_run_bytes` together before any array is decoded,
         so a file that claims huge arrays costs no memory."""
-        results = {}
-        self._check_declared_sizes(run_id, names)
         try:
-            for row in self.db["results"].rows_where("run_id = ?", [run_id], order_by="prompt_index"):
-                results[row["prompt_index"]] = result_from_row(row)
-            for row in self.db["arrays"].rows_where("run_id = ?", [run_id]):
-                if names is None or row["name"] in names:
-                    if row["prompt_index"] not in results:
-                        raise ValueError(f"array {row['name']!r} belongs to no result")
-                    verify_digest(row)  # the bytes as read, one row at a time, before anything is decoded
-                    results[row["prompt_index"]].arrays[str(row["name"])] = decode_array_row(row)
+            return self._read_results(run_id, names)
         except (StoreError, TypeError, ValueError, KeyError, RecursionError, sqlite3.DatabaseError) as error:
             raise StoreError(f"{self.path}: run {run_id[:12]} is damaged ({_reason(error)}); "
                              "`evalrun store check` lists what is wrong") from None
+
+    def _read_results(self, run_id: str, names: tuple[str, ...] | None = None) -> list[PromptResult]:
+        """`load_results` without naming the store: the exceptions as raised."""
+        results = {}
+        self._check_declared_sizes(run_id, names)
+        for row in self.db["results"].rows_where("run_id = ?", [run_id], order_by="prompt_index"):
+            results[row["prompt_index"]] = result_from_row(row)
+        for row in self.db["arrays"].rows_where("run_id = ?", [run_id]):
+            if names is None or row["name"] in names:
+                if row["prompt_index"] not in results:
+                    raise ValueError(f"array {row['name']!r} belongs to no result")
+                verify_digest(row)  # the bytes as read, one row at a time, before anything is decoded
+                results[row["prompt_index"]].arrays[str(row["name"])] = decode_array_row(row)
         return [results[index] for index in sorted(results)]
 
     def _check_declared_sizes(self, run_id: str, names: tuple[str, ...] | None) -> None:
@@ -575,7 +593,8 @@ class Store:
             problems.append(f"schema version {version} != {SCHEMA_VERSION}")
         statuses: dict[str, int] = {}
         if not missing:
-            for check in (self._check_rows, self._check_orphans, self._check_complete_runs, self._check_array_bytes):
+            for check in (self._check_rows, self._check_orphans, self._check_complete_runs, self._check_array_bytes,
+                          self._check_complete_results):
                 self._checked(problems, lambda: check(problems), None)
             statuses = self._checked(problems, lambda: dict(self.db.execute(
                 "SELECT status, count(*) FROM runs GROUP BY status").fetchall()), {})
@@ -647,6 +666,21 @@ class Store:
                 continue
             if actual != expected:
                 problems.append(f"run {str(run_id)[:12]} prompt {index}: {name} do not match the result's digest")
+
+    def _check_complete_results(self, problems: list[str]) -> None:
+        """Every complete run's results read as `diff` and `store show` read them: each array decoded (dtype, shape,
+        size), their shapes consistent, each prompt id once. What they refuse as damaged is listed here, so that
+        `store merge` copies none of it (a blob cut short with its digest made again passed before)."""
+        found = []
+        complete = self.db.execute("SELECT id FROM runs WHERE status = 'complete' ORDER BY created_at").fetchall()
+        for (run_id,) in complete:
+            try:
+                problem = results_problem(self._read_results(str(run_id)))
+            except (StoreError, TypeError, ValueError, KeyError, RecursionError) as error:
+                problem = _reason(error)
+            if problem:
+                found.append(f"run {str(run_id)[:12]}: {problem}")
+        _list_the_first_ten(problems, found, "complete runs that cannot be read")
 
     def interrupted_runs(self) -> list[str]:
         """Runs marked `interrupted`, and runs still `running` whose process on this host is gone (killed):

@@ -264,3 +264,22 @@ def test_stored_text_cannot_add_a_line_to_diff_text(cli, tiny_args):
     assert "capital\\n::error::forged\\x1b[2J: tokens part at step" in out and "full logits over" in out
     assert "zh\\n::error::one run only" in out
     assert not any(line.startswith("::error::") for line in out.splitlines()) and "\x1b" not in out, out
+
+
+def test_a_compile_cache_one_run_took_graphs_from_is_named_where_the_bits_differ(cli, tiny_args):
+    """A cached graph is what the process that wrote it compiled (a C++ compiler upgraded under the same name
+    replayed the old one's binaries): where two runs' bits differ and one took graphs from a cache the other did
+    not, diff names it beside the figures (it said "same config, environment, model and prompt set", no more)."""
+    import sqlite3
+
+    a, b = _run(cli, tiny_args), _run(cli, tiny_args, "--batch-size", "3")  # other bits
+    with sqlite3.connect(tiny_args[-1]) as conn:
+        evidence = json.loads(conn.execute("SELECT evidence_json FROM runs WHERE id = ?", [b]).fetchone()[0])
+        evidence["compile_cache"] = {**evidence["compile_cache"], "hits": 3, "folder": "/cache/compile/x"}
+        conn.execute("UPDATE runs SET evidence_json = ? WHERE id = ?", [json.dumps(evidence), b])
+    conn.close()
+    code, out, _ = cli("diff", a, b, "--store", tiny_args[-1], "--format", "json")
+    assert code == 0 and f"{b[:12]} took 3 compiled graphs from /cache/compile/x" in json.loads(out)["note"]
+    assert "TORCHINDUCTOR_FORCE_DISABLE_CACHES=1" in json.loads(out)["note"]
+    code, out, _ = cli("diff", b, b, "--store", tiny_args[-1], "--format", "json")
+    assert code == 0 and "compile cache" not in json.loads(out)["note"]  # the same bits: no candidate cause

@@ -358,6 +358,35 @@ def test_the_compile_cache_folder_is_one_per_engine_code(tmp_path, monkeypatch):
     assert cache_folder() != now and cache_folder().name.endswith("-engine-000000000000")
 
 
+def test_the_compile_cache_folder_is_one_per_cpp_compiler(tmp_path, monkeypatch):
+    """Inductor keys a CPU kernel's binary by its source and command line ("g++ ..."), not by the compiler's version:
+    a g++ upgraded under the same name replayed the old g++'s binaries (the old bits) while the run's fingerprint named
+    the new one. Another compiler version compiles into another folder."""
+    from evalrun import fingerprint
+    from evalrun.compile_cache import cache_folder
+
+    monkeypatch.setenv("EVALRUN_CACHE", str(tmp_path / "cache"))
+    now = cache_folder()
+    monkeypatch.setattr(fingerprint, "cpp_compiler", lambda: "g++ (Debian 99.1.0-1) 99.1.0")
+    assert cache_folder() != now and cache_folder().parent == now.parent
+
+
+def test_a_cache_variable_naming_a_file_is_one_line_exit_2(tmp_path):
+    """TORCHINDUCTOR_CACHE_DIR naming a file crashed the run as evalrun's own failure (FileExistsError while
+    torch._dynamo was imported, exit 3, "please report it"): it is bad input, one line naming it, exit 2."""
+    import subprocess
+    import sys
+
+    file = tmp_path / "not-a-folder"
+    file.write_text("")
+    env = dict(os.environ, TORCHINDUCTOR_CACHE_DIR=str(file), EVALRUN_CACHE=str(tmp_path / "cache"))
+    done = subprocess.run([sys.executable, "-m", "evalrun", "run", "--model", "random:tiny", "--prompts", "smoke",
+                           "--max-new-tokens", "1", "--store", str(tmp_path / "s.db")],
+                          capture_output=True, text=True, env=env, timeout=300)
+    assert done.returncode == 2, done.stderr
+    assert done.stderr.strip().count("\n") == 0 and "TORCHINDUCTOR_CACHE_DIR" in done.stderr, done.stderr
+
+
 def test_inductors_default_folders_are_no_choice_and_a_named_folder_is(tmp_path, monkeypatch):
     """Inductor writes its defaults into the environment (TORCHINDUCTOR_CACHE_DIR on first use, TRITON_CACHE_DIR as
     <that>/triton/<device> when it builds a Triton kernel on a GPU): evalrun replaces them with its folders; folders

@@ -220,6 +220,39 @@ def test_check_lists_every_row_the_readers_refuse(store_path, damage):
                                      for p in outcome["problems"]), outcome["problems"]
 
 
+def test_check_and_merge_refuse_an_array_diff_refuses_though_its_digest_was_made_again(cli, store_path, tmp_path):
+    """An array cut short (or given another shape) with its digest made again: `diff` and `store show` refuse the run
+    as damaged; `store check` said ok (it decoded tokens and digests only) and `store merge` copied it."""
+    run_id = _complete_store(store_path)
+    conn = sqlite3.connect(store_path)
+    data = conn.execute("SELECT data FROM arrays WHERE name = 'topk_values'").fetchone()[0][:-4]
+    conn.execute("UPDATE arrays SET data = ?, digest = ? WHERE name = 'topk_values'", [data, hash_bytes(data)])
+    conn.commit()
+    conn.close()
+    outcome = Store(store_path, readonly=True).check()
+    assert not outcome["ok"] and any(p.startswith(f"run {run_id[:12]}") and "topk_values" in p
+                                     for p in outcome["problems"]), outcome["problems"]
+    code, _, err = cli("store", "merge", str(tmp_path / "all.db"), str(store_path))
+    assert code == 2 and "fails `evalrun store check`" in err and not (tmp_path / "all.db").exists()
+
+
+def test_a_run_holding_one_prompt_id_twice_is_damaged_not_diffed(cli, store_path):
+    """`diff` pairs prompts by id: a run holding one id twice had one of them compared and the other never (all
+    "identical" while that one's tokens and digests differed), and `store check` said ok. Ids are unique on input."""
+    store = Store(store_path)
+    header = _header()
+    header["prompt_set"]["count"] = 2
+    header["config"]["dtype"] = "float32"
+    run_id = store.begin_run(header)
+    store.finish_run(run_id, [_result(0), _result(1)], {}, "td", "ld")
+    store.close()
+    _sql(store_path, "UPDATE results SET prompt_id = 'p0' WHERE prompt_index = 1")
+    outcome = Store(store_path, readonly=True).check()
+    assert not outcome["ok"] and f"run {run_id[:12]}: holds prompt 'p0' twice" in outcome["problems"], outcome
+    code, out, err = cli("diff", run_id[:8], run_id[:8], "--store", str(store_path))
+    assert code == 2 and not out and "holds prompt 'p0' twice" in err, (out, err)
+
+
 def test_a_grown_json_value_is_damage_named_by_its_size_not_parsed(store_path):
     """A valid JSON object of 4.4 MB in a result row: store check (and merge) read every row, and parsing one costs
     ~30x its size; a value past the 4 MiB evalrun writes is refused by its length."""
