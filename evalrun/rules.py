@@ -132,6 +132,9 @@ class Evidence:
     probe_ids: np.ndarray  # [N, K'] int64
     candidate_tokens: np.ndarray | None = None  # [N] the candidate's own choices
     reference_tokens: np.ndarray | None = None  # [N] the choices flips are counted against
+    # ([N, T] ids, [N, T] float64 values): the oracle's own top ids beside the probes, for a flip to an id the probes
+    # lack (a server golden probes what the server returned; llama.cpp's end-of-sequence prints as "" and is not)
+    oracle_top: tuple[np.ndarray, np.ndarray] | None = None
 
 
 def _gap(probe_ids: np.ndarray, oracle: np.ndarray, reference: int, candidate: int) -> float:
@@ -153,7 +156,11 @@ def judge_flips(evidence: Evidence, allowed: np.ndarray) -> list[Flip]:
     flips = []
     for step in np.flatnonzero(evidence.candidate_tokens[:steps] != evidence.reference_tokens[:steps]):
         reference, candidate = int(evidence.reference_tokens[step]), int(evidence.candidate_tokens[step])
-        gap = _gap(evidence.probe_ids[step], evidence.oracle[step], reference, candidate)
+        ids, values = evidence.probe_ids[step], evidence.oracle[step]
+        if evidence.oracle_top is not None:
+            ids = np.concatenate([ids, evidence.oracle_top[0][step]])
+            values = np.concatenate([values, evidence.oracle_top[1][step]])
+        gap = _gap(ids, values, reference, candidate)
         flips.append(Flip(int(step), reference, candidate, gap, float(allowed[step]), gap <= allowed[step]))
     return flips
 

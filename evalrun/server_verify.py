@@ -204,6 +204,16 @@ def _columns(golden: Golden, golden_run: PromptResult, steps: int, width: int, f
     return ids, absolute[0], list(zip([name for name, _ in results[1:]], absolute[1:])), True
 
 
+def _oracle_top(golden: Golden, index: int, steps: int, from_server: bool) -> tuple[np.ndarray, np.ndarray] | None:
+    """A server golden's oracle top-k (log-probabilities over the whole vocabulary, as its probe values): a flip to
+    an id the server did not show (llama.cpp prints every special token as "", so its end-of-sequence is never
+    among the probes) is judged at the oracle's gap, not as a flip across a clear margin."""
+    if not from_server:
+        return None
+    oracle = next(r for r in golden.results("oracle") if r.prompt_index == index)
+    return oracle.arrays["topk_ids"][:steps], oracle.arrays["topk_values"][:steps].astype(np.float64)
+
+
 def _logprobs(result: PromptResult, steps: int, width: int) -> np.ndarray | None:
     """[N, K] log-probabilities at the probe ids from stored logits and logsumexp; None when not stored."""
     lse = result.arrays.get("probe_logsumexp")
@@ -261,7 +271,8 @@ def _judge_all(golden, sp, golden_results, by_index, prompts, steps, from_server
         if not absolute:
             values = _renormalised(values)
         evidence[index] = (Evidence(values, tuple(m for _, m in members), oracle, ids, tokens,
-                                    golden_run.arrays["tokens"][:n]), [name for name, _ in members])
+                                    golden_run.arrays["tokens"][:n], _oracle_top(golden, index, n, from_server)),
+                           [name for name, _ in members])
         if bar:
             bar(1)
     if bounded:

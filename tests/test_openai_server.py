@@ -412,3 +412,25 @@ def test_a_hostile_answer_is_one_line_exit_2_and_nothing_stored_good(cli, behavi
     assert not (tmp_path / "g").exists() or not list((tmp_path / "g").iterdir())
     code, out, err = cli("golden", "verify", "served", "--dir", str(server_golden), *target)
     assert code == 2 and len(err.strip().splitlines()) == 1, err
+
+
+def _without_the_runner_up(answer: dict) -> dict:
+    """Each step's second id left out, as llama.cpp's server leaves evalrun no id for a special token (it prints
+    every one as "")."""
+    for top in answer["choices"][0]["logprobs"]["top_logprobs"]:
+        if len(top) > 2:  # not the one-id probe of whether the server takes token ids
+            top.pop(list(top)[1])
+    return answer
+
+
+def test_a_flip_to_an_id_the_golden_server_did_not_show_is_judged_at_the_oracles_gap(cli, behaving, tmp_path):
+    """A server golden probes the ids its server returned: a flip to one it left out (llama.cpp's end-of-sequence,
+    printed as "") had an infinite oracle gap, a flip across a clear margin whatever the numbers. The oracle's own
+    top-k, stored beside, gives the gap."""
+    behaving.rewrite = _without_the_runner_up
+    _server_golden(behaving, tmp_path)
+    behaving.rewrite, behaving.behaviour = None, "runner-up"
+    code, out, err = cli("golden", "verify", "g", "--dir", str(tmp_path), "-q", "--engine", f"openai:{behaving.url}",
+                         *LOCAL, "--json")
+    flips = [flip for prompt in json.loads(out)["prompts"] for flip in prompt["flips"] or []]
+    assert flips and all(0 < flip["oracle_gap"] < 1 for flip in flips), flips  # the runner-ups are within 0.4
