@@ -332,7 +332,7 @@ main(sys.argv[1:])
         # while the machine's graphs are in evalrun's folder: a shared folder would hit them (and crash, as it did)
         default = run({**env, "ATEN_CPU_CAPABILITY": "default"})["evidence"]["compile_cache"]
         assert default["folder"].startswith(str(tmp_path / "cache" / "compile" / "torch-")), default
-        assert default["folder"] != cold["folder"] and "-cpu-DEFAULT-engine-" in default["folder"], (cold, default)
+        assert default["folder"] != cold["folder"] and "-cpu-DEFAULT-cxx-" in default["folder"], (cold, default)
         assert default["folder"].endswith("/inductor") and default["misses"] > 0 and default["hits"] == 0, default
     chosen = tmp_path / "mine"
     shutil.move(cold["folder"], chosen)  # evalrun's graphs, now only there: hits can come from that folder alone
