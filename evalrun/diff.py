@@ -198,17 +198,20 @@ def diff_prompt(a: PromptResult, b: PromptResult, dtype: str, decode, series: St
     return result
 
 
-def _cache_hits(evidence: dict) -> tuple[int, Any]:
+def _cache_hits(evidence: dict) -> tuple[int, int, Any]:
+    """(graphs taken from the cache, graphs compiled at all, the cache folder) of one run's evidence."""
     cache = evidence.get("compile_cache") or {}
-    return int(cache.get("hits") or 0), cache.get("folder")
+    counts = [int(cache.get(key) or 0) for key in ("hits", "misses", "bypasses")]
+    return counts[0], sum(counts), cache.get("folder")
 
 
 def _cache_note(name_a: str, name_b: str, evidence_a: dict, evidence_b: dict, prompts: list[PromptDiff]) -> str:
     """Where the bits differ and one run took compiled graphs from a cache the other did not take them from: a cache
     replays what the process that wrote it compiled (Inductor's keys miss some of what the fingerprint names beside
     them, compile_cache.py), so it is named as a candidate cause."""
-    (hits_a, folder_a), (hits_b, folder_b) = _cache_hits(evidence_a), _cache_hits(evidence_b)
-    if not any(p.digest_mismatches for p in prompts) or not (hits_a or hits_b) or \
+    (hits_a, graphs_a, folder_a), (hits_b, graphs_b, folder_b) = _cache_hits(evidence_a), _cache_hits(evidence_b)
+    # both compiled: beside a run that compiled nothing (eager), the other's mode explains its bits, not its cache
+    if not any(p.digest_mismatches for p in prompts) or not (hits_a or hits_b) or not (graphs_a and graphs_b) or \
             (hits_a and hits_b and folder_a == folder_b):
         return ""
     said = [f"{name} took {hits} compiled graphs from {folder}" if hits else f"{name} took none from a cache"

@@ -134,11 +134,13 @@ def _gate(golden: Golden, sp: ServerPrepared, golden_results: list[PromptResult]
 
 
 def _continued(golden_run: PromptResult, free: PromptResult, steps: int, from_server: bool) -> bool:
-    """The golden's server ended the sequence after `steps` tokens, and the candidate went on: its end-of-sequence
-    decision differs at step `steps`, where the golden holds no numbers (identical, unjudged, before)."""
-    ended = len(golden_run.arrays["tokens"])
+    """The golden's server ended the sequence after `steps` tokens, and the candidate, along the same tokens, went
+    on: its end-of-sequence decision differs at step `steps`, where the golden holds no numbers (identical, unjudged,
+    before). A candidate that left the golden's tokens earlier is at another context by then: its own step `steps`
+    says nothing about where the golden ended (judged there, a flip within the budget read as `changed`)."""
+    ended, tokens = len(golden_run.arrays["tokens"]), free.arrays["tokens"]
     return (from_server and golden_run.eos_step >= 0 and golden_run.eos_step == ended == steps
-            and len(free.arrays["tokens"]) > steps)
+            and len(tokens) > steps and np.array_equal(tokens[:steps], golden_run.arrays["tokens"]))
 
 
 def _free_verdict(golden_run: PromptResult, free: PromptResult, steps: int, from_server: bool) -> PromptVerdict:
@@ -314,7 +316,7 @@ def _decide(golden, sp, golden_results, prompts, evidence, from_server, causes, 
             gap, line = _end_flip(sp, free, ended, allowed)
             causes.append("end of sequence: " + line)
             if gap is not None and gap > allowed:
-                judgement.reason = "greedy flip across a clear margin: " + line
+                judgement.reason = "the sequence not ended where the golden's server ended it: " + line
                 judgement.distance = max(judgement.distance, gap / max(allowed, np.finfo(np.float64).tiny))
         if judgement.reason:
             prompt.verdict, prompt.reason = "changed", "execution check: " + judgement.reason

@@ -12,8 +12,8 @@ from log_softmax over the whole vocabulary. `behaviour` makes it misbehave the w
   changed    scales the logits by 1.05 (a server computing another function)
   nan        answers NaN for the first step's log-probabilities (a broken kernel; JSON readers take NaN)
   sampling   draws each token from its log-probabilities (seeded), as a server that ignores temperature=0 does
-  runner-up  chooses the second token wherever it is within 0.4 nats of the first (inside the greedy slack: rounding
-             in what a greedy server prints, a near tie)
+  runner-up  chooses the second token wherever it is within `tie` nats of the first (0.4: inside the greedy slack,
+             rounding in what a greedy server prints, a near tie)
 /v1/models always answers, so a misbehaving server is found at the first completion; as vLLM's does, its model
 entry holds a permission whose id is a new uuid each time. `calls` counts completion requests (retries included).
 """
@@ -38,6 +38,7 @@ class StubServer:
         self.loaded = load_model(model_ref, "cpu", dtype)  # bfloat16: a server that computes as most do
         self.behaviour, self.served, self.delay = behaviour, served, delay
         self.entry_extra: dict = {}  # more fields of its /v1/models entry (vLLM's root, max_model_len)
+        self.tie = 0.4  # runner-up: how near the first two must be for the second to be chosen
         self.eos: int | None = None  # another end-of-sequence id than the tokenizer's (another generation config)
         self.rewrite: Callable[[dict], dict] | None = None  # edits each completion answer before it is sent
         self.calls = 0
@@ -84,7 +85,7 @@ class StubServer:
                 generator = torch.Generator().manual_seed(len(ids) + len(generated))
                 token = int(torch.multinomial(logprobs.exp(), 1, generator=generator))
                 value = float(logprobs[token])
-            elif self.behaviour == "runner-up" and float(values[0] - values[1]) < 0.4:
+            elif self.behaviour == "runner-up" and float(values[0] - values[1]) < self.tie:
                 token, value = int(top_ids[1]), float(values[1])
             if token == (tokenizer.eos_token_id if self.eos is None else self.eos):
                 finish = "stop"

@@ -273,13 +273,31 @@ def test_a_compile_cache_one_run_took_graphs_from_is_named_where_the_bits_differ
     import sqlite3
 
     a, b = _run(cli, tiny_args), _run(cli, tiny_args, "--batch-size", "3")  # other bits
+    code, out, _ = cli("diff", a, b, "--store", tiny_args[-1], "--format", "json")
+    assert code == 0 and "compile cache" not in json.loads(out)["note"]  # neither compiled
     with sqlite3.connect(tiny_args[-1]) as conn:
-        evidence = json.loads(conn.execute("SELECT evidence_json FROM runs WHERE id = ?", [b]).fetchone()[0])
-        evidence["compile_cache"] = {**evidence["compile_cache"], "hits": 3, "folder": "/cache/compile/x"}
-        conn.execute("UPDATE runs SET evidence_json = ? WHERE id = ?", [json.dumps(evidence), b])
+        for run_id, counts in ((a, {"misses": 3}), (b, {"hits": 3, "folder": "/cache/compile/x"})):
+            evidence = json.loads(conn.execute("SELECT evidence_json FROM runs WHERE id = ?", [run_id]).fetchone()[0])
+            evidence["compile_cache"] = {**evidence["compile_cache"], **counts}
+            conn.execute("UPDATE runs SET evidence_json = ? WHERE id = ?", [json.dumps(evidence), run_id])
     conn.close()
     code, out, _ = cli("diff", a, b, "--store", tiny_args[-1], "--format", "json")
     assert code == 0 and f"{b[:12]} took 3 compiled graphs from /cache/compile/x" in json.loads(out)["note"]
     assert "TORCHINDUCTOR_FORCE_DISABLE_CACHES=1" in json.loads(out)["note"]
     code, out, _ = cli("diff", b, b, "--store", tiny_args[-1], "--format", "json")
     assert code == 0 and "compile cache" not in json.loads(out)["note"]  # the same bits: no candidate cause
+
+
+def test_no_compile_cache_is_named_beside_a_run_that_compiled_nothing(cli, tiny_args):
+    """Eager against a compiled run whose graphs came from the cache (the usual -O0 vs -O2 diff with a warm cache):
+    the modes explain the bits; naming the cache as a candidate cause sent users to recompile for nothing."""
+    import sqlite3
+
+    a, b = _run(cli, tiny_args), _run(cli, tiny_args, "--batch-size", "3")
+    with sqlite3.connect(tiny_args[-1]) as conn:
+        evidence = json.loads(conn.execute("SELECT evidence_json FROM runs WHERE id = ?", [b]).fetchone()[0])
+        evidence["compile_cache"] = {**evidence["compile_cache"], "hits": 3, "folder": "/cache/compile/x"}
+        conn.execute("UPDATE runs SET evidence_json = ? WHERE id = ?", [json.dumps(evidence), b])
+    conn.close()
+    code, out, _ = cli("diff", a, b, "--store", tiny_args[-1], "--format", "json")
+    assert code == 0 and "compile cache" not in json.loads(out)["note"]

@@ -406,6 +406,8 @@ def test_a_hostile_answer_is_one_line_exit_2_and_nothing_stored_good(cli, behavi
     target = ["--engine", f"openai:{behaving.url}", *LOCAL, "-q"]
     code, out, err = cli("run", *target, "--store", str(store_path))
     assert (code, out) == (2, "") and len(err.strip().splitlines()) == 1 and err.startswith("evalrun: error: "), err
+    if "log-probability" in hostile and "digits" not in hostile:  # logits, as vLLM's raw_logits mode returns
+        assert "start it with raw_logprobs" in err, err
     assert [status for _, status in _complete_runs(store_path)] == ["failed"]
     code, out, err = cli("golden", "create", "broken", "--dir", str(tmp_path / "g"), *target)
     assert code == 2 and len(err.strip().splitlines()) == 1, err
@@ -434,3 +436,27 @@ def test_a_flip_to_an_id_the_golden_server_did_not_show_is_judged_at_the_oracles
                          *LOCAL, "--json")
     flips = [flip for prompt in json.loads(out)["prompts"] for flip in prompt["flips"] or []]
     assert flips and all(0 < flip["oracle_gap"] < 1 for flip in flips), flips  # the runner-ups are within 0.4
+
+
+def test_a_flip_within_the_budget_before_the_goldens_end_stays_drift(cli, tmp_path):
+    """The golden's server (bfloat16) ended 'chat-hello' after 6 tokens; the candidate, the same server breaking a
+    near tie (0.016 nats, inside bfloat16's error) the other way at step 4, goes on along its own tokens. Its step 6
+    is another context than the golden's: judging its end-of-sequence there read a flip within the budget as
+    `changed`, exit 1."""
+    server = StubServer(dtype="bfloat16")
+    try:
+        server.eos = 192  # the golden's token at step 6 of 'chat-hello' (random:tiny): its server ends there
+        config = build_config(flags={"model": "random:tiny", "prompts": "smoke", "max_new_tokens": 8,
+                                     "engine": f"openai:{server.url}"})
+        create_server_golden("g", config, tmp_path, cuda_available=False)
+        assert [len(t) for t in _tokens(tmp_path)] == [8, 6, 8]
+        server.behaviour, server.tie = "runner-up", 0.02
+        code, out, err = cli("golden", "verify", "g", "--dir", str(tmp_path), "-q", "--engine", f"openai:{server.url}",
+                             "--model", "random:tiny", "--prompts", "smoke", "--max-new-tokens", "8", "--json")
+        verdict = json.loads(out)
+        hello = next(p for p in verdict["prompts"] if p["prompt_id"] == "chat-hello")
+        assert hello["first_divergent_step"] == 4 and all(f["passed"] for f in hello["flips"]), hello
+        assert (code, verdict["verdict"]) == (0, "drift"), (verdict["causes"], err)
+        assert not any(c.startswith("end of sequence:") for c in verdict["causes"]), verdict["causes"]
+    finally:
+        server.close()

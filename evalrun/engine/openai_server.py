@@ -194,8 +194,9 @@ SERVING_FIELDS = ("max_model_len",)
 
 
 def identity_entry(entry: Any) -> Any:
-    """A model-list entry as the identity gate compares it: without the serving settings."""
-    return {k: v for k, v in entry.items() if k not in SERVING_FIELDS} if isinstance(entry, dict) else entry
+    """A model-list entry as the identity gate compares it: without the serving settings, nor what changes per
+    request (`_stable`: a golden made before vLLM's permission was left out stores its uuid)."""
+    return _stable({k: v for k, v in entry.items() if k not in SERVING_FIELDS}) if isinstance(entry, dict) else entry
 
 
 def _stable(value: Any) -> Any:
@@ -228,9 +229,16 @@ def parse_completion(answer: Any, where: str, headers: dict[str, str] | None = N
                           int(prompt_tokens) if isinstance(prompt_tokens, int) else None, dict(headers or {}))
     except ServerError:
         raise
+    except _OutOfRange as error:
+        raise ServerError(f"server {where}: {error}, not a log-probability (vLLM with --logprobs-mode raw_logits or "
+                          "processed_logits returns logits: start it with raw_logprobs)") from None
     except (KeyError, IndexError, TypeError, ValueError, AttributeError, OverflowError) as error:
         raise ServerError(f"server {where}: malformed completion ({type(error).__name__}: {str(error)[:80]}); "
                           "not an OpenAI-compatible completions endpoint?") from None
+
+
+class _OutOfRange(ValueError):
+    """A finite number no log-probability takes (`_number`)."""
 
 
 def _text(value: Any) -> str:
@@ -248,7 +256,7 @@ def _number(value: Any) -> float:
     if not math.isfinite(number):
         raise ValueError(f"a log-probability that is not a finite number ({number})")
     if not LOGPROB_FLOOR <= number <= LOGPROB_CEILING:
-        raise ValueError(f"a log-probability of {number:.4g}, outside [{LOGPROB_FLOOR:g}, {LOGPROB_CEILING:g}]")
+        raise _OutOfRange(f"a log-probability of {number:.4g}, outside [{LOGPROB_FLOOR:g}, {LOGPROB_CEILING:g}]")
     return number
 
 
