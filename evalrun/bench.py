@@ -164,6 +164,14 @@ def run_matrix(common: list[str], matrix: list[tuple[str, list[str]]], baselines
     return rows
 
 
+def workload(result: dict[str, Any]) -> dict[str, Any]:
+    """What an evalrun row measured, beside its config: the model, prompts and tokens, dtype, device and batch size.
+    `bench --compare` refuses a baseline row of another workload (its ratio would say nothing of the config)."""
+    config = result["config"]
+    return {"model": result["model"]["hash"], "prompt_set": result["prompt_set"]["hash"],
+            **{key: config.get(key) for key in ("max_new_tokens", "dtype", "device", "batch_size")}}
+
+
 def table_rows(rows: list[BenchRow]) -> list[dict[str, Any]]:
     """One dict per row with the figures of the table; `identical_to_first` against the first evalrun row."""
     reference = next((r.result for r in rows if r.result and "logits_digest" in r.result), None)
@@ -177,10 +185,15 @@ def table_rows(rows: list[BenchRow]) -> list[dict[str, Any]]:
                          ttft_ms=timings["ttft_ms"]["p50"], first_request_ms=timings["ttft_ms"]["first_request"],
                          tokens_per_s=timings["tokens_per_s"], p50_ms=latency["p50_ms"], p95_ms=latency["p95_ms"],
                          p99_ms=latency["p99_ms"], outside_steps_ms=timings.get("outside_steps_s", 0.0) * 1000)
+            entry["batch_size"] = row.result["config"]["batch_size"] if "config" in row.result else 1
+            if row.result.get("compiled_graphs") == 0 and row.name.endswith("static-compile"):
+                entry["fallbacks"] = ["transformers compiled nothing (it compiles a static cache on GPUs only): "
+                                      "a static cache, eagerly"]
             if "logits_digest" in row.result and reference:
                 entry["identical_to_first"] = row.result["logits_digest"] == reference["logits_digest"]
                 entry["fallbacks"] = row.result["evidence"]["fallbacks"]
                 entry["kernel_launches_per_decode_step"] = row.result["evidence"].get("kernel_launches_per_decode_step")
+                entry["workload"] = workload(row.result)
         table.append(entry)
     return table
 

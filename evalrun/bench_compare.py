@@ -38,7 +38,8 @@ class MetricChange:
     current: float | None
     change_percent: float | None  # signed: positive = better, negative = worse
     limit_percent: float | None
-    status: str  # ok | regressed | missing | reported
+    status: str  # ok | regressed | missing | reported | other workload
+    differs: tuple[str, ...] = ()  # other workload: the workload keys that differ from the baseline row's
 
 
 def parse_fail_on(text: str) -> FailRule:
@@ -111,8 +112,13 @@ def compare(rows: list[dict[str, Any]], baseline: dict[str, dict[str, Any]], rul
     rules = rules or [FailRule(metric, None) for metric in HIGHER_IS_BETTER]
     changes = []
     for row in rows:
+        differs = _workload_differs(baseline.get(row["config"]), row)
         for rule in rules:
             before, now = _figure(baseline.get(row["config"]), rule.metric), _figure(row, rule.metric)
+            if differs:
+                changes.append(MetricChange(row["config"], rule.metric, before, now, None, rule.percent,
+                                            "other workload", differs))
+                continue
             if before is None or now is None:
                 changes.append(MetricChange(row["config"], rule.metric, before, now, None, rule.percent, "missing"))
                 continue
@@ -120,6 +126,19 @@ def compare(rows: list[dict[str, Any]], baseline: dict[str, dict[str, Any]], rul
             status = "reported" if rule.percent is None else "regressed" if change < -rule.percent else "ok"
             changes.append(MetricChange(row["config"], rule.metric, before, now, change, rule.percent, status))
     return changes
+
+
+def _workload_differs(before: dict[str, Any] | None, now: dict[str, Any]) -> tuple[str, ...]:
+    """The workload keys (bench.workload) in which a row and its baseline row differ; none where either lacks one
+    (a transformers baseline row, a baseline from before rows carried it)."""
+    theirs, ours = (before or {}).get("workload"), now.get("workload")
+    if not isinstance(theirs, dict) or not isinstance(ours, dict):
+        return ()
+    return tuple(key for key in ours if theirs.get(key) != ours[key])
+
+
+def other_workloads(changes: list[MetricChange]) -> list[MetricChange]:
+    return [c for c in changes if c.status == "other workload"]
 
 
 def compared_nothing(changes: list[MetricChange], rules: list[FailRule]) -> bool:

@@ -810,6 +810,12 @@ def bench(model, prompts, dtype, device, max_new_tokens, batch_size, matrix_name
         raise Exit(EXIT_UNUSABLE, f"evalrun: error: {len(failed)} of {len(rows)} bench configurations failed "
                                   f"({', '.join(row['config'] for row in failed)}); their rows say why, the first: "
                                   f"{failed[0]['error'].removeprefix('evalrun: error: ')}")
+    other = bench_compare.other_workloads(changes or [])
+    if other:
+        raise Exit(EXIT_UNUSABLE, f"evalrun: error: --compare {baseline_path} measured config {other[0].config!r} on "
+                                  f"another workload ({', '.join(other[0].differs)} differ): a ratio of two workloads "
+                                  "says nothing of the config; compare a bench of the same model, prompts, tokens, "
+                                  "dtype, device and batch size")
     if changes is not None and bench_compare.compared_nothing(changes, rules):
         measured = ", ".join(row["config"] for row in rows)[:200]
         raise Exit(EXIT_UNUSABLE, f"evalrun: error: --fail-on compared nothing: {baseline_path} has no figure of "

@@ -6,7 +6,8 @@
 `cache_implementation="static"`, for which `generate` compiles the decoding forward itself (its
 `compile_config`). Compiling `model.forward` by hand with mode reduce-overhead broke on the H200
 (CUDA-graph outputs overwritten between generate's steps), so the built-in path is the baseline.
-Batch 1, one prompt at a time, exactly --max-new-tokens each, after a warm-up of every prompt.
+Batch 1, one prompt at a time, exactly its own max_new_tokens each (the prompt's, else --max-new-tokens,
+as evalrun's runs decode), after a warm-up of every prompt.
 Prints the same timing JSON shape as `evalrun run --json`.
 """
 
@@ -24,7 +25,7 @@ from .errors import EvalrunError
 from .engine.timing import latency_summary, peak_memory_bytes, reset_peak_memory
 from .models import load_model
 from .prompts import load_prompt_set
-from .runner import effective_config
+from .runner import effective_config, steps_for
 
 
 def _synchronize(device: torch.device) -> None:
@@ -81,26 +82,31 @@ def main() -> None:
     model.generation_config.pad_token_id = loaded.tokenizer.pad_token_id or loaded.tokenizer.eos_token_id
     started = time.perf_counter()
     prompts = load_prompt_set(effective.prompts, loaded.tokenizer)
-    steps = effective.max_new_tokens
+    # each prompt's own step count (its max_new_tokens, else the config's), as evalrun's rows decode it
+    steps = [steps_for(prompts, index, effective) for index in range(len(prompts.token_ids))]
     first_request = timed_generate(model, prompts.token_ids[0], 1, args.kind, device)[0]
     # Warm-up, as evalrun warms each shape: a static cache is sized prompt + new tokens, so every
     # prompt length compiles its own decoding graph, and CUDA graphs record on a second call.
-    for ids in prompts.token_ids:
+    for ids, new_tokens in zip(prompts.token_ids, steps):
         for _ in range(2):
-            timed_generate(model, ids, steps, args.kind, device)
+            timed_generate(model, ids, new_tokens, args.kind, device)
     compile_s = time.perf_counter() - started
     reset_peak_memory(device)
     ttft, totals, decode_ms = [], [], []
-    for ids in prompts.token_ids:  # one call per prompt: TTFT and each decode step measured within it
-        total, ready = timed_generate(model, ids, steps, args.kind, device)
+    for ids, new_tokens in zip(prompts.token_ids, steps):  # one call per prompt: TTFT and each decode step within it
+        total, ready = timed_generate(model, ids, new_tokens, args.kind, device)
         totals.append(total)
         ttft.append(ready[0])
         decode_ms.extend(np.diff(ready) * 1000)
     decode_ms = decode_ms or [0.0]  # one new token: no decode step
+    from torch._dynamo.utils import counters
+
     print(json.dumps({"timings": {
         "compile_s": compile_s, "ttft_ms": {"p50": float(np.median(ttft)) * 1000, "first_request": first_request * 1000},
-        "tokens_per_s": steps * len(totals) / sum(totals), "step_latency": latency_summary(np.array(decode_ms)),
-        "peak_memory": peak_memory_bytes(device)}}))
+        "tokens_per_s": sum(steps) / sum(totals), "step_latency": latency_summary(np.array(decode_ms)),
+        "peak_memory": peak_memory_bytes(device)},
+        # transformers compiles a static cache's decoding only on accelerators: on CPU this kind runs eagerly
+        "compiled_graphs": int(counters["stats"]["unique_graphs"])}))
 
 
 if __name__ == "__main__":

@@ -243,7 +243,8 @@ def to_results(prepared: Prepared, batch_index: int, indices: list[int], output:
 
 
 def _timings(prepared: Prepared, outputs: list[BatchOutput], warmup_seconds: float, compile_seconds: float,
-             generate_seconds: float, device: torch.device, cold_ttft_ms: float | None) -> dict[str, Any]:
+             generate_seconds: float, device: torch.device, cold_ttft_ms: float | None,
+             generated: int | None = None) -> dict[str, Any]:
     """Load, compile (Dynamo + Inductor, wherever it happened), warm-up, TTFT, step latency, throughput, memory.
 
     `ttft_ms.first_request` is the time to first token of the process's first batch, the warm-up's
@@ -252,7 +253,8 @@ def _timings(prepared: Prepared, outputs: list[BatchOutput], warmup_seconds: flo
     ttft = np.array([output.step_ms[0] for output in outputs])
     cold_ttft_ms = float(ttft[0]) if cold_ttft_ms is None else cold_ttft_ms
     decode = np.concatenate([output.step_ms[1:] for output in outputs])
-    generated = sum(output.tokens.size for output in outputs)
+    if generated is None:
+        generated = sum(output.tokens.size for output in outputs)
     clocked = sum(float(output.step_ms.sum()) for output in outputs) / 1000  # prefills and decode steps, clocked
     return {
         "load_s": prepared.load_seconds, "compile_s": compile_seconds, "warmup_s": warmup_seconds,
@@ -312,11 +314,14 @@ def execute(prepared: Prepared, forced: dict[int, np.ndarray] | None = None, pro
     warmup_seconds = time.perf_counter() - started
     reset_peak_memory(device)
     mode.start_measuring()
-    results, outputs = [], []
+    results, outputs, generated = [], [], []
 
     def collect(number: int, indices: list[int], pending: PendingBatch) -> None:
         output = pending.result()
         outputs.append(output)
+        # each row's own steps (a prompt's max_new_tokens), not the batch's longest: a row's steps past its own
+        # are padding, computed for static shapes and never returned, so tokens/s does not count them
+        generated.append(sum(min(steps_for(prompt_set, i, config), output.tokens.shape[1]) for i in indices))
         batch_results = to_results(prepared, number, indices, output)
         results.extend(batch_results if kept[number] is None else [batch_results[kept[number]]])
         if progress:
@@ -344,7 +349,8 @@ def execute(prepared: Prepared, forced: dict[int, np.ndarray] | None = None, pro
     evidence["tensor_parallel"] = getattr(getattr(mode, "transformer", None), "tensor_parallel", None)
     evidence["compile_cache"] = cache_evidence(cache_before, cache_folders)
     evidence["capture_kernel"] = capture_kernel(device, getattr(torch, config.dtype), config.top_k)
-    timings = _timings(prepared, outputs, warmup_seconds, evidence["compile_s"], generate_seconds, device, cold_ttft_ms)
+    timings = _timings(prepared, outputs, warmup_seconds, evidence["compile_s"], generate_seconds, device, cold_ttft_ms,
+                       sum(generated))
     batch_plan = [{"batch": number, "prompt_ids": [prompt_set.records[j].id for j in indices],
                    "padded_length": int(output.padded_length)}
                   | ({"recorded_row": kept[number]} if kept[number] is not None else {})

@@ -58,6 +58,11 @@ def test_bench_against_a_baseline_passes_or_exits_1_on_a_regression(cli, tmp_pat
     assert err.strip().splitlines()[-1].startswith("evalrun: error: --fail-on compared nothing: ")  # after progress
     assert "has no figure of tokens_per_s for the configs measured now (O0)" in err
     assert json.loads(out)["comparison"][0]["status"] == "missing"  # the figures still printed: nothing lost
+    another = tmp_path / "another.json"  # measured in bfloat16: a ratio of two workloads, refused, not judged
+    another.write_text(json.dumps([{**measured[0], "workload": {**measured[0]["workload"], "dtype": "bfloat16"}}]))
+    code, out, err = _bench(cli, "--compare", str(another), "--fail-on", "tokens_per_s:5%", "--json")
+    assert code == 2 and "measured config 'O0' on another workload (dtype differ)" in err.strip().splitlines()[-1]
+    assert json.loads(out)["comparison"][0]["status"] == "other workload"  # the figures still printed
     slow = tmp_path / "slow.json"
     slow.write_text(json.dumps({"rows": [{**measured[0], "tokens_per_s": measured[0]["tokens_per_s"] / 1e6}]}))
     code, out, err = _bench(cli, "--compare", str(slow), "--fail-on", "tokens_per_s:5%")

@@ -147,6 +147,8 @@ def test_first_request_without_warmup_carries_the_compile(cli, tiny_args):
 
 
 def test_bench_measures_side_by_side_with_baselines(cli, write_prompts):
+    import torch
+
     # one prompt: each compiled row (stock, transformers' static cache) compiles one prefill shape, not three
     code, out, err = cli("bench", "--model", "random:tiny", "--prompts", str(write_prompts(ONE_PROMPT)),
                          "--max-new-tokens", "4", "--matrix", "O0,stock", "--json")
@@ -157,6 +159,11 @@ def test_bench_measures_side_by_side_with_baselines(cli, write_prompts):
     assert rows[0]["identical_to_first"] is True and "identical_to_first" in rows[1]
     assert all(row["tokens_per_s"] > 0 and row["p50_ms"] > 0 for row in rows)
     assert rows[1]["compile_s"] > 0
+    assert [row["batch_size"] for row in rows] == [1, 1, 1, 1]  # the table's batch column (baselines: batch 1)
+    assert rows[0]["workload"]["dtype"] == "float32" and "workload" not in rows[2]  # what --compare checks
+    # transformers compiles a static cache on GPUs only: on CPU the row says it ran eagerly (its label did not)
+    assert rows[3].get("fallbacks") == (None if torch.cuda.is_available() else [
+        "transformers compiled nothing (it compiles a static cache on GPUs only): a static cache, eagerly"])
 
 
 def test_bench_config_timeout_stops_one_configuration_and_says_so(cli):
