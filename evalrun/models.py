@@ -554,6 +554,9 @@ def load_model(ref: str, device: str, dtype: str, attn_implementation: str = "sd
         loaded.gguf_path = gguf
     if loaded.model.config.model_type not in HF_EAGER_ONLY:  # SDPA would drop Gemma 2's soft-capping
         loaded.model.config._attn_implementation = attn_implementation
+    if torch_dtype == torch.float64 and getattr(loaded.model.config, "_experts_implementation", None) not in (
+            None, "eager"):  # transformers' grouped_mm experts have no float64 kernel (a golden's oracle crashed)
+        loaded.model.set_experts_implementation("eager")
     loaded.model.eval()
     loaded.model.requires_grad_(False)
     return loaded

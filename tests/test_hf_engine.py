@@ -398,3 +398,19 @@ def test_bench_puts_both_engines_side_by_side(cli):
     assert [row["config"] for row in rows] == ["O0", "O0@transformers"]
     assert all(row["error"] is None and row["fallbacks"] == [] and row["tokens_per_s"] > 0 for row in rows)
     one_line_exit_2(cli("bench", "--model", "random:tiny", "--matrix", "O0@nope"), "engine='nope' is not valid")
+
+
+def test_an_moe_golden_of_the_transformers_engine_computes_its_float64_oracle(tmp_path):
+    """transformers' grouped_mm experts have no float64 kernel: the oracle of a Qwen3-MoE golden made with
+    --engine transformers crashed (RuntimeError: Expected mat_a to be Float32, BFloat16 or Float16, got Double)."""
+    from evalrun.golden import create_golden, open_golden
+    from evalrun.verify import candidate_config, verify_golden
+    from test_moe import moe_checkpoint
+
+    directory = str(moe_checkpoint(tmp_path / "moe"))
+    create_golden("moe", build_config(flags={"model": directory, "prompts": "smoke", "max_new_tokens": 4,
+                                             "engine": "transformers"}), tmp_path)
+    golden = open_golden("moe", tmp_path)
+    assert golden.config("oracle").dtype == "float64"
+    verdict = verify_golden(golden, candidate_config(golden, None, {"batch_size": 2}, ()))
+    assert verdict.verdict in ("identical", "drift"), verdict.causes
