@@ -244,7 +244,7 @@ def to_results(prepared: Prepared, batch_index: int, indices: list[int], output:
 
 def _timings(prepared: Prepared, outputs: list[BatchOutput], warmup_seconds: float, compile_seconds: float,
              generate_seconds: float, device: torch.device, cold_ttft_ms: float | None,
-             generated: int | None = None) -> dict[str, Any]:
+             generated: int) -> dict[str, Any]:
     """Load, compile (Dynamo + Inductor, wherever it happened), warm-up, TTFT, step latency, throughput, memory.
 
     `ttft_ms.first_request` is the time to first token of the process's first batch, the warm-up's
@@ -253,8 +253,6 @@ def _timings(prepared: Prepared, outputs: list[BatchOutput], warmup_seconds: flo
     ttft = np.array([output.step_ms[0] for output in outputs])
     cold_ttft_ms = float(ttft[0]) if cold_ttft_ms is None else cold_ttft_ms
     decode = np.concatenate([output.step_ms[1:] for output in outputs])
-    if generated is None:
-        generated = sum(output.tokens.size for output in outputs)
     clocked = sum(float(output.step_ms.sum()) for output in outputs) / 1000  # prefills and decode steps, clocked
     return {
         "load_s": prepared.load_seconds, "compile_s": compile_seconds, "warmup_s": warmup_seconds,
@@ -319,10 +317,10 @@ def execute(prepared: Prepared, forced: dict[int, np.ndarray] | None = None, pro
     def collect(number: int, indices: list[int], pending: PendingBatch) -> None:
         output = pending.result()
         outputs.append(output)
-        # each row's own steps (a prompt's max_new_tokens), not the batch's longest: a row's steps past its own
-        # are padding, computed for static shapes and never returned, so tokens/s does not count them
-        generated.append(sum(min(steps_for(prompt_set, i, config), output.tokens.shape[1]) for i in indices))
         batch_results = to_results(prepared, number, indices, output)
+        # the tokens to_results keeps, each row cut to its prompt's own steps: a batch's steps past a row's own are
+        # padding, computed for static shapes and never returned, so tokens/s does not count them
+        generated.append(sum(len(result.arrays["tokens"]) for result in batch_results))
         results.extend(batch_results if kept[number] is None else [batch_results[kept[number]]])
         if progress:
             progress(len(indices) if kept[number] is None else 1)

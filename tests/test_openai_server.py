@@ -31,14 +31,23 @@ def stub():
     server.close()
 
 
+def _verify(cli, server, directory: Path, name: str = "g") -> tuple[int, dict | str, str]:
+    code, out, err = cli("golden", "verify", name, "--dir", str(directory), "-q", "--engine", f"openai:{server.url}",
+                         *LOCAL, "--json")
+    return code, (json.loads(out) if out.strip().startswith("{") else out), err
+
+
+def _server_golden(server, directory: Path, name: str = "g") -> Path:
+    config = build_config(flags={"model": "random:tiny", "prompts": "smoke", "max_new_tokens": 5,
+                                 "engine": f"openai:{server.url}"})
+    create_server_golden(name, config, directory, cuda_available=False)
+    return directory
+
+
 @pytest.fixture(scope="module")
 def server_golden(stub, tmp_path_factory) -> Path:
     """A golden made from the well-behaved stub."""
-    directory = tmp_path_factory.mktemp("golden")
-    config = build_config(flags={"model": "random:tiny", "prompts": "smoke", "max_new_tokens": 5,
-                                 "engine": f"openai:{stub.url}"})
-    create_server_golden("served", config, directory, cuda_available=False)
-    return directory
+    return _server_golden(stub, tmp_path_factory.mktemp("golden"), "served")
 
 
 def test_a_golden_of_a_bfloat16_server_is_made_and_verifies(cli, tmp_path):
@@ -47,12 +56,8 @@ def test_a_golden_of_a_bfloat16_server_is_made_and_verifies(cli, tmp_path):
     of that model"), the README's llama.cpp Q4_1 server too."""
     server = StubServer(dtype="bfloat16")
     try:
-        config = build_config(flags={"model": "random:tiny", "prompts": "smoke", "max_new_tokens": 5,
-                                     "engine": f"openai:{server.url}"})
-        create_server_golden("bf16", config, tmp_path, cuda_available=False)
-        code, out, err = cli("golden", "verify", "bf16", "--dir", str(tmp_path), "-q", "--engine",
-                             f"openai:{server.url}", *LOCAL, "--json")
-        assert code == 0 and json.loads(out)["verdict"] == "identical", out + err
+        code, verdict, err = _verify(cli, server, _server_golden(server, tmp_path, "bf16"), "bf16")
+        assert code == 0 and verdict["verdict"] == "identical", (verdict, err)
     finally:
         server.close()
 
@@ -288,19 +293,6 @@ def test_the_pytest_plugin_verifies_a_server(stub, golden_factory, tmp_path, mon
         assert db.execute("SELECT status FROM runs").fetchall() == [("complete",)]
 
 
-def _verify(cli, server, directory: Path, name: str = "g") -> tuple[int, dict | str, str]:
-    code, out, err = cli("golden", "verify", name, "--dir", str(directory), "-q", "--engine", f"openai:{server.url}",
-                         *LOCAL, "--json")
-    return code, (json.loads(out) if out.strip().startswith("{") else out), err
-
-
-def _server_golden(server, directory: Path, name: str = "g") -> Path:
-    config = build_config(flags={"model": "random:tiny", "prompts": "smoke", "max_new_tokens": 5,
-                                 "engine": f"openai:{server.url}"})
-    create_server_golden(name, config, directory, cuda_available=False)
-    return directory
-
-
 def test_a_restart_with_another_max_model_len_is_the_same_model(cli, behaving, tmp_path):
     """vLLM's and SGLang's model-list entry holds max_model_len (--max-model-len, --context-length): a serving
     setting, named as environment. It was hashed into the model's identity: a restart with another context limit
@@ -432,9 +424,8 @@ def test_a_flip_to_an_id_the_golden_server_did_not_show_is_judged_at_the_oracles
     behaving.rewrite = _without_the_runner_up
     _server_golden(behaving, tmp_path)
     behaving.rewrite, behaving.behaviour = None, "runner-up"
-    code, out, err = cli("golden", "verify", "g", "--dir", str(tmp_path), "-q", "--engine", f"openai:{behaving.url}",
-                         *LOCAL, "--json")
-    flips = [flip for prompt in json.loads(out)["prompts"] for flip in prompt["flips"] or []]
+    _, verdict, err = _verify(cli, behaving, tmp_path)
+    flips = [flip for prompt in verdict["prompts"] for flip in prompt["flips"] or []]
     assert flips and all(0 < flip["oracle_gap"] < 1 for flip in flips), flips  # the runner-ups are within 0.4
 
 
