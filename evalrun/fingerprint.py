@@ -119,7 +119,7 @@ def _gpu(device: str) -> dict[str, Any]:
 
 # The package's own code that runs per step (forward, capture, mixing, modes): a change there can change bits.
 # Fault injection lives beside it but never runs in a real run, so it is left out.
-ENGINE_SOURCES = ("engine/*.py",)
+ENGINE_SOURCES = ("engine/*.py", "engine/*.cpp")
 ENGINE_EXCLUDED = ("engine/faults.py",)
 
 

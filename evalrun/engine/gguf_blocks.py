@@ -10,23 +10,26 @@ weights are bit for bit the loaded ones) and multiplies in float32. Only the ord
 `attach` maps the file's tensors onto evalrun's stacked projections (q/k rows un-permuted as transformers
 does for Llama, q/k/v and gate/up stacked) and checks that the blocks give exactly the model's weights;
 any projection that does not is refused (ConfigError, exit 2), never computed from other weights. The
-kernel is one pure function per format, compiled by Inductor (a fused C++ loop on the CPU); a prefill of
-more than GEMV_MAX_ROWS tokens, like every other projection of a model, stays on `F.linear`.
+formulas are pure torch functions per format, traced into the compiled pieces of -O1 and up; eagerly (-O0)
+engine/gguf_gemv.cpp computes them, with the same bits as Inductor's AVX-512 loop over these functions (which
+ran here before) on every instruction set, at 1.9x its speed on AVX-512 and 4.4x on AVX2
+(benchmarks/gguf_gemv_speed.py). A prefill of more than GEMV_MAX_ROWS tokens, like every other projection of a
+model, stays on `F.linear`.
 """
 
 from __future__ import annotations
 
 import copy
+import ctypes
 import dataclasses
-import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Callable
 
 import numpy as np
 import torch
 
 from ..errors import ConfigError
+from . import native_build
 
 BLOCK = 32  # elements per block in Q4_0, Q4_1 and Q8_0
 # format -> (bytes per block, [(field, byte offset, numpy dtype, count)]): gguf's block layouts
@@ -139,30 +142,49 @@ def gemv_q4_0(x: torch.Tensor, qs: torch.Tensor, d: torch.Tensor) -> torch.Tenso
 
 
 _KERNELS = {"Q8_0": gemv_q8, "Q4_0": gemv_q4_0, "Q4_1": gemv_q4}
-_COMPILED: dict[tuple, Callable] = {}  # (format, shapes) -> the kernel compiled by Inductor for those shapes
-_COMPILE_SECONDS = [0.0]  # spent compiling them in this process (a run's compile_s counts it: modes.py)
+_NATIVE = "gguf_gemv.cpp"  # the eager kernel: the same bits as Inductor's loop over these formulas with AVX-512
 
 
 def compile_seconds() -> float:
-    return _COMPILE_SECONDS[0]
+    return native_build.build_seconds()
 
 
 def gemv(x: torch.Tensor, blocks: Blocks) -> torch.Tensor:
-    """x [R, K] float32 @ the blocks' weight [N, K]^T -> [R, N]. Inside a compiled piece (-O1 and up) the kernel
-    is traced into the piece; eagerly, each shape's kernel is compiled by Inductor once (one fused C++ loop:
-    static shapes, as the decode step's), with no guards to check per call and no recompile limit to reach."""
-    kernel = _KERNELS[blocks.format]
-    args = (x, blocks.qs, blocks.d) + (() if blocks.m is None else (blocks.m,))
+    """x [R, K] float32 (1 <= R <= 4, contiguous) @ the blocks' weight [N, K]^T -> [R, N]. Inside a compiled piece
+    (-O1 and up) the torch formulas above are traced into the piece; eagerly, engine/gguf_gemv.cpp computes it
+    (built once per machine: native_build), whose order of sums is fixed on every instruction set: the bits
+    Inductor's AVX-512 loop gives for those formulas, on AVX2 and portable builds too, at 2x its speed (one
+    SmolLM2 decode step's projections: benchmarks/gguf_gemv_speed.py)."""
     if torch.compiler.is_compiling():
-        return kernel(*args)
-    key = (blocks.format, *(tuple(a.shape) for a in args))
-    if key not in _COMPILED:
-        from torch.fx.experimental.proxy_tensor import make_fx
+        return _KERNELS[blocks.format](x, blocks.qs, blocks.d, *(() if blocks.m is None else (blocks.m,)))
+    return native_gemv(x, blocks)
 
-        started = time.perf_counter()
-        _COMPILED[key] = torch._inductor.compile(make_fx(kernel)(*args), list(args))
-        _COMPILE_SECONDS[0] += time.perf_counter() - started
-    return _COMPILED[key](*args)
+
+def native_gemv(x: torch.Tensor, blocks: Blocks, isa: str | None = None) -> torch.Tensor:
+    """gemv by engine/gguf_gemv.cpp built for `isa` (ATen's capability name; default: the one ATen runs with)."""
+    library = native_build.load(_NATIVE, isa, _declare)
+    if not all(t is None or t.is_contiguous() for t in (x, blocks.qs, blocks.d, blocks.m)):
+        raise ValueError("gguf_gemv reads contiguous tensors")
+    rows, cols = x.shape
+    out = torch.empty(rows, blocks.shape[0], dtype=torch.float32)  # [R, N]
+    pointers = (x.data_ptr(), blocks.qs.data_ptr(), blocks.d.data_ptr())
+    threads = torch.get_num_threads()
+    if blocks.format == "Q8_0":
+        failed = library.gguf_gemv_q8(*pointers, out.data_ptr(), rows, blocks.shape[0], cols, threads)
+    else:
+        m = None if blocks.m is None else blocks.m.data_ptr()
+        failed = library.gguf_gemv_q4(*pointers, m, out.data_ptr(), rows, blocks.shape[0], cols, threads)
+    if failed:
+        raise ValueError(f"gguf_gemv computes 1-4 rows, not {rows}")
+    return out
+
+
+def _declare(library: ctypes.CDLL) -> ctypes.CDLL:
+    pointer, size = ctypes.c_void_p, ctypes.c_int64
+    library.gguf_gemv_q4.argtypes = [pointer] * 5 + [size] * 3 + [ctypes.c_int]
+    library.gguf_gemv_q8.argtypes = [pointer] * 4 + [size] * 3 + [ctypes.c_int]
+    library.gguf_gemv_q4.restype = library.gguf_gemv_q8.restype = ctypes.c_int
+    return library
 
 
 def _unpermute_rows(rows: int, heads: int) -> torch.Tensor:
@@ -201,7 +223,6 @@ def attach(transformer, path: Path):
         raise ConfigError(f"linear_kernel=gguf-gemv reads Llama-architecture GGUF files; {path.name} is {arch!r}: "
                           "use linear_kernel=aten")
     found = read_blocks(reader)
-    _COMPILED.clear()  # this config's Inductor settings compile its kernels afresh (C++ builds stay cached)
     orders = {"attn_q": transformer.heads, "attn_k": transformer.kv_heads}
 
     def blocks_of(gguf_names: list[str]) -> Blocks:
