@@ -8,7 +8,6 @@ evalrun changed any: flags that the config sets belong to the config, not to the
 
 from __future__ import annotations
 
-import functools
 import os
 import platform
 import subprocess
@@ -20,6 +19,7 @@ import numpy as np
 import torch
 
 from .config import EffectiveConfig
+from .engine import native_build
 from .errors import ConfigError
 from .hashing import hash_bytes, hash_value
 
@@ -84,20 +84,9 @@ def _cpu_name() -> str:
 
 
 def cpp_compiler() -> str | None:
-    """The C++ compiler Inductor builds its CPU kernels with (the compiled modes on CPU, linear_kernel=gguf-gemv):
-    the first line of its `--version`, or None where there is none. Inductor's default, read without importing
-    Inductor (a second per run): $CXX, else g++ (clang++ on macOS)."""
-    return _compiler_version(os.environ.get("CXX", "clang++" if sys.platform == "darwin" else "g++"))
-
-
-@functools.lru_cache(maxsize=8)
-def _compiler_version(command: str) -> str | None:
-    try:
-        done = subprocess.run([command, "--version"], capture_output=True, text=True, timeout=30)
-    except (OSError, subprocess.SubprocessError):
-        return None
-    lines = done.stdout.strip().splitlines()
-    return lines[0].strip() if done.returncode == 0 and lines else None
+    """The C++ compiler Inductor builds its CPU kernels with (the compiled modes on CPU) and evalrun its own
+    (linear_kernel=gguf-gemv): the first line of its `--version`, or None where there is none (native_build)."""
+    return native_build.compiler_version()
 
 
 def _gpu(device: str) -> dict[str, Any]:

@@ -1,20 +1,24 @@
 """Build one of the engine's C++ sources into a shared library, once per machine, and load it with ctypes.
 
-The library is built by the C++ compiler the environment fingerprint names (fingerprint.cpp_compiler: $CXX, else
-g++) for the instruction set ATen runs with (`ATEN_CPU_CAPABILITY`, as Inductor's kernels are), with OpenMP and
-without FMA contraction (a source's summation order is then the bits, whatever the instruction set). It lands in
-evalrun's compile-cache folder (compile_cache.cache_folder: one per torch, CPU instruction set, compiler and engine
-code) under a name that hashes the source, the compiler and the flags, written whole or not at all, so parallel
-processes and later runs share it. Nothing here is reachable from a config: the sources are the engine's own
-files (fingerprint.ENGINE_SOURCES puts them in the engine-code digest).
+The library is built by the C++ compiler Inductor uses and the environment fingerprint names ($CXX, else g++;
+clang++ on macOS) for the instruction set ATen runs with (`ATEN_CPU_CAPABILITY`, as Inductor's kernels are), with
+OpenMP and without FMA contraction (a source's summation order is then its bits, whatever the instruction set).
+It lands in Inductor's cache folder (a run's is evalrun's compile cache, compile_cache.py: one per torch, CPU
+instruction set, compiler and engine code) under a name that hashes the source, the compiler's version and the
+command, written whole or not at all, so parallel processes and later runs share it. Nothing here is reachable
+from a config: the sources are the engine's own files (fingerprint.ENGINE_SOURCES puts them in the engine-code
+digest).
 """
 
 from __future__ import annotations
 
 import ctypes
+import functools
+import hashlib
 import os
 import shlex
 import subprocess
+import sys
 import tempfile
 import time
 from pathlib import Path
@@ -34,7 +38,23 @@ def build_seconds() -> float:
 
 
 def compiler() -> str:
-    return os.environ.get("CXX", "g++")
+    """Inductor's default C++ compiler: $CXX, else g++ (clang++ on macOS)."""
+    return os.environ.get("CXX", "clang++" if sys.platform == "darwin" else "g++")
+
+
+def compiler_version() -> str | None:
+    """The first line of the compiler's `--version`, or None where there is none."""
+    return _version_of(compiler())
+
+
+@functools.lru_cache(maxsize=8)
+def _version_of(command: str) -> str | None:
+    try:
+        done = subprocess.run([command, "--version"], capture_output=True, text=True, timeout=30)
+    except (OSError, subprocess.SubprocessError):
+        return None
+    lines = done.stdout.strip().splitlines()
+    return lines[0].strip() if done.returncode == 0 and lines else None
 
 
 def capability() -> str:
@@ -56,18 +76,21 @@ def load(source: str, isa: str | None = None, declare: Callable[[ctypes.CDLL], c
 
 
 def _built(path: Path, isa: str) -> Path:
-    from ..compile_cache import cache_folder
-    from ..fingerprint import cpp_compiler
-    from ..hashing import hash_bytes
+    from torch._inductor.runtime.cache_dir_utils import cache_dir
 
     command = [compiler(), *BASE_FLAGS, *ISA_FLAGS.get(isa, ())]
-    digest = hash_bytes(path.read_bytes(), shlex.join(command).encode(), str(cpp_compiler()).encode())[:16]
-    target = cache_folder() / "native" / f"{path.stem}-{isa.lower()}-{digest}.so"
+    digest = hashlib.sha256(b"\0".join([path.read_bytes(), shlex.join(command).encode(),
+                                        str(compiler_version()).encode()])).hexdigest()[:16]
+    target = Path(cache_dir()) / "evalrun-native" / f"{path.stem}-{isa.lower()}-{digest}.so"
     if target.is_file():
         return target
-    target.parent.mkdir(parents=True, exist_ok=True)
     started = time.perf_counter()
-    handle, partial = tempfile.mkstemp(dir=target.parent, prefix=target.stem, suffix=".partial")
+    try:
+        target.parent.mkdir(parents=True, exist_ok=True)
+        handle, partial = tempfile.mkstemp(dir=target.parent, prefix=target.stem, suffix=".partial")
+    except OSError as error:
+        raise ConfigError(f"{path.name} cannot be built into {target.parent} ({error.strerror or error}); point "
+                          "TORCHINDUCTOR_CACHE_DIR (or EVALRUN_CACHE) at a writable folder") from None
     os.close(handle)
     try:
         done = subprocess.run([*command, str(path), "-o", partial], capture_output=True, text=True, timeout=600)
