@@ -134,6 +134,16 @@ def test_the_kernel_is_built_once_per_cache_and_its_build_counts_as_compile_time
     assert torch.equal(gguf_blocks.gemv(x, blocks), first) and gguf_blocks.compile_seconds() == spent
 
 
+def test_a_cache_folder_the_kernel_cannot_be_written_into_is_one_line_naming_the_variable(tmp_path, monkeypatch):
+    from evalrun.engine import native_build
+
+    (tmp_path / "evalrun-native").write_text("a file where the folder goes")
+    monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(tmp_path))
+    monkeypatch.setattr(native_build, "_LOADED", {})
+    with pytest.raises(ConfigError, match="cannot be built into .*evalrun-native.*TORCHINDUCTOR_CACHE_DIR"):
+        gguf_blocks.native_gemv(torch.randn(1, 64), random_blocks("Q8_0", 8, 64))
+
+
 def test_a_kernel_that_cannot_be_built_is_one_line_naming_the_aten_kernel(tmp_path, monkeypatch):
     from evalrun.engine import native_build
 
@@ -220,3 +230,38 @@ def test_a_file_whose_blocks_the_kernel_cannot_read_is_refused_before_anything_i
 def test_the_blocks_where_they_cannot_run_are_one_line_and_exit_2(cli, store_path, args, message):
     one_line_exit_2(cli("run", "--device", "cpu", "--prompts", "smoke", "--store", str(store_path), *args,
                         "--set", "linear_kernel=gguf-gemv"), message)
+
+
+def test_the_built_library_is_readable_as_any_build_output_is(tmp_path, monkeypatch):
+    """A cache shared by a group, or restored by another user, loads it: the mode the umask gives (mkstemp's 0600
+    became 0711 after linking: nobody else could dlopen it)."""
+    import os
+    import stat
+
+    from evalrun.engine import native_build
+
+    monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(tmp_path))
+    monkeypatch.setattr(native_build, "_LOADED", {})
+    previous = os.umask(0o022)
+    try:
+        gguf_blocks.native_gemv(torch.randn(1, 64), random_blocks("Q8_0", 8, 64))
+    finally:
+        os.umask(previous)
+    [built] = tmp_path.rglob("gguf_gemv-*.so")
+    assert stat.S_IMODE(built.stat().st_mode) == 0o755
+
+
+@pytest.mark.parametrize("x", [torch.randn(1, 96), torch.randn(1, 32), torch.randn(1, 64, dtype=torch.float64),
+                               torch.randn(1, 64, dtype=torch.bfloat16), torch.randn(64)],
+                         ids=["longer", "shorter", "float64", "bfloat16", "1-D"])
+def test_operands_the_kernel_cannot_read_are_refused_not_read_as_raw_bytes(x):
+    """The C code takes x's K as the blocks' row length and reads float32: another K read past the blocks (or
+    skipped some), another dtype gave numbers of 1e36, with no error."""
+    with pytest.raises(ValueError, match="gguf_gemv multiplies float32 CPU x"):
+        gguf_blocks.gemv(x, random_blocks("Q8_0", 4, 64))
+    q4_1, q8 = random_blocks("Q4_1", 4, 64), random_blocks("Q8_0", 4, 64)
+    for fmt, qs, d, m in [("Q4_1", q4_1.qs, q4_1.d, None),  # Q4_1 without m: read as Q4_0
+                          ("Q4_0", q4_1.qs, q4_1.d, q4_1.m),  # Q4_0 with m: read as Q4_1
+                          ("Q8_0", q8.qs.to(torch.int16), q8.d, None), ("Q8_0", q8.qs, q8.d.float(), None)]:
+        with pytest.raises(ValueError, match="blocks are CPU qs, d, m of"):
+            gguf_blocks.gemv(torch.randn(1, 64), Blocks(fmt, qs, d, m))

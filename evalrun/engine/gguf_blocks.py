@@ -53,6 +53,14 @@ class Blocks:
     d: torch.Tensor
     m: torch.Tensor | None = None
 
+    def __post_init__(self):  # what engine/gguf_gemv.cpp reads them as (raw pointers): anything else is garbage
+        wanted = (torch.int8 if self.format == "Q8_0" else torch.uint8, torch.float16,
+                  torch.float16 if self.format == "Q4_1" else None)
+        got = (self.qs.dtype, self.d.dtype, None if self.m is None else self.m.dtype)
+        if self.format not in LAYOUTS or got != wanted or any(
+                t is not None and t.device.type != "cpu" for t in (self.qs, self.d, self.m)):
+            raise ValueError(f"{self.format} blocks are CPU qs, d, m of {wanted}, not {got}")
+
     @property
     def shape(self) -> tuple[int, int]:
         return self.qs.shape[0], self.qs.shape[1] * BLOCK
@@ -165,6 +173,11 @@ def native_gemv(x: torch.Tensor, blocks: Blocks, isa: str | None = None) -> torc
     library = native_build.load(_NATIVE, isa, _declare)
     if not all(t is None or t.is_contiguous() for t in (x, blocks.qs, blocks.d, blocks.m)):
         raise ValueError("gguf_gemv reads contiguous tensors")
+    # The C code reads float32 with x's K as the blocks' row length: anything else is garbage or reads past them
+    # (the blocks' own dtypes are checked once, by Blocks)
+    if x.dtype != torch.float32 or x.dim() != 2 or x.shape[1] != blocks.shape[1] or x.device.type != "cpu":
+        raise ValueError(f"gguf_gemv multiplies float32 CPU x [R, {blocks.shape[1]}]; got {x.dtype} "
+                         f"{tuple(x.shape)} on {x.device}")
     rows, cols = x.shape
     out = torch.empty(rows, blocks.shape[0], dtype=torch.float32)  # [R, N]
     pointers = (x.data_ptr(), blocks.qs.data_ptr(), blocks.d.data_ptr())

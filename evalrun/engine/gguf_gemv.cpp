@@ -13,7 +13,9 @@
 //   Q4: acc[16] += w_lo * x_lo + w_hi * x_hi, block after block (elements j and j + 16 of a block in lane j)
 //   Q8: acc[32] += w * x, block after block; then acc[i] + acc[i + 16]
 //   then s[i] = a[i] + a[i + 8], s[i] + s[i + 4], s[i] + s[i + 2], s[0] + s[1]
-// It is the order of the loop Inductor builds for gguf_blocks' torch formulas with AVX-512 (tests compare them).
+// It is the order of the loop Inductor builds for gguf_blocks' torch formulas with AVX-512 (tests compare them),
+// where each output is one thread's (Inductor splits a long reduction over threads when there are fewer outputs
+// than threads: N = 1 or 2 with K in the thousands; no projection of a model).
 #include <cstdint>
 #include <cstring>
 #if defined(__AVX512F__) || defined(__AVX2__)

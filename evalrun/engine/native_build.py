@@ -16,10 +16,10 @@ import ctypes
 import functools
 import hashlib
 import os
+import secrets
 import shlex
 import subprocess
 import sys
-import tempfile
 import time
 from pathlib import Path
 from typing import Callable
@@ -87,19 +87,24 @@ def _built(path: Path, isa: str) -> Path:
     started = time.perf_counter()
     try:
         target.parent.mkdir(parents=True, exist_ok=True)
-        handle, partial = tempfile.mkstemp(dir=target.parent, prefix=target.stem, suffix=".partial")
     except OSError as error:
         raise ConfigError(f"{path.name} cannot be built into {target.parent} ({error.strerror or error}); point "
                           "TORCHINDUCTOR_CACHE_DIR (or EVALRUN_CACHE) at a writable folder") from None
-    os.close(handle)
+    # A name of this process's own, not a file made for it (mkstemp's is 0600: the linker kept that mode, 0711, and
+    # a cache shared by a group or restored by another user could not load the library): the linker creates it
+    # with the mode the umask gives any build output.
+    partial = target.with_name(f"{target.stem}.{os.getpid()}-{secrets.token_hex(8)}.partial")
     try:
-        done = subprocess.run([*command, str(path), "-o", partial], capture_output=True, text=True, timeout=600)
+        done = subprocess.run([*command, str(path), "-o", str(partial)], capture_output=True, text=True, timeout=600)
     except (OSError, subprocess.SubprocessError) as error:
-        os.unlink(partial)
+        partial.unlink(missing_ok=True)
         raise ConfigError(f"{path.name} could not be built with {command[0]} ({error}); install g++ (or set CXX) "
                           "or use linear_kernel=aten") from None
     if done.returncode != 0:
-        os.unlink(partial)
+        partial.unlink(missing_ok=True)
+        if not os.access(target.parent, os.W_OK):
+            raise ConfigError(f"{path.name} cannot be built into {target.parent} (not writable); point "
+                              "TORCHINDUCTOR_CACHE_DIR (or EVALRUN_CACHE) at a writable folder")
         last = (done.stderr.strip().splitlines() or ["no message"])[-1]
         raise ConfigError(f"{path.name} could not be built with {command[0]}: {last}; use linear_kernel=aten")
     os.replace(partial, target)
