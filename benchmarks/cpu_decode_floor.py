@@ -2,6 +2,7 @@
 
     python benchmarks/cpu_decode_floor.py                  # SmolLM2-135M float32, default prompts
     python benchmarks/cpu_decode_floor.py --prompts smoke --json
+    python benchmarks/cpu_decode_floor.py --linear-kernel gguf-gemv   # the engine's projections from the GGUF blocks
 
 In one process, side by side: for every prompt, evalrun's engine (-O0, eager) and transformers'
 `generate` (eager, batch 1), each timed once after a warm-up call: prefill (time to first token) and
@@ -44,9 +45,12 @@ def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--model", default="smollm2-135m")
     parser.add_argument("--prompts", default="default")
+    parser.add_argument("--linear-kernel", default="aten", choices=("aten", "gguf-gemv"),
+                        help="The engine's projections (transformers' stay its own).")
     parser.add_argument("--json", action="store_true")
     args = parser.parse_args()
-    prepared = prepare(RunConfig(model=args.model, prompts=args.prompts, device="cpu", dtype="float32"))
+    prepared = prepare(RunConfig(model=args.model, prompts=args.prompts, device="cpu", dtype="float32",
+                                 linear_kernel=args.linear_kernel))
     engine, hf = prepared.execution_mode(), prepared.loaded.model
     hf.generation_config.pad_token_id = prepared.loaded.tokenizer.eos_token_id
     rows = []
@@ -65,7 +69,8 @@ def main() -> int:
     floor = weight_read_ms(parameters)
     step = lambda key: float(np.median([row[key] for row in rows]))  # noqa: E731
     total = lambda key: sum(row[key] for row in rows)  # noqa: E731
-    summary = {"model": args.model, "prompts": args.prompts, "threads": torch.get_num_threads(),
+    summary = {"model": args.model, "prompts": args.prompts, "linear_kernel": args.linear_kernel,
+               "threads": torch.get_num_threads(),
                "parameters": parameters, "weight_read_floor_ms": floor,
                "engine_step_ms": step("engine_step_ms"), "transformers_step_ms": step("transformers_step_ms"),
                "step_ratio": step("transformers_step_ms") / step("engine_step_ms"),
@@ -81,11 +86,11 @@ def main() -> int:
               f"step {row['engine_step_ms']:5.1f} ms  transformers prefill {row['transformers_prefill_ms']:7.1f} ms "
               f"step {row['transformers_step_ms']:5.1f} ms")
     print(f"weight-read floor {floor:.1f} ms/step ({parameters / 1e6:.0f}M float32 parameters, "
-          f"{summary['threads']} threads); decode step: engine {summary['engine_step_ms']:.1f} ms "
-          f"({summary['engine_floor_fraction']:.0%} of the floor's speed), transformers "
-          f"{summary['transformers_step_ms']:.1f} ms; step ratio {summary['step_ratio']:.2f}x (at most "
-          f"{summary['step_ratio_limit']:.2f}x at the floor); prefill ratio {summary['prefill_ratio']:.2f}x; "
-          f"whole run {summary['total_ratio']:.2f}x")
+          f"{summary['threads']} threads); decode step: engine ({args.linear_kernel}) "
+          f"{summary['engine_step_ms']:.1f} ms ({summary['engine_floor_fraction']:.0%} of the floor's speed), "
+          f"transformers {summary['transformers_step_ms']:.1f} ms; step ratio {summary['step_ratio']:.2f}x (at most "
+          f"{summary['step_ratio_limit']:.2f}x at the floor, for float32 weights); "
+          f"prefill ratio {summary['prefill_ratio']:.2f}x; whole run {summary['total_ratio']:.2f}x")
     return 0
 
 

@@ -64,7 +64,8 @@ def main() -> int:
     args = parser.parse_args()
     generator = torch.Generator().manual_seed(0)
     inputs = {cols: torch.randn(1, cols, generator=generator) for cols in (HIDDEN, INTERMEDIATE)}
-    step = [(inputs[cols], random_blocks("Q4_1", rows, cols, generator)) for _ in range(LAYERS) for rows, cols in SHAPES]
+    step = [(inputs[cols], random_blocks("Q4_1", rows, cols, generator))
+            for _ in range(LAYERS) for rows, cols in SHAPES]
     step.append((inputs[HIDDEN], random_blocks("Q8_0", VOCAB, HIDDEN, generator)))
     compiled = inductor_kernels(step)
 

@@ -69,10 +69,12 @@ inline void store(float* p, V16 a) { _mm256_storeu_ps(p, a.lo); _mm256_storeu_ps
 inline V16 add(V16 a, V16 b) { return {_mm256_add_ps(a.lo, b.lo), _mm256_add_ps(a.hi, b.hi)}; }
 inline V16 mul(V16 a, V16 b) { return {_mm256_mul_ps(a.lo, b.lo), _mm256_mul_ps(a.hi, b.hi)}; }
 inline V16 from_bytes(__m128i q) {
-    return {_mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(q)), _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_srli_si128(q, 8)))};
+    return {_mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(q)),
+            _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_srli_si128(q, 8)))};
 }
 inline V16 from_signed_bytes(__m128i q) {
-    return {_mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(q)), _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_srli_si128(q, 8)))};
+    return {_mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(q)),
+            _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_srli_si128(q, 8)))};
 }
 #else
 struct V16 {
@@ -86,16 +88,30 @@ inline __m128i low_nibbles(__m128i q) { return _mm_and_si128(q, _mm_set1_epi8(15
 inline __m128i high_nibbles(__m128i q) { return _mm_and_si128(_mm_srli_epi16(q, 4), _mm_set1_epi8(15)); }
 inline V16 nibbles_low(const uint8_t* p) { return from_bytes(low_nibbles(load_bytes(p))); }
 inline V16 nibbles_high(const uint8_t* p) { return from_bytes(high_nibbles(load_bytes(p))); }
-inline V16 signed_bytes(const int8_t* p) { return from_signed_bytes(load_bytes(reinterpret_cast<const uint8_t*>(p))); }
+inline V16 signed_bytes(const int8_t* p) {
+    return from_signed_bytes(load_bytes(reinterpret_cast<const uint8_t*>(p)));
+}
 #else
 inline V16 splat(float a) { V16 r; for (int i = 0; i < 16; i++) r.v[i] = a; return r; }
 inline V16 load(const float* p) { V16 r; std::memcpy(r.v, p, sizeof r.v); return r; }
 inline void store(float* p, V16 a) { std::memcpy(p, a.v, sizeof a.v); }
 inline V16 add(V16 a, V16 b) { for (int i = 0; i < 16; i++) a.v[i] += b.v[i]; return a; }
 inline V16 mul(V16 a, V16 b) { for (int i = 0; i < 16; i++) a.v[i] *= b.v[i]; return a; }
-inline V16 nibbles_low(const uint8_t* p) { V16 r; for (int i = 0; i < 16; i++) r.v[i] = static_cast<float>(p[i] & 15); return r; }
-inline V16 nibbles_high(const uint8_t* p) { V16 r; for (int i = 0; i < 16; i++) r.v[i] = static_cast<float>(p[i] >> 4); return r; }
-inline V16 signed_bytes(const int8_t* p) { V16 r; for (int i = 0; i < 16; i++) r.v[i] = static_cast<float>(p[i]); return r; }
+inline V16 nibbles_low(const uint8_t* p) {
+    V16 r;
+    for (int i = 0; i < 16; i++) r.v[i] = static_cast<float>(p[i] & 15);
+    return r;
+}
+inline V16 nibbles_high(const uint8_t* p) {
+    V16 r;
+    for (int i = 0; i < 16; i++) r.v[i] = static_cast<float>(p[i] >> 4);
+    return r;
+}
+inline V16 signed_bytes(const int8_t* p) {
+    V16 r;
+    for (int i = 0; i < 16; i++) r.v[i] = static_cast<float>(p[i]);
+    return r;
+}
 inline V16 zero() { return splat(0.0f); }
 #endif
 
