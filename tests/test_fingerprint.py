@@ -162,6 +162,9 @@ def test_environment_names_the_engine_code(monkeypatch, tmp_path):
     assert fingerprint.engine_code_digest() == copy
     (package / "engine" / "capture.py").write_text("# capture.py, one line changed\n")
     assert fingerprint.engine_code_digest() != copy != digest
+    changed = fingerprint.engine_code_digest()
+    (package / "engine" / "gguf_gemv.cpp").write_text("// the engine's C++ (linear_kernel=gguf-gemv's kernel)\n")
+    assert fingerprint.engine_code_digest() != changed  # its order of sums is its bits
 
 
 def test_environment_names_the_cpp_compiler_inductor_builds_cpu_kernels_with(monkeypatch, tmp_path):

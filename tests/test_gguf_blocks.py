@@ -5,6 +5,7 @@ within float32 rounding, its tokens the same on the real SmolLM2, and every plac
 
 from __future__ import annotations
 
+import ctypes
 import json
 from pathlib import Path
 
@@ -113,9 +114,8 @@ def test_the_kernel_sums_in_its_documented_order_on_every_instruction_set_this_m
         from torch.fx.experimental.proxy_tensor import make_fx
 
         args = (x, blocks.qs, blocks.d) + (() if blocks.m is None else (blocks.m,))
-        inductor = torch._inductor.compile(make_fx(gguf_blocks._KERNELS[fmt])(*args), list(args))
-        assert torch.equal(inductor(*args)[0] if isinstance(inductor(*args), (tuple, list)) else inductor(*args),
-                           expected)
+        out = torch._inductor.compile(make_fx(gguf_blocks._KERNELS[fmt])(*args), list(args))(*args)
+        assert torch.equal(out[0] if isinstance(out, (tuple, list)) else out, expected)
 
 
 def test_the_kernel_is_built_once_per_cache_and_its_build_counts_as_compile_time(tmp_path, monkeypatch):
@@ -123,15 +123,35 @@ def test_the_kernel_is_built_once_per_cache_and_its_build_counts_as_compile_time
 
     monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(tmp_path))  # a run's: evalrun's compile cache (compile_cache)
     monkeypatch.setattr(native_build, "_LOADED", {})
-    before = gguf_blocks.compile_seconds()
+    from evalrun.engine.modes import dynamo_snapshot
+
+    before, run_before = gguf_blocks.compile_seconds(), dynamo_snapshot()["compile_s"]
     blocks, x = random_blocks("Q4_0", 8, 64), torch.randn(2, 64)
     first = gguf_blocks.gemv(x, blocks)
     built = list(tmp_path.rglob("gguf_gemv-*.so"))
     assert len(built) == 1 and gguf_blocks.compile_seconds() > before
+    assert dynamo_snapshot()["compile_s"] - run_before == pytest.approx(gguf_blocks.compile_seconds() - before)  # compile_s
     assert built[0].parent == tmp_path / "evalrun-native" and not list(tmp_path.rglob("*.partial"))
     monkeypatch.setattr(native_build, "_LOADED", {})  # as a later process: loads the built library
     spent = gguf_blocks.compile_seconds()
     assert torch.equal(gguf_blocks.gemv(x, blocks), first) and gguf_blocks.compile_seconds() == spent
+
+
+def test_the_built_library_is_keyed_by_the_source_and_the_compilers_version(tmp_path, monkeypatch):
+    """A cache folder the user chose is shared by every engine version and compiler: an edited source, or a compiler
+    upgraded under the same name, builds a library of its own instead of loading the old one's bits."""
+    from evalrun.engine import native_build
+
+    monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(tmp_path / "cache"))
+    source = tmp_path / "tiny.cpp"
+    source.write_text('extern "C" int tiny() { return 1; }\n')
+    first = native_build._built(source, "DEFAULT")
+    assert native_build._built(source, "DEFAULT") == first  # built once
+    source.write_text('extern "C" int tiny() { return 2; }\n')
+    edited = native_build._built(source, "DEFAULT")
+    monkeypatch.setattr(native_build, "compiler_version", lambda: "g++ (Debian 99.1.0-1) 99.1.0")
+    upgraded = native_build._built(source, "DEFAULT")
+    assert len({first, edited, upgraded}) == 3 and ctypes.CDLL(str(edited)).tiny() == 2
 
 
 def test_a_cache_folder_the_kernel_cannot_be_written_into_is_one_line_naming_the_variable(tmp_path, monkeypatch):
@@ -142,6 +162,26 @@ def test_a_cache_folder_the_kernel_cannot_be_written_into_is_one_line_naming_the
     monkeypatch.setattr(native_build, "_LOADED", {})
     with pytest.raises(ConfigError, match="cannot be built into .*evalrun-native.*TORCHINDUCTOR_CACHE_DIR"):
         gguf_blocks.native_gemv(torch.randn(1, 64), random_blocks("Q8_0", 8, 64))
+
+
+def test_a_compiler_without_openmp_builds_the_kernel_without_it_with_the_same_bits(tmp_path, monkeypatch):
+    """Apple's clang refuses -fopenmp: the kernel is built without it (each output is one thread's either way)."""
+    import os
+    import stat
+
+    from evalrun.engine import native_build
+
+    compiler = tmp_path / "no-openmp-c++"
+    compiler.write_text('#!/bin/sh\nfor a in "$@"; do [ "$a" = -fopenmp ] && { echo "no -fopenmp here" >&2; exit 1; }; '
+                        'done\nexec g++ "$@"\n')
+    compiler.chmod(compiler.stat().st_mode | stat.S_IXUSR)
+    blocks, x = random_blocks("Q4_1", 40, 128), torch.randn(3, 128)
+    expected = lane_order_reference(x, blocks)
+    monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(tmp_path / "cache"))
+    monkeypatch.setenv("CXX", str(compiler))
+    monkeypatch.setattr(native_build, "_LOADED", {})
+    assert torch.equal(gguf_blocks.native_gemv(x, blocks), expected)
+    assert len(list((tmp_path / "cache").rglob("gguf_gemv-*.so"))) == 1 and os.environ["CXX"] == str(compiler)
 
 
 def test_a_kernel_that_cannot_be_built_is_one_line_naming_the_aten_kernel(tmp_path, monkeypatch):

@@ -12,7 +12,8 @@ does for Llama, q/k/v and gate/up stacked) and checks that the blocks give exact
 any projection that does not is refused (ConfigError, exit 2), never computed from other weights. The
 formulas are pure torch functions per format, traced into the compiled pieces of -O1 and up; eagerly (-O0)
 engine/gguf_gemv.cpp computes them, with the same bits as Inductor's AVX-512 loop over these functions (which
-ran here before) on every instruction set, at 1.9x its speed on AVX-512 and 4.4x on AVX2
+ran here before) on every instruction set, at 1.9x its speed on AVX-512 and 4.4x under
+ATEN_CPU_CAPABILITY=avx2 on that machine
 (benchmarks/gguf_gemv_speed.py). A prefill of more than GEMV_MAX_ROWS tokens, like every other projection of a
 model, stays on `F.linear`.
 """
@@ -170,7 +171,6 @@ def gemv(x: torch.Tensor, blocks: Blocks) -> torch.Tensor:
 
 def native_gemv(x: torch.Tensor, blocks: Blocks, isa: str | None = None) -> torch.Tensor:
     """gemv by engine/gguf_gemv.cpp built for `isa` (ATen's capability name; default: the one ATen runs with)."""
-    library = native_build.load(_NATIVE, isa, _declare)
     if not all(t is None or t.is_contiguous() for t in (x, blocks.qs, blocks.d, blocks.m)):
         raise ValueError("gguf_gemv reads contiguous tensors")
     # The C code reads float32 with x's K as the blocks' row length: anything else is garbage or reads past them
@@ -178,6 +178,7 @@ def native_gemv(x: torch.Tensor, blocks: Blocks, isa: str | None = None) -> torc
     if x.dtype != torch.float32 or x.dim() != 2 or x.shape[1] != blocks.shape[1] or x.device.type != "cpu":
         raise ValueError(f"gguf_gemv multiplies float32 CPU x [R, {blocks.shape[1]}]; got {x.dtype} "
                          f"{tuple(x.shape)} on {x.device}")
+    library = native_build.load(_NATIVE, isa, _declare)
     rows, cols = x.shape
     out = torch.empty(rows, blocks.shape[0], dtype=torch.float32)  # [R, N]
     pointers = (x.data_ptr(), blocks.qs.data_ptr(), blocks.d.data_ptr())

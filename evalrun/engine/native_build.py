@@ -28,7 +28,8 @@ from ..errors import ConfigError
 
 # ATen's CPU capability -> the compiler flags of that instruction set (x86); any other builds portable code
 ISA_FLAGS = {"AVX512": ("-mavx512f", "-mavx512bw", "-mf16c"), "AVX2": ("-mavx2", "-mf16c")}
-BASE_FLAGS = ("-O3", "-std=c++17", "-shared", "-fPIC", "-fopenmp", "-ffp-contract=off")
+BASE_FLAGS = ("-O3", "-std=c++17", "-shared", "-fPIC", "-ffp-contract=off")
+OPENMP_FLAGS = ("-fopenmp",)
 _LOADED: dict[tuple[str, str], ctypes.CDLL] = {}
 _BUILD_SECONDS = [0.0]  # spent building in this process (a run's compile_s counts it: modes.py)
 
@@ -76,14 +77,29 @@ def load(source: str, isa: str | None = None, declare: Callable[[ctypes.CDLL], c
 
 
 def _built(path: Path, isa: str) -> Path:
+    """The library of `path` for `isa`, built unless a build of the same source, command and compiler is there. With
+    OpenMP where the compiler has it, else without (Apple's clang refuses -fopenmp): each output is one thread's, so
+    the bits are the same; only the speed is one core's."""
     from torch._inductor.runtime.cache_dir_utils import cache_dir
 
-    command = [compiler(), *BASE_FLAGS, *ISA_FLAGS.get(isa, ())]
-    digest = hashlib.sha256(b"\0".join([path.read_bytes(), shlex.join(command).encode(),
-                                        str(compiler_version()).encode()])).hexdigest()[:16]
-    target = Path(cache_dir()) / "evalrun-native" / f"{path.stem}-{isa.lower()}-{digest}.so"
-    if target.is_file():
-        return target
+    with_openmp = [compiler(), *BASE_FLAGS, *OPENMP_FLAGS, *ISA_FLAGS.get(isa, ())]
+    failures = []
+    for command in (with_openmp, [flag for flag in with_openmp if flag not in OPENMP_FLAGS]):
+        digest = hashlib.sha256(b"\0".join([path.read_bytes(), shlex.join(command).encode(),
+                                            str(compiler_version()).encode()])).hexdigest()[:16]
+        target = Path(cache_dir()) / "evalrun-native" / f"{path.stem}-{isa.lower()}-{digest}.so"
+        if target.is_file():
+            return target
+        failure = _build(path, command, target)
+        if failure is None:
+            return target
+        failures.append(failure)
+    raise ConfigError(f"{path.name} could not be built with {with_openmp[0]}: {failures[0]}; install g++ (or set "
+                      "CXX) or use linear_kernel=aten")
+
+
+def _build(path: Path, command: list[str], target: Path) -> str | None:
+    """Build `path` into `target` by `command`, whole or not at all: None, or why it failed."""
     started = time.perf_counter()
     try:
         target.parent.mkdir(parents=True, exist_ok=True)
@@ -98,15 +114,13 @@ def _built(path: Path, isa: str) -> Path:
         done = subprocess.run([*command, str(path), "-o", str(partial)], capture_output=True, text=True, timeout=600)
     except (OSError, subprocess.SubprocessError) as error:
         partial.unlink(missing_ok=True)
-        raise ConfigError(f"{path.name} could not be built with {command[0]} ({error}); install g++ (or set CXX) "
-                          "or use linear_kernel=aten") from None
+        return str(error)
     if done.returncode != 0:
         partial.unlink(missing_ok=True)
         if not os.access(target.parent, os.W_OK):
             raise ConfigError(f"{path.name} cannot be built into {target.parent} (not writable); point "
                               "TORCHINDUCTOR_CACHE_DIR (or EVALRUN_CACHE) at a writable folder")
-        last = (done.stderr.strip().splitlines() or ["no message"])[-1]
-        raise ConfigError(f"{path.name} could not be built with {command[0]}: {last}; use linear_kernel=aten")
+        return (done.stderr.strip().splitlines() or ["no message"])[-1]
     os.replace(partial, target)
     _BUILD_SECONDS[0] += time.perf_counter() - started
-    return target
+    return None
