@@ -4,13 +4,16 @@ Each configuration is one `evalrun run --json` subprocess (so no config reuses a
 artefacts); transformers' own `generate` (eager, and static cache + torch.compile) runs on the same
 model and prompts through `evalrun.hf_baseline`, also in fresh processes. One table comes out:
 compile time, peak memory, time to first token, tokens/s with p50/p95/p99 step latency, and whether
-the run's logits are bit-identical to the first (the -O0) run.
+the run's logits are bit-identical to the first (the -O0) run. With `--repeats N` the whole matrix runs N times in
+rounds (every row once a round, in order, so a machine's drift reaches each row alike), each row's figures are the
+medians of its N runs, beside its tokens/s of each run and their spread; identical to first means every run was.
 """
 
 from __future__ import annotations
 
+import statistics
 import tempfile
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable
 
@@ -40,6 +43,7 @@ class BenchRequest:
     matrix_names: str | None = None
     baselines: tuple[str, ...] = BASELINES  # transformers' generate kinds to run beside (none: ())
     timeout: float = 3600
+    repeats: int = 1  # rounds of the whole matrix; figures are each row's medians
 
     def common_options(self, baseline: bool = False) -> list[str]:
         """Options for every evalrun configuration (`baseline`: for transformers' baselines, batch 1)."""
@@ -133,34 +137,50 @@ def knob_options(name: str) -> list[str]:
 def run_bench(request: BenchRequest, on_start: Callable[[str], None]) -> list[dict[str, Any]]:
     """The whole bench: each configuration and baseline in a fresh process, then the table's rows."""
     rows = run_matrix(request.common_options(), request.matrix(request.on_gpu()), request.baselines, on_start,
-                      request.timeout, baseline_options=request.common_options(baseline=True))
+                      request.timeout, baseline_options=request.common_options(baseline=True),
+                      repeats=request.repeats)
     return table_rows(rows)
 
 
 @dataclass
 class BenchRow:
+    """One configuration or baseline: its runs' results (one a round), or the first error one of them met."""
+
     name: str
-    result: dict[str, Any] | None
+    results: list[dict[str, Any]] = field(default_factory=list)
     error: str | None = None
+
+    @property
+    def result(self) -> dict[str, Any] | None:
+        return self.results[0] if self.results and self.error is None else None
+
+    def add(self, result: dict[str, Any] | None, error: str | None) -> None:
+        if error is not None or result is None:
+            self.error = self.error or error or "no result"
+        else:
+            self.results.append(result)
 
 
 def run_matrix(common: list[str], matrix: list[tuple[str, list[str]]], baselines: tuple[str, ...],
                on_start: Callable[[str], None], timeout: float = 3600,
-               baseline_options: list[str] | None = None) -> list[BenchRow]:
-    """Run every configuration and baseline in its own process; failures become rows with an error."""
-    rows = []
+               baseline_options: list[str] | None = None, repeats: int = 1) -> list[BenchRow]:
+    """Run every configuration and baseline in its own process, `repeats` rounds of all of them; failures become
+    rows with an error (a row that failed once is not run again)."""
+    children = [(name, ["evalrun", "run", "--json", "--quiet", "--store", None, *common, *options])
+                for name, options in matrix]
+    children += [(f"transformers {kind}", ["evalrun.hf_baseline", "--kind", kind, *(baseline_options or [])])
+                 for kind in baselines]
+    rows = [BenchRow(name) for name, _ in children]
     with tempfile.TemporaryDirectory() as directory:
         store = str(Path(directory) / "bench.db")
-        for name, options in matrix:
-            on_start(name)
-            result, error = run_json_child(["evalrun", "run", "--json", "--quiet", "--store", store, *common, *options],
-                                           timeout, timeout_hint=TIMEOUT_HINT)
-            rows.append(BenchRow(name, result, error))
-        for kind in baselines:
-            on_start(f"transformers {kind}")
-            result, error = run_json_child(["evalrun.hf_baseline", "--kind", kind, *(baseline_options or [])], timeout,
-                                           timeout_hint=TIMEOUT_HINT)
-            rows.append(BenchRow(f"transformers {kind}", result, error))
+        for round_index in range(repeats):
+            for row, (name, command) in zip(rows, children):
+                if row.error is not None:
+                    continue
+                on_start(name if repeats == 1 else f"{name} (run {round_index + 1} of {repeats})")
+                result, error = run_json_child([store if part is None else part for part in command], timeout,
+                                               timeout_hint=TIMEOUT_HINT)
+                row.add(result, error)
     return rows
 
 
@@ -173,27 +193,44 @@ def workload(result: dict[str, Any]) -> dict[str, Any]:
 
 
 def table_rows(rows: list[BenchRow]) -> list[dict[str, Any]]:
-    """One dict per row with the figures of the table; `identical_to_first` against the first evalrun row."""
+    """One dict per row with the figures of the table (the medians of its runs); `identical_to_first` against the
+    first evalrun row's first run, for every run of the row."""
     reference = next((r.result for r in rows if r.result and "logits_digest" in r.result), None)
     table = []
     for row in rows:
         entry: dict[str, Any] = {"config": row.name, "error": row.error}
         if row.result:
-            timings = row.result["timings"]
-            latency = timings["step_latency"]
-            entry.update(compile_s=timings.get("compile_s"), peak_memory_gib=timings["peak_memory"]["bytes"] / 2**30,
-                         ttft_ms=timings["ttft_ms"]["p50"], first_request_ms=timings["ttft_ms"]["first_request"],
-                         tokens_per_s=timings["tokens_per_s"], p50_ms=latency["p50_ms"], p95_ms=latency["p95_ms"],
-                         p99_ms=latency["p99_ms"], outside_steps_ms=timings.get("outside_steps_s", 0.0) * 1000)
+            figures = [_figures(result) for result in row.results]
+            entry.update({key: _median([f[key] for f in figures]) for key in figures[0]})
+            if len(figures) > 1:
+                speeds = [f["tokens_per_s"] for f in figures]
+                entry.update(repeats=len(figures), tokens_per_s_runs=speeds,
+                             tokens_per_s_spread_percent=(max(speeds) - min(speeds)) / entry["tokens_per_s"] * 100
+                             if entry["tokens_per_s"] else None)
             entry["batch_size"] = row.result["config"]["batch_size"] if "config" in row.result else 1
             if row.result.get("compiled_graphs") == 0 and row.name.endswith("static-compile"):
                 entry["fallbacks"] = ["transformers compiled nothing (it compiles a static cache on GPUs only): "
                                       "a static cache, eagerly"]
             if "logits_digest" in row.result and reference:
-                entry["identical_to_first"] = row.result["logits_digest"] == reference["logits_digest"]
+                entry["identical_to_first"] = all(r["logits_digest"] == reference["logits_digest"]
+                                                  for r in row.results)
                 entry["fallbacks"] = row.result["evidence"]["fallbacks"]
                 entry["kernel_launches_per_decode_step"] = row.result["evidence"].get("kernel_launches_per_decode_step")
                 entry["workload"] = workload(row.result)
         table.append(entry)
     return table
 
+
+def _median(values: list[float | None]) -> float | None:
+    known = [value for value in values if value is not None]
+    return statistics.median(known) if known else None
+
+
+def _figures(result: dict[str, Any]) -> dict[str, float | None]:
+    """The numbers of one run the table shows."""
+    timings = result["timings"]
+    latency = timings["step_latency"]
+    return {"compile_s": timings.get("compile_s"), "peak_memory_gib": timings["peak_memory"]["bytes"] / 2**30,
+            "ttft_ms": timings["ttft_ms"]["p50"], "first_request_ms": timings["ttft_ms"]["first_request"],
+            "tokens_per_s": timings["tokens_per_s"], "p50_ms": latency["p50_ms"], "p95_ms": latency["p95_ms"],
+            "p99_ms": latency["p99_ms"], "outside_steps_ms": timings.get("outside_steps_s", 0.0) * 1000}

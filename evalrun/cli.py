@@ -766,6 +766,9 @@ def invariance(store_path, batch_sizes, positions, repeats, output_format, as_js
               callback=timeout_seconds,
               help="Stop a configuration that runs longer (its row shows the timeout; at most a week); the others "
                    "still run.")
+@click.option("--repeats", type=click.IntRange(min=1, max=100), default=1, show_default=True,
+              help="Run the whole matrix this many times, in rounds; each row shows the medians of its runs and its "
+                   "tokens/s spread.")
 @click.option("--compare", "baseline_path", type=click.Path(path_type=Path), metavar="BASELINE.json",
               help="An earlier `evalrun bench --json` output: print each config's change against it.")
 @click.option("--fail-on", "fail_on", multiple=True, metavar="METRIC:PCT",
@@ -774,7 +777,7 @@ def invariance(store_path, batch_sizes, positions, repeats, output_format, as_js
 @quiet_option
 @output_options("text", "json")
 def bench(model, prompts, dtype, device, max_new_tokens, batch_size, matrix_names, no_baselines, config_timeout,
-          baseline_path, fail_on, quiet, output_format, as_json) -> None:
+          repeats, baseline_path, fail_on, quiet, output_format, as_json) -> None:
     """Measure a matrix of configurations side by side, each in a fresh process, with transformers baselines.
 
     With --compare and --fail-on, a performance regression exits 1, like a changed verdict.
@@ -785,6 +788,7 @@ def bench(model, prompts, dtype, device, max_new_tokens, batch_size, matrix_name
       evalrun bench --matrix O0,O2 --compare baseline.json --fail-on tokens_per_s:5% --fail-on ttft_ms:10%
       evalrun bench --matrix O0,O2,O0@transformers,O2@transformers --model random:llama3-8b --dtype bfloat16
       evalrun bench --matrix O2,O2+blas_library=cublaslt,O2+linear_kernel=triton-gemv --no-baselines
+      evalrun bench --matrix O0,O0+linear_kernel=gguf-gemv --repeats 3   # medians of three rounds, and the spread
     """
     from . import bench_compare
     from .bench import BASELINES, BenchRequest, run_bench
@@ -794,7 +798,7 @@ def bench(model, prompts, dtype, device, max_new_tokens, batch_size, matrix_name
     rules = [bench_compare.parse_fail_on(text) for text in fail_on]
     baseline = bench_compare.load_baseline(baseline_path) if baseline_path else None
     request = BenchRequest(model, prompts, dtype, device, max_new_tokens, batch_size, matrix_names,
-                           () if no_baselines else BASELINES, config_timeout)
+                           () if no_baselines else BASELINES, config_timeout, repeats)
     _check_bench_inputs(request)
     rows = run_bench(request, (lambda name: None) if quiet else (lambda name: click.echo(f"bench: {name}", err=True)))
     changes = bench_compare.compare(rows, baseline, rules) if baseline is not None else None

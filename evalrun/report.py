@@ -207,8 +207,12 @@ BENCH_COLUMNS = [("config", "config"), ("batch", "batch_size"), ("compile s", "c
 
 
 def bench_table(rows: list[dict[str, Any]]) -> str:
-    headers = [header for header, _ in BENCH_COLUMNS] + ["fallbacks / error"]
-    return table(headers, [[row.get(key) for _, key in BENCH_COLUMNS]
+    """The bench's rows; with --repeats, beside tokens/s, its spread over the runs ((max - min) / median)."""
+    columns = list(BENCH_COLUMNS)
+    if any("repeats" in row for row in rows):
+        columns.insert(columns.index(("tok/s", "tokens_per_s")) + 1, ("tok/s spread %", "tokens_per_s_spread_percent"))
+    headers = [header for header, _ in columns] + ["fallbacks / error"]
+    return table(headers, [[row.get(key) for _, key in columns]
                            + ["; ".join(row.get("fallbacks") or []) or row.get("error") or ""] for row in rows])
 
 

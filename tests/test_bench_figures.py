@@ -3,6 +3,8 @@
 import json
 import sys
 
+from conftest import one_line_exit_2
+
 from evalrun import hf_baseline
 
 PROMPTS = [{"id": "short", "prompt": "The capital of France is", "max_new_tokens": 1},
@@ -34,3 +36,49 @@ def test_transformers_baseline_decodes_each_prompts_own_max_new_tokens(write_pro
     hf_baseline.main()
     json.loads(capsys.readouterr().out)
     assert calls[1:] == [1, 1, 8, 8, 1, 8]  # warm-up twice each, then measured: the prompt's 1, the config's 8
+
+
+def test_repeats_run_the_matrix_in_rounds_and_show_each_rows_medians_and_spread(cli, write_prompts):
+    code, out, err = cli("bench", "--model", "random:tiny", "--prompts", str(write_prompts(PROMPTS[1:])),
+                         "--max-new-tokens", "4", "--matrix", "O0,O0+seed=1", "--no-baselines", "--repeats", "2",
+                         "--json")
+    assert code == 0, err
+    assert [line for line in err.splitlines() if line.startswith("bench:")] == [
+        f"bench: {name} (run {i} of 2)" for i in (1, 2) for name in ("O0", "O0+seed=1")]  # every row once a round
+    rows = json.loads(out)
+    for row in rows:
+        runs = row["tokens_per_s_runs"]
+        assert row["repeats"] == 2 and len(runs) == 2 and row["tokens_per_s"] == (runs[0] + runs[1]) / 2  # median
+        assert row["tokens_per_s_spread_percent"] == abs(runs[0] - runs[1]) / row["tokens_per_s"] * 100
+    assert rows[0]["identical_to_first"] is True
+
+
+def fake_result(speed: float, digest: str = "d1") -> dict:
+    timings = {"compile_s": 1.0, "peak_memory": {"bytes": 2**30}, "ttft_ms": {"p50": 5.0, "first_request": 9.0},
+               "tokens_per_s": speed, "step_latency": {"p50_ms": 1000 / speed, "p95_ms": 2.0, "p99_ms": 3.0}}
+    return {"timings": timings, "logits_digest": digest, "config": {"batch_size": 1},
+            "evidence": {"fallbacks": []}, "model": {"hash": "m"}, "prompt_set": {"hash": "p"}}
+
+
+def test_a_row_is_identical_to_first_only_where_every_run_was_and_a_failed_run_is_its_error(monkeypatch):
+    from evalrun import bench
+
+    answers = iter([(fake_result(10.0), None), (fake_result(20.0), None), (fake_result(12.0), None),  # round 1
+                    (None, "evalrun: error: boom"), (fake_result(30.0, "d2"), None), (fake_result(14.0), None),
+                    (fake_result(40.0), None), (fake_result(16.0), None)])  # round 3: O0 failed, not run again
+    started = []
+    monkeypatch.setattr(bench, "run_json_child", lambda command, timeout, timeout_hint: next(answers))
+    rows = bench.table_rows(bench.run_matrix([], [("O0", []), ("O2", []), ("O3", [])], (), started.append,
+                                             repeats=3))
+    assert started == [f"{name} (run {i} of 3)" for i in (1, 2, 3) for name in ("O0", "O2", "O3")
+                       if (name, i) != ("O0", 3)]
+    assert rows[0]["error"] == "evalrun: error: boom" and "tokens_per_s" not in rows[0]
+    assert rows[1]["tokens_per_s"] == 30.0 and rows[1]["identical_to_first"] is False  # its second run's bits differ
+    assert rows[2]["tokens_per_s"] == 14.0 and rows[2]["identical_to_first"] is True
+    assert rows[2]["tokens_per_s_runs"] == [12.0, 14.0, 16.0] and rows[2]["tokens_per_s_spread_percent"] == 4 / 14 * 100
+    assert rows[2]["p50_ms"] == 1000 / 14.0  # every figure the median of the row's runs
+
+
+def test_repeats_outside_1_to_100_are_one_line_and_exit_2(cli):
+    one_line_exit_2(cli("bench", "--model", "random:tiny", "--prompts", "smoke", "--matrix", "O0", "--no-baselines",
+                        "--repeats", "0"), "--repeats", "1<=x<=100")
