@@ -195,7 +195,8 @@ def workload(result: dict[str, Any]) -> dict[str, Any]:
 def table_rows(rows: list[BenchRow]) -> list[dict[str, Any]]:
     """One dict per row with the figures of the table (the medians of its runs); `identical_to_first` against the
     first evalrun row's first run, for every run of the row."""
-    reference = next((r.result for r in rows if r.result and "logits_digest" in r.result), None)
+    # the first evalrun row's first run, even where a later run of that row failed (the row shows its error)
+    reference = next((r.results[0] for r in rows if r.results and "logits_digest" in r.results[0]), None)
     table = []
     for row in rows:
         entry: dict[str, Any] = {"config": row.name, "error": row.error}

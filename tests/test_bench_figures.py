@@ -82,3 +82,16 @@ def test_a_row_is_identical_to_first_only_where_every_run_was_and_a_failed_run_i
 def test_repeats_outside_1_to_100_are_one_line_and_exit_2(cli):
     one_line_exit_2(cli("bench", "--model", "random:tiny", "--prompts", "smoke", "--matrix", "O0", "--no-baselines",
                         "--repeats", "0"), "--repeats", "1<=x<=100")
+
+
+def test_identical_to_first_stays_against_the_first_rows_first_run_when_that_row_fails_in_a_later_round(monkeypatch):
+    from evalrun import bench
+
+    answers = iter([(fake_result(10.0), None), (fake_result(20.0, "d2"), None), (fake_result(30.0), None),  # round 1
+                    (None, "evalrun: error: boom"), (fake_result(20.0, "d2"), None), (fake_result(30.0), None)])
+    monkeypatch.setattr(bench, "run_json_child", lambda command, timeout, timeout_hint: next(answers))
+    rows = bench.table_rows(bench.run_matrix([], [("O0", []), ("O2", []), ("O3", [])], (), lambda name: None,
+                                             repeats=2))
+    assert rows[0]["error"] == "evalrun: error: boom" and "identical_to_first" not in rows[0]
+    assert rows[1]["identical_to_first"] is False  # d2, not O0's d1: not the new reference
+    assert rows[2]["identical_to_first"] is True  # O0's first run's bits
