@@ -161,9 +161,9 @@ def compile_seconds() -> float:
 def gemv(x: torch.Tensor, blocks: Blocks) -> torch.Tensor:
     """x [R, K] float32 (1 <= R <= 4, contiguous) @ the blocks' weight [N, K]^T -> [R, N]. Inside a compiled piece
     (-O1 and up) the torch formulas above are traced into the piece; eagerly, engine/gguf_gemv.cpp computes it
-    (built once per machine: native_build), whose order of sums is fixed on every instruction set: the bits
-    Inductor's AVX-512 loop gives for those formulas, on AVX2 and portable builds too, at 2x its speed (one
-    SmolLM2 decode step's projections: benchmarks/gguf_gemv_speed.py)."""
+    (built once per cache folder: native_build), whose order of sums is fixed on every instruction set: the bits
+    Inductor's AVX-512 loop gives for those formulas, on AVX2 and portable builds too, at 1.9x its speed on AVX-512
+    (one SmolLM2 decode step's projections: benchmarks/gguf_gemv_speed.py)."""
     if torch.compiler.is_compiling():
         return _KERNELS[blocks.format](x, blocks.qs, blocks.d, *(() if blocks.m is None else (blocks.m,)))
     return native_gemv(x, blocks)

@@ -1,8 +1,9 @@
-"""Build one of the engine's C++ sources into a shared library, once per machine, and load it with ctypes.
+"""Build one of the engine's C++ sources into a shared library, once per cache folder, and load it with ctypes.
 
 The library is built by the C++ compiler Inductor uses and the environment fingerprint names ($CXX, else g++;
 clang++ on macOS) for the instruction set ATen runs with (`ATEN_CPU_CAPABILITY`, as Inductor's kernels are), with
-OpenMP and without FMA contraction (a source's summation order is then its bits, whatever the instruction set).
+OpenMP where the compiler has it and without FMA contraction (a source's summation order is then its bits, whatever
+the instruction set).
 It lands in Inductor's cache folder (a run's is evalrun's compile cache, compile_cache.py: one per torch, CPU
 instruction set, compiler and engine code) under a name that hashes the source, the compiler's version and the
 command, written whole or not at all, so parallel processes and later runs share it. Nothing here is reachable
