@@ -201,7 +201,8 @@ def golden_text(golden, results: list[PromptResult]) -> str:
 
 
 BENCH_COLUMNS = [("config", "config"), ("batch", "batch_size"), ("compile s", "compile_s"),
-                 ("peak GiB", "peak_memory_gib"), ("TTFT ms", "ttft_ms"), ("first req ms", "first_request_ms"), ("tok/s", "tokens_per_s"),
+                 ("peak GiB", "peak_memory_gib"), ("TTFT ms", "ttft_ms"), ("first req ms", "first_request_ms"),
+                 ("tok/s", "tokens_per_s"),
                  ("p50 ms", "p50_ms"), ("p95 ms", "p95_ms"), ("p99 ms", "p99_ms"),
                  ("identical to first", "identical_to_first"), ("launches/step", "kernel_launches_per_decode_step")]
 

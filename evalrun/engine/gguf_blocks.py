@@ -154,10 +154,6 @@ _KERNELS = {"Q8_0": gemv_q8, "Q4_0": gemv_q4_0, "Q4_1": gemv_q4}
 _NATIVE = "gguf_gemv.cpp"  # the eager kernel: the same bits as Inductor's loop over these formulas with AVX-512
 
 
-def compile_seconds() -> float:
-    return native_build.build_seconds()
-
-
 def gemv(x: torch.Tensor, blocks: Blocks) -> torch.Tensor:
     """x [R, K] float32 (1 <= R <= 4, contiguous) @ the blocks' weight [N, K]^T -> [R, N]. Inside a compiled piece
     (-O1 and up) the torch formulas above are traced into the piece; eagerly, engine/gguf_gemv.cpp computes it

@@ -41,7 +41,7 @@ from typing import Any, Callable
 import torch
 
 from ..config import CompilationMode, CUDAGraphMode, EffectiveConfig
-from . import attention_triton, gguf_blocks
+from . import attention_triton, native_build
 from .generate import (BatchOutput, BatchSpec, PaddedBatch, PendingBatch, Workspace, decode_step, load_batch,
                        prefill_step, stack_outputs)
 from .piece_graphs import PieceGraphs
@@ -67,7 +67,7 @@ def dynamo_snapshot() -> dict[str, Any]:
 
     names, values = compile_times(repr="csv", aggregate=True)
     times = dict(zip(names, values))
-    compile_s = float(times.get("_compile.compile_inner", 0.0)) + gguf_blocks.compile_seconds()  # its eager kernels
+    compile_s = float(times.get("_compile.compile_inner", 0.0)) + native_build.build_seconds()  # the engine's C++ built
     return {"frames": counters["frames"]["total"], "graphs": counters["stats"]["unique_graphs"],
             "breaks": dict(counters["graph_break"]), "compile_s": compile_s,
             "cudagraph_skips": counters["inductor"]["cudagraph_skips"]}
