@@ -166,21 +166,19 @@ def run_matrix(common: list[str], matrix: list[tuple[str, list[str]]], baselines
                baseline_options: list[str] | None = None, repeats: int = 1) -> list[BenchRow]:
     """Run every configuration and baseline in its own process, `repeats` rounds of all of them; failures become
     rows with an error (a row that failed once is not run again)."""
-    children = [(name, ["evalrun", "run", "--json", "--quiet", "--store", None, *common, *options])
-                for name, options in matrix]
-    children += [(f"transformers {kind}", ["evalrun.hf_baseline", "--kind", kind, *(baseline_options or [])])
-                 for kind in baselines]
-    rows = [BenchRow(name) for name, _ in children]
     with tempfile.TemporaryDirectory() as directory:
         store = str(Path(directory) / "bench.db")
+        children = [(name, ["evalrun", "run", "--json", "--quiet", "--store", store, *common, *options])
+                    for name, options in matrix]
+        children += [(f"transformers {kind}", ["evalrun.hf_baseline", "--kind", kind, *(baseline_options or [])])
+                     for kind in baselines]
+        rows = [BenchRow(name) for name, _ in children]
         for round_index in range(repeats):
             for row, (name, command) in zip(rows, children):
                 if row.error is not None:
                     continue
                 on_start(name if repeats == 1 else f"{name} (run {round_index + 1} of {repeats})")
-                result, error = run_json_child([store if part is None else part for part in command], timeout,
-                                               timeout_hint=TIMEOUT_HINT)
-                row.add(result, error)
+                row.add(*run_json_child(command, timeout, timeout_hint=TIMEOUT_HINT))
     return rows
 
 
