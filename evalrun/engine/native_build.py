@@ -84,10 +84,10 @@ def _built(path: Path, isa: str) -> Path:
     from torch._inductor.runtime.cache_dir_utils import cache_dir
 
     with_openmp = [compiler(), *BASE_FLAGS, *OPENMP_FLAGS, *ISA_FLAGS.get(isa, ())]
+    source, version = path.read_bytes(), str(compiler_version()).encode()
     failures = []
     for command in (with_openmp, [flag for flag in with_openmp if flag not in OPENMP_FLAGS]):
-        digest = hashlib.sha256(b"\0".join([path.read_bytes(), shlex.join(command).encode(),
-                                            str(compiler_version()).encode()])).hexdigest()[:16]
+        digest = hashlib.sha256(b"\0".join([source, shlex.join(command).encode(), version])).hexdigest()[:16]
         target = Path(cache_dir()) / "evalrun-native" / f"{path.stem}-{isa.lower()}-{digest}.so"
         if target.is_file():
             return target
