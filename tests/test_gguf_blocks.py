@@ -138,6 +138,32 @@ def test_the_kernel_is_built_once_per_cache_and_its_build_counts_as_compile_time
     assert torch.equal(gguf_blocks.gemv(x, blocks), first) and native_build.build_seconds() == spent
 
 
+@pytest.mark.parametrize("damage", ["truncated", "one byte changed", "digest missing"])
+def test_a_library_damaged_after_its_build_is_built_again_not_loaded(tmp_path, monkeypatch, damage):
+    """A cache copied in part, or a disk error: a truncated library crashed the next process in dlopen (a bus error),
+    one changed byte would have run other code. Its bytes no longer hash to the digest its build wrote beside it, so
+    that process builds it again (as it does a library built before digests were written) and loads the new one."""
+    from evalrun.engine import native_build
+
+    monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(tmp_path / "cache"))
+    source = tmp_path / "tiny.cpp"
+    source.write_text('extern "C" int tiny() { return 7; }\n')
+    built = native_build._built(source, "DEFAULT")  # built, not loaded: a later process loads it
+    whole = built.read_bytes()
+    if damage == "truncated":
+        built.write_bytes(whole[: len(whole) // 2])
+    elif damage == "one byte changed":
+        built.write_bytes(whole[:4096] + bytes([whole[4096] ^ 1]) + whole[4097:])
+    else:
+        built.with_name(built.name + ".sha256").unlink()
+    spent = native_build.build_seconds()
+    assert native_build._built(source, "DEFAULT") == built and native_build.build_seconds() > spent
+    assert built.read_bytes() == whole and ctypes.CDLL(str(built)).tiny() == 7
+    spent = native_build.build_seconds()
+    assert native_build._built(source, "DEFAULT") == built and native_build.build_seconds() == spent  # intact now
+    assert sorted(path.name for path in built.parent.iterdir()) == [built.name, built.name + ".sha256"]
+
+
 def test_the_built_library_is_keyed_by_the_source_and_the_compilers_version(tmp_path, monkeypatch):
     """A cache folder the user chose is shared by every engine version and compiler: an edited source, or a compiler
     upgraded under the same name, builds a library of its own instead of loading the old one's bits."""

@@ -6,7 +6,9 @@ OpenMP where the compiler has it and without FMA contraction (a source's summati
 the instruction set).
 It lands in Inductor's cache folder (a run's is evalrun's compile cache, compile_cache.py: one per torch, CPU
 instruction set, compiler and engine code) under a name that hashes the source, the compiler's version and the
-command, written whole or not at all, so parallel processes and later runs share it. Nothing here is reachable
+command, written whole or not at all, so parallel processes and later runs share it. Beside it lies the digest of its
+bytes: a library damaged after its build (a truncated copy of a cache, a disk error) is built again, not loaded (a
+truncated one crashed the process in dlopen). Nothing here is reachable
 from a config: the sources are the engine's own files (fingerprint.ENGINE_SOURCES puts them in the engine-code
 digest).
 """
@@ -89,7 +91,7 @@ def _built(path: Path, isa: str) -> Path:
     for command in (with_openmp, [flag for flag in with_openmp if flag not in OPENMP_FLAGS]):
         digest = hashlib.sha256(b"\0".join([source, shlex.join(command).encode(), version])).hexdigest()[:16]
         target = Path(cache_dir()) / "evalrun-native" / f"{path.stem}-{isa.lower()}-{digest}.so"
-        if target.is_file():
+        if _intact(target):
             return target
         failure = _build(path, command, target)
         if failure is None:
@@ -97,6 +99,22 @@ def _built(path: Path, isa: str) -> Path:
         failures.append(failure)
     raise ConfigError(f"{path.name} could not be built with {with_openmp[0]}: {failures[0]}; install g++ (or set "
                       "CXX) or use linear_kernel=aten")
+
+
+def _intact(library: Path) -> bool:
+    """Whether `library` holds the bytes its build wrote: their digest is the one written beside it."""
+    try:
+        return _digest(library) == _digest_file(library).read_text().strip()
+    except OSError:  # either missing (not built yet, or built before digests were written): build it
+        return False
+
+
+def _digest(path: Path) -> str:
+    return hashlib.sha256(path.read_bytes()).hexdigest()
+
+
+def _digest_file(library: Path) -> Path:
+    return library.with_name(library.name + ".sha256")
 
 
 def _build(path: Path, command: list[str], target: Path) -> str | None:
@@ -122,6 +140,15 @@ def _build(path: Path, command: list[str], target: Path) -> str | None:
             raise ConfigError(f"{path.name} cannot be built into {target.parent} (not writable); point "
                               "TORCHINDUCTOR_CACHE_DIR (or EVALRUN_CACHE) at a writable folder")
         return (done.stderr.strip().splitlines() or ["no message"])[-1]
-    os.replace(partial, target)
+    # the digest first: a process stopped between the two leaves a digest no library matches, built again then
+    digest = partial.with_name(partial.name + ".sha256")
+    try:
+        digest.write_text(_digest(partial) + "\n")
+        os.replace(digest, _digest_file(target))
+        os.replace(partial, target)
+    except OSError as error:
+        partial.unlink(missing_ok=True)
+        digest.unlink(missing_ok=True)
+        return str(error)
     _BUILD_SECONDS[0] += time.perf_counter() - started
     return None
