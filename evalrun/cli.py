@@ -27,6 +27,7 @@ from . import report
 from .config import build_config, parse_opt_level
 from .errors import EXIT_CHANGED, EXIT_INTERNAL, EXIT_UNUSABLE, ConfigError, EvalrunError, OutputError, Terminated
 from .store import Store, check_store_path, default_store_path
+from .store_check import check_store
 
 RUN_FLAG_NAMES = ("model", "prompts", "engine", "served_model", "tensor_parallel", "opt_level", "compilation_mode", "cudagraph_mode", "dtype", "device",
                   "max_new_tokens", "batch_size", "deterministic", "strict_config", "keep_logits")
@@ -445,7 +446,7 @@ def store_check(store_path, output_format, as_json) -> None:
     Example:
       evalrun store check --store store/evalrun.db
     """
-    outcome = open_store(store_path, readonly=True, require_schema=False).check()
+    outcome = check_store(open_store(store_path, readonly=True, require_schema=False))
     json_out = chosen_format(output_format, as_json) == "json"
     emit(report.to_json(outcome) if json_out else report.store_check_text(outcome))
     if not outcome["ok"]:

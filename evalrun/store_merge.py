@@ -19,6 +19,7 @@ from typing import Any
 from .errors import StoreError
 from .hashing import hash_value
 from .store import ARRAY_COLUMNS, RESULT_COLUMNS, Store, _insert
+from .store_check import check_store
 
 
 def _run_row(store: Store, run_id: str) -> dict[str, Any]:
@@ -68,7 +69,7 @@ def merge_stores(out_path: str | Path, sources: list[str | Path]) -> dict[str, A
     opened = []
     for path in sources:
         source = Store(path, readonly=True)
-        problems = source.check()["problems"]
+        problems = check_store(source)["problems"]
         if problems:
             raise StoreError(f"{path} fails `evalrun store check` ({problems[0]}); repair or leave it out")
         opened.append(source)
@@ -86,7 +87,7 @@ def merge_stores(out_path: str | Path, sources: list[str | Path]) -> dict[str, A
         raise
     for source in opened:
         source.close()
-    check = out.check()
+    check = check_store(out)
     out.close()
     return {"out": str(out_path), "sources": counts, "check": check}
 

@@ -23,6 +23,7 @@ from evalrun.distributed import Shard, parse_shard, shard_batches
 from evalrun.engine.tensor_parallel import check_divisible, shard_columns, shard_gate_up, shard_qkv
 from evalrun.errors import ConfigError, StoreError
 from evalrun.store import Store
+from evalrun.store_check import check_store
 from evalrun.store_merge import merge_stores
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -220,7 +221,7 @@ def test_tensor_parallel_run_shards_the_heads_and_rank_0_alone_stores(tmp_path):
     (record,) = db.list_runs()
     assert record.json["evidence"]["tensor_parallel"] == {"rank": 0, "ranks": 2, "heads": 2, "kv_heads": 1,
                                                           "intermediate": 64}
-    assert record.config["tensor_parallel"] == 2 and db.check()["ok"]
+    assert record.config["tensor_parallel"] == 2 and check_store(db)["ok"]
 
 
 def test_sharded_run_under_torchrun_stores_the_unsharded_results(tmp_path):
@@ -409,7 +410,7 @@ def test_killing_one_rank_leaves_the_store_consistent_and_the_run_interrupted(tm
             launcher.kill()
     assert launcher.returncode != 0
     db = Store(store, readonly=True)
-    check = db.check()
+    check = check_store(db)
     (record,) = db.list_runs()
     assert check["ok"], check["problems"]
     assert check["interrupted"] == [record.id] and record.status in ("interrupted", "running")

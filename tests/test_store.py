@@ -15,6 +15,7 @@ import sqlite_utils
 from evalrun.errors import StoreError
 from evalrun.hashing import array_from_bytes, array_to_bytes, hash_bytes
 from evalrun.store import SCHEMA_VERSION, PromptResult, Store
+from evalrun.store_check import check_store
 
 
 def _header(name="x"):
@@ -51,7 +52,7 @@ def test_run_lifecycle_and_arrays(store_path):
     loaded = store.load_results(run_id)[0]
     for name, array in _result().arrays.items():
         assert np.array_equal(loaded.arrays[name], array) and loaded.arrays[name].dtype == array.dtype
-    assert store.check()["ok"]
+    assert check_store(store)["ok"]
 
 
 def test_store_opens_with_sqlite_utils_own_api(store_path):
@@ -74,7 +75,7 @@ def test_failed_run_is_marked(store_path):
     run_id = store.begin_run(_header())
     store.fail_run(run_id, "boom")
     assert (store.get_run(run_id).status, store.get_run(run_id).error) == ("failed", "boom")
-    assert store.check()["ok"]
+    assert check_store(store)["ok"]
 
 
 def test_unknown_and_ambiguous_ids(store_path):
@@ -98,7 +99,7 @@ def test_check_finds_orphans_and_partial_runs(store_path):
     conn.execute("INSERT INTO results (run_id, prompt_index, prompt_id) VALUES ('nosuchrun', 0, 'x')")
     conn.execute("DELETE FROM results WHERE run_id = ?", [run_id])
     conn.commit()
-    problems = " ".join(Store(store_path).check()["problems"])
+    problems = " ".join(check_store(Store(store_path))["problems"])
     assert "orphan rows in results" in problems and "arrays without a result row" in problems
     assert "complete with 0 of 1 results" in problems
 
@@ -113,7 +114,7 @@ def test_newer_schema_is_refused(store_path):
     with pytest.raises(StoreError, match="newer than this evalrun .2.; upgrade evalrun$"):
         Store(store_path, readonly=True)  # not "open it with a writing command to migrate": that cannot help
     with pytest.raises(StoreError, match="newer than this evalrun .2.; upgrade evalrun$"):  # not "damaged"
-        Store(store_path, readonly=True, require_schema=False).check()
+        check_store(Store(store_path, readonly=True, require_schema=False))
 
 
 def _evalrun(*args):
@@ -128,7 +129,7 @@ def test_four_processes_write_one_store(store_path):
     assert [p.returncode for p in processes] == [0, 0, 0, 0], errors
     store = Store(store_path)
     assert [r.status for r in store.list_runs()] == ["complete"] * 4
-    assert store.check()["ok"]
+    assert check_store(store)["ok"]
 
 
 def _wait_inside_generation(store_path, limit_s: float = 120) -> None:
@@ -156,7 +157,7 @@ def test_sigkill_mid_generation_leaves_store_consistent(store_path):
     (run,) = store.list_runs()
     assert run.status == "running"  # never marked complete
     assert store.load_results(run.id) == []
-    check = store.check()
+    check = check_store(store)
     assert check["ok"] and check["interrupted"] == [run.id]
 
 
@@ -195,7 +196,7 @@ def _sql(store_path, *statements):
 def test_check_finds_damage_and_never_crashes(store_path, damage, needle):
     _complete_store(store_path)
     _sql(store_path, damage)
-    outcome = Store(store_path, readonly=True, require_schema=False).check() if "schema" not in damage else None
+    outcome = check_store(Store(store_path, readonly=True, require_schema=False)) if "schema" not in damage else None
     if outcome is None:
         with pytest.raises(StoreError, match=needle):
             Store(store_path, readonly=True)
@@ -215,7 +216,7 @@ def test_check_lists_every_row_the_readers_refuse(store_path, damage):
     store = Store(store_path, readonly=True)
     with pytest.raises(StoreError, match="is damaged .*`evalrun store check` lists what is wrong"):
         store.load_results(store.get_run(run_id).id)
-    outcome = store.check()
+    outcome = check_store(store)
     assert not outcome["ok"] and any(p.startswith(f"run {run_id[:12]}") and "damaged" in p
                                      for p in outcome["problems"]), outcome["problems"]
 
@@ -229,7 +230,7 @@ def test_check_and_merge_refuse_an_array_diff_refuses_though_its_digest_was_made
     conn.execute("UPDATE arrays SET data = ?, digest = ? WHERE name = 'topk_values'", [data, hash_bytes(data)])
     conn.commit()
     conn.close()
-    outcome = Store(store_path, readonly=True).check()
+    outcome = check_store(Store(store_path, readonly=True))
     assert not outcome["ok"] and any(p.startswith(f"run {run_id[:12]}") and "topk_values" in p
                                      for p in outcome["problems"]), outcome["problems"]
     code, _, err = cli("store", "merge", str(tmp_path / "all.db"), str(store_path))
@@ -247,7 +248,7 @@ def test_a_run_holding_one_prompt_id_twice_is_damaged_not_diffed(cli, store_path
     store.finish_run(run_id, [_result(0), _result(1)], {}, "td", "ld")
     store.close()
     _sql(store_path, "UPDATE results SET prompt_id = 'p0' WHERE prompt_index = 1")
-    outcome = Store(store_path, readonly=True).check()
+    outcome = check_store(Store(store_path, readonly=True))
     assert not outcome["ok"] and f"run {run_id[:12]}: holds prompt 'p0' twice" in outcome["problems"], outcome
     code, out, err = cli("diff", run_id[:8], run_id[:8], "--store", str(store_path))
     assert code == 2 and not out and "holds prompt 'p0' twice" in err, (out, err)
@@ -259,7 +260,7 @@ def test_a_grown_json_value_is_damage_named_by_its_size_not_parsed(store_path):
     run_id = _complete_store(store_path)
     _sql(store_path, "UPDATE results SET record_json = '{\"a\": [' || replace(hex(zeroblob(2200000)), '00', '0,') "
                      "|| '0]}' WHERE prompt_index = 0")
-    problems = Store(store_path, readonly=True).check()["problems"]
+    problems = check_store(Store(store_path, readonly=True))["problems"]
     assert any(p.startswith(f"run {run_id[:12]} prompt 0") and "bytes, past the 4,194,304 evalrun writes" in p
                for p in problems), problems
 
@@ -271,7 +272,7 @@ def test_a_run_without_its_creation_time_is_damaged_not_a_crash(cli, store_path)
     assert code == 2 and not out and len(err.strip().splitlines()) == 1, err
     assert f"run {run_id[:12]} is damaged" in err and "`evalrun store check`" in err
     assert any(p.startswith(f"run {run_id[:12]}") and "created_at" in p
-               for p in Store(store_path, readonly=True).check()["problems"])
+               for p in check_store(Store(store_path, readonly=True))["problems"])
 
 
 def test_store_merge_refuses_a_run_row_the_readers_refuse(cli, store_path, tmp_path):
@@ -298,7 +299,7 @@ def _flip_a_bit(store_path, name: str, index: int, mask: int) -> None:
 def test_a_flipped_bit_inside_array_data_is_found(store_path):
     _complete_store(store_path)
     _flip_a_bit(store_path, "margins", 3, 0x10)
-    problems = Store(store_path).check()["problems"]
+    problems = check_store(Store(store_path))["problems"]
     assert any("margins: bytes do not match their digest" in p for p in problems)
 
 
