@@ -138,7 +138,7 @@ def test_the_kernel_is_built_once_per_cache_and_its_build_counts_as_compile_time
     assert torch.equal(gguf_blocks.gemv(x, blocks), first) and native_build.build_seconds() == spent
 
 
-@pytest.mark.parametrize("damage", ["truncated", "one byte changed", "digest missing"])
+@pytest.mark.parametrize("damage", ["truncated", "one byte changed", "digest missing", "digest not text"])
 def test_a_library_damaged_after_its_build_is_built_again_not_loaded(tmp_path, monkeypatch, damage):
     """A cache copied in part, or a disk error: a truncated library crashed the next process in dlopen (a bus error),
     one changed byte would have run other code. Its bytes no longer hash to the digest its build wrote beside it, so
@@ -154,14 +154,52 @@ def test_a_library_damaged_after_its_build_is_built_again_not_loaded(tmp_path, m
         built.write_bytes(whole[: len(whole) // 2])
     elif damage == "one byte changed":
         built.write_bytes(whole[:4096] + bytes([whole[4096] ^ 1]) + whole[4097:])
-    else:
+    elif damage == "digest missing":
         built.with_name(built.name + ".sha256").unlink()
+    else:  # a disk error in the digest: bytes that are not UTF-8 (read as text, they stopped the run)
+        built.with_name(built.name + ".sha256").write_bytes(bytes(range(128, 256)))
     spent = native_build.build_seconds()
     assert native_build._built(source, "DEFAULT") == built and native_build.build_seconds() > spent
-    assert built.read_bytes() == whole and ctypes.CDLL(str(built)).tiny() == 7
+    assert native_build._intact(built) and ctypes.CDLL(str(built)).tiny() == 7
     spent = native_build.build_seconds()
     assert native_build._built(source, "DEFAULT") == built and native_build.build_seconds() == spent  # intact now
     assert sorted(path.name for path in built.parent.iterdir()) == [built.name, built.name + ".sha256"]
+
+
+def test_a_cache_folder_that_cannot_take_the_library_is_one_line_naming_what_it_found_there(tmp_path, monkeypatch):
+    """A digest that cannot be written (a full disk; here a folder in its place) was taken for a compiler without
+    OpenMP: the library was built again without it, slower, in every process. A read-only cache holding a damaged
+    library named a .partial file that never existed. Both are one line naming the folder and the variable now."""
+    import os
+    import subprocess
+    import types
+
+    from evalrun.engine import native_build
+
+    monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(tmp_path / "cache"))
+    source = tmp_path / "tiny.cpp"
+    source.write_text('extern "C" int tiny() { return 7; }\n')
+    built = native_build._built(source, "DEFAULT")
+    built.with_name(built.name + ".sha256").unlink()
+    built.with_name(built.name + ".sha256").mkdir()
+    builds = []
+    monkeypatch.setattr(native_build, "_build", lambda *args, build=native_build._build: builds.append(1) or
+                        build(*args))
+    with pytest.raises(ConfigError, match=r"tiny.cpp cannot be built into .*cache/evalrun-native \(Is a directory\): "
+                       r"the tiny-default-\w+.so there does not match its digest .* point TORCHINDUCTOR_CACHE_DIR"):
+        native_build._built(source, "DEFAULT")
+    assert builds == [1] and sorted(p.name for p in built.parent.iterdir()) == [built.name, built.name + ".sha256"]
+    built.with_name(built.name + ".sha256").rmdir()
+    built.write_bytes(built.read_bytes()[:100])  # damaged, in a folder that cannot be written
+    read_only = types.SimpleNamespace(SubprocessError=subprocess.SubprocessError, run=lambda command, **_:
+                                      subprocess.CompletedProcess(command, 1, "", "ld: Read-only file system"))
+    monkeypatch.setattr(native_build, "subprocess", read_only)  # the same compiler: the same library's name
+    monkeypatch.setattr(native_build.os, "access", lambda path, mode, access=os.access: mode != os.W_OK and
+                        access(path, mode))
+    with pytest.raises(ConfigError, match=r"cannot be built into .*evalrun-native \(not writable\): the tiny-default-"
+                       r"\w+.so there does not match its digest \(damaged, or built by an older evalrun\); point "
+                       r"TORCHINDUCTOR_CACHE_DIR \(or EVALRUN_CACHE\) at a writable folder"):
+        native_build._built(source, "DEFAULT")
 
 
 def test_the_built_library_is_keyed_by_the_source_and_the_compilers_version(tmp_path, monkeypatch):

@@ -8,13 +8,13 @@ It lands in Inductor's cache folder (a run's is evalrun's compile cache, compile
 instruction set, compiler and engine code) under a name that hashes the source, the compiler's version and the
 command, written whole or not at all, so parallel processes and later runs share it. Beside it lies the digest of its
 bytes: a library damaged after its build (a truncated copy of a cache, a disk error) is built again, not loaded (a
-truncated one crashed the process in dlopen). Nothing here is reachable
-from a config: the sources are the engine's own files (fingerprint.ENGINE_SOURCES puts them in the engine-code
-digest).
+truncated one crashed the process in dlopen). Nothing here is reachable from a config: the sources are the engine's
+own files (fingerprint.ENGINE_SOURCES puts them in the engine-code digest).
 """
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import functools
 import hashlib
@@ -103,9 +103,9 @@ def _built(path: Path, isa: str) -> Path:
 
 def _intact(library: Path) -> bool:
     """Whether `library` holds the bytes its build wrote: their digest is the one written beside it."""
-    try:
-        return _digest(library) == _digest_file(library).read_text().strip()
-    except OSError:  # either missing (not built yet, or built before digests were written): build it
+    try:  # bytes, not text: a digest damaged into bytes that are not UTF-8 is a mismatch too, not an error
+        return _digest(library).encode() == _digest_file(library).read_bytes().strip()
+    except OSError:  # either missing (not built yet, or built before digests were written) or unreadable: build it
         return False
 
 
@@ -117,14 +117,27 @@ def _digest_file(library: Path) -> Path:
     return library.with_name(library.name + ".sha256")
 
 
+def _unwritable(path: Path, target: Path, why: str) -> ConfigError:
+    """The one line for a cache folder the library cannot be written into, saying why it had to be built there."""
+    found = (f"the {target.name} there does not match its digest (damaged, or built by an older evalrun); "
+             if target.is_file() else "")
+    return ConfigError(f"{path.name} cannot be built into {target.parent} ({why}): {found}point "
+                       "TORCHINDUCTOR_CACHE_DIR (or EVALRUN_CACHE) at a writable folder")
+
+
+def _remove(path: Path) -> None:
+    """Remove a file this process may have written; on a read-only file system even a missing one fails."""
+    with contextlib.suppress(OSError):
+        path.unlink(missing_ok=True)
+
+
 def _build(path: Path, command: list[str], target: Path) -> str | None:
     """Build `path` into `target` by `command`, whole or not at all: None, or why it failed."""
     started = time.perf_counter()
     try:
         target.parent.mkdir(parents=True, exist_ok=True)
     except OSError as error:
-        raise ConfigError(f"{path.name} cannot be built into {target.parent} ({error.strerror or error}); point "
-                          "TORCHINDUCTOR_CACHE_DIR (or EVALRUN_CACHE) at a writable folder") from None
+        raise _unwritable(path, target, error.strerror or str(error)) from None
     # A name of this process's own, not a file made for it (mkstemp's is 0600: the linker kept that mode, 0711, and
     # a cache shared by a group or restored by another user could not load the library): the linker creates it
     # with the mode the umask gives any build output.
@@ -132,13 +145,12 @@ def _build(path: Path, command: list[str], target: Path) -> str | None:
     try:
         done = subprocess.run([*command, str(path), "-o", str(partial)], capture_output=True, text=True, timeout=600)
     except (OSError, subprocess.SubprocessError) as error:
-        partial.unlink(missing_ok=True)
+        _remove(partial)
         return str(error)
     if done.returncode != 0:
-        partial.unlink(missing_ok=True)
+        _remove(partial)
         if not os.access(target.parent, os.W_OK):
-            raise ConfigError(f"{path.name} cannot be built into {target.parent} (not writable); point "
-                              "TORCHINDUCTOR_CACHE_DIR (or EVALRUN_CACHE) at a writable folder")
+            raise _unwritable(path, target, "not writable")
         return (done.stderr.strip().splitlines() or ["no message"])[-1]
     # the digest first: a process stopped between the two leaves a digest no library matches, built again then
     digest = partial.with_name(partial.name + ".sha256")
@@ -146,9 +158,9 @@ def _build(path: Path, command: list[str], target: Path) -> str | None:
         digest.write_text(_digest(partial) + "\n")
         os.replace(digest, _digest_file(target))
         os.replace(partial, target)
-    except OSError as error:
-        partial.unlink(missing_ok=True)
-        digest.unlink(missing_ok=True)
-        return str(error)
+    except OSError as error:  # the folder, not the compiler: building without OpenMP would fail the same way
+        _remove(partial)
+        _remove(digest)
+        raise _unwritable(path, target, error.strerror or str(error)) from None
     _BUILD_SECONDS[0] += time.perf_counter() - started
     return None
