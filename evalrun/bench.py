@@ -192,9 +192,11 @@ def workload(result: dict[str, Any]) -> dict[str, Any]:
 
 def table_rows(rows: list[BenchRow]) -> list[dict[str, Any]]:
     """One dict per row with the figures of the table (the medians of its runs); `identical_to_first` against the
-    first evalrun row's first run, for every run of the row."""
+    first evalrun row's first run, for every run of the row, and `identical_to` naming that row (not the first row
+    of the matrix where that one failed in its first round)."""
     # the first evalrun row's first run, even where a later run of that row failed (the row shows its error)
-    reference = next((r.results[0] for r in rows if r.results and "logits_digest" in r.results[0]), None)
+    first = next((r for r in rows if r.results and "logits_digest" in r.results[0]), None)
+    reference = first.results[0] if first else None
     table = []
     for row in rows:
         entry: dict[str, Any] = {"config": row.name, "error": row.error}
@@ -213,6 +215,7 @@ def table_rows(rows: list[BenchRow]) -> list[dict[str, Any]]:
             if "logits_digest" in row.result and reference:
                 entry["identical_to_first"] = all(r["logits_digest"] == reference["logits_digest"]
                                                   for r in row.results)
+                entry["identical_to"] = first.name
                 entry["fallbacks"] = row.result["evidence"]["fallbacks"]
                 entry["kernel_launches_per_decode_step"] = row.result["evidence"].get("kernel_launches_per_decode_step")
                 entry["workload"] = workload(row.result)

@@ -208,8 +208,13 @@ BENCH_COLUMNS = [("config", "config"), ("batch", "batch_size"), ("compile s", "c
 
 
 def bench_table(rows: list[dict[str, Any]]) -> str:
-    """The bench's rows; with --repeats, beside tokens/s, its spread over the runs ((max - min) / median)."""
+    """The bench's rows; with --repeats, beside tokens/s, its spread over the runs ((max - min) / median). Bits are
+    compared with the first row's, or, where it failed at once, with the row named in the column's header."""
     columns = list(BENCH_COLUMNS)
+    reference = next((row["identical_to"] for row in rows if "identical_to" in row), None)
+    if rows and reference not in (None, rows[0]["config"]):  # the first row failed before its bits were known
+        columns[columns.index(("identical to first", "identical_to_first"))] = (f"identical to {reference}",
+                                                                              "identical_to_first")
     if any("repeats" in row for row in rows):
         columns.insert(columns.index(("tok/s", "tokens_per_s")) + 1, ("tok/s spread %", "tokens_per_s_spread_percent"))
     headers = [header for header, _ in columns] + ["fallbacks / error"]

@@ -94,3 +94,20 @@ def test_identical_to_first_stays_against_the_first_rows_first_run_when_that_row
     assert rows[0]["error"] == "evalrun: error: boom" and "identical_to_first" not in rows[0]
     assert rows[1]["identical_to_first"] is False  # d2, not O0's d1: not the new reference
     assert rows[2]["identical_to_first"] is True  # O0's first run's bits
+
+
+def test_where_the_first_row_fails_at_once_the_table_names_the_row_its_bits_are_compared_with(monkeypatch):
+    """O0 failed in its first run: 'identical to first' was O2's bits against themselves, under O0's name."""
+    from evalrun import bench, report
+
+    answers = iter([(None, "evalrun: error: boom"), (fake_result(20.0, "d2"), None), (fake_result(30.0), None)])
+    monkeypatch.setattr(bench, "run_json_child", lambda command, timeout, timeout_hint: next(answers))
+    rows = bench.table_rows(bench.run_matrix([], [("O0", []), ("O2", []), ("O3", [])], (), lambda name: None))
+    assert [row.get("identical_to") for row in rows] == [None, "O2", "O2"]
+    assert [row.get("identical_to_first") for row in rows] == [None, True, False]
+    header = report.bench_table(rows).splitlines()[0]
+    assert "identical to O2" in header and "identical to first" not in header
+    answers = iter([(fake_result(10.0), None), (fake_result(20.0, "d2"), None)])
+    rows = bench.table_rows(bench.run_matrix([], [("O0", []), ("O2", [])], (), lambda name: None))
+    assert [row["identical_to"] for row in rows] == ["O0", "O0"]
+    assert "identical to first" in report.bench_table(rows).splitlines()[0]
