@@ -213,8 +213,8 @@ def bench_table(rows: list[dict[str, Any]]) -> str:
     columns = list(BENCH_COLUMNS)
     reference = next((row["identical_to"] for row in rows if "identical_to" in row), None)
     if rows and reference not in (None, rows[0]["config"]):  # the first row failed before its bits were known
-        columns[columns.index(("identical to first", "identical_to_first"))] = (f"identical to {reference}",
-                                                                              "identical_to_first")
+        header = f"identical to {printable(reference)}"
+        columns[columns.index(("identical to first", "identical_to_first"))] = (header, "identical_to_first")
     if any("repeats" in row for row in rows):
         columns.insert(columns.index(("tok/s", "tokens_per_s")) + 1, ("tok/s spread %", "tokens_per_s_spread_percent"))
     headers = [header for header, _ in columns] + ["fallbacks / error"]

@@ -111,3 +111,14 @@ def test_where_the_first_row_fails_at_once_the_table_names_the_row_its_bits_are_
     rows = bench.table_rows(bench.run_matrix([], [("O0", []), ("O2", [])], (), lambda name: None))
     assert [row["identical_to"] for row in rows] == ["O0", "O0"]
     assert "identical to first" in report.bench_table(rows).splitlines()[0]
+
+
+def test_the_reference_row_named_in_the_header_is_printable_as_its_config_cell_is():
+    """A row's name holds what --matrix gave it (served_model=... is free text): the config column escapes it, so
+    must the header that names it (a line break there started a line of its own, e.g. a forged ::error::)."""
+    from evalrun import report
+
+    name = "O0@openai:http://127.0.0.1:1/v1+served_model=a\n::error::forged"
+    text = report.bench_table([{"config": "O0", "error": "boom"},
+                               {"config": name, "identical_to": name, "identical_to_first": True}])
+    assert len(text.splitlines()) == 4 and "identical to O0@openai:http://127.0.0.1:1/v1+served_model=a\\n::" in text

@@ -167,9 +167,9 @@ def test_a_library_damaged_after_its_build_is_built_again_not_loaded(tmp_path, m
 
 
 def test_a_cache_folder_that_cannot_take_the_library_is_one_line_naming_what_it_found_there(tmp_path, monkeypatch):
-    """A digest that cannot be written (a full disk; here a folder in its place) was taken for a compiler without
-    OpenMP: the library was built again without it, slower, in every process. A read-only cache holding a damaged
-    library named a .partial file that never existed. Both are one line naming the folder and the variable now."""
+    """A digest that cannot be written (no room left for it after the library; here a folder in its place) was
+    taken for a compiler without OpenMP: the library was built again without it, slower, in every process. A
+    read-only cache holding a damaged library named a .partial file that never existed. Both are one line naming the folder and the variable now."""
     import os
     import subprocess
     import types
@@ -227,6 +227,31 @@ def test_a_cache_folder_the_kernel_cannot_be_written_into_is_one_line_naming_the
     monkeypatch.setattr(native_build, "_LOADED", {})
     with pytest.raises(ConfigError, match="cannot be built into .*evalrun-native.*TORCHINDUCTOR_CACHE_DIR"):
         gguf_blocks.native_gemv(torch.randn(1, 64), random_blocks("Q8_0", 8, 64))
+
+
+def test_a_cache_folder_that_cannot_be_searched_is_one_line_not_a_traceback(tmp_path, monkeypatch):
+    """A folder without search permission (another user's 0700 cache): looking for a library in it to name in the
+    message raised PermissionError (pathlib's is_file ignores only a missing path), a traceback, not the one line."""
+    import os
+
+    from evalrun.engine import native_build
+
+    monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(tmp_path / "cache"))
+    source = tmp_path / "tiny.cpp"
+    source.write_text('extern "C" int tiny() { return 7; }\n')
+
+    def denied(real):  # what EACCES on the folder gives any process but root's
+        def call(path, *args, **kwargs):
+            if "evalrun-native" in os.fspath(path):
+                raise PermissionError(13, "Permission denied", os.fspath(path))
+            return real(path, *args, **kwargs)
+        return call
+
+    monkeypatch.setattr(os, "mkdir", denied(os.mkdir))
+    monkeypatch.setattr(os, "stat", denied(os.stat))
+    with pytest.raises(ConfigError, match=r"tiny.cpp cannot be built into .*evalrun-native \(Permission denied\): "
+                       r"point TORCHINDUCTOR_CACHE_DIR"):
+        native_build._built(source, "DEFAULT")
 
 
 def test_a_compiler_without_openmp_builds_the_kernel_without_it_with_the_same_bits(tmp_path, monkeypatch):

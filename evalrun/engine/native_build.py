@@ -120,7 +120,7 @@ def _digest_file(library: Path) -> Path:
 def _unwritable(path: Path, target: Path, why: str) -> ConfigError:
     """The one line for a cache folder the library cannot be written into, saying why it had to be built there."""
     found = (f"the {target.name} there does not match its digest (damaged, or built by an older evalrun); "
-             if target.is_file() else "")
+             if os.path.isfile(target) else "")  # not Path.is_file: a folder that cannot be searched raises there
     return ConfigError(f"{path.name} cannot be built into {target.parent} ({why}): {found}point "
                        "TORCHINDUCTOR_CACHE_DIR (or EVALRUN_CACHE) at a writable folder")
 
