@@ -169,7 +169,8 @@ def test_a_library_damaged_after_its_build_is_built_again_not_loaded(tmp_path, m
 def test_a_cache_folder_that_cannot_take_the_library_is_one_line_naming_what_it_found_there(tmp_path, monkeypatch):
     """A digest that cannot be written (no room left for it after the library; here a folder in its place) was
     taken for a compiler without OpenMP: the library was built again without it, slower, in every process. A
-    read-only cache holding a damaged library named a .partial file that never existed. Both are one line naming the folder and the variable now."""
+    read-only cache holding a damaged library named a .partial file that never existed. Both are one line naming
+    the folder and the variable now."""
     import os
     import subprocess
     import types
