@@ -111,8 +111,9 @@ def compare(rows: list[dict[str, Any]], baseline: dict[str, dict[str, Any]], rul
     """Every rule on every config measured now (in the order measured); no rules: every metric, reported."""
     rules = rules or [FailRule(metric, None) for metric in HIGHER_IS_BETTER]
     changes = []
+    shared = (_shared_workload(baseline.values()), _shared_workload(rows))
     for row in rows:
-        differs = _workload_differs(baseline.get(row["config"]), row)
+        differs = _workload_differs(baseline.get(row["config"]), row, *shared)
         for rule in rules:
             before, now = _figure(baseline.get(row["config"]), rule.metric), _figure(row, rule.metric)
             if differs:
@@ -128,13 +129,29 @@ def compare(rows: list[dict[str, Any]], baseline: dict[str, dict[str, Any]], rul
     return changes
 
 
-def _workload_differs(before: dict[str, Any] | None, now: dict[str, Any]) -> tuple[str, ...]:
-    """The workload keys (bench.workload) in which a row and its baseline row differ; none where either lacks one
-    (a transformers baseline row, a baseline from before rows carried it)."""
-    theirs, ours = (before or {}).get("workload"), now.get("workload")
+def _workload_differs(before: dict[str, Any] | None, now: dict[str, Any], their_bench: dict[str, Any] | None = None,
+                      our_bench: dict[str, Any] | None = None) -> tuple[str, ...]:
+    """The workload keys (bench.workload) in which a row and its baseline row differ. A row without one (transformers'
+    baseline rows) is judged by its bench's shared workload (`_shared_workload`, batch size aside: those rows run
+    batch 1): a baseline of another model compared its transformers rows, a false regression or a hidden one. None
+    where no workload is known (a baseline from before rows carried it)."""
+    if before is None:
+        return ()
+    theirs, ours = before.get("workload"), now.get("workload")
+    inferred = not isinstance(theirs, dict) or not isinstance(ours, dict)
+    theirs = theirs if isinstance(theirs, dict) else their_bench
+    ours = ours if isinstance(ours, dict) else our_bench
     if not isinstance(theirs, dict) or not isinstance(ours, dict):
         return ()
-    return tuple(key for key in ours if theirs.get(key) != ours[key])
+    return tuple(key for key in ours if theirs.get(key) != ours[key] and not (inferred and key == "batch_size"))
+
+
+def _shared_workload(rows: Any) -> dict[str, Any] | None:
+    """The workload every row of a bench that carries one shares, batch size aside; None where none does or they
+    differ (a row of a served model beside local ones)."""
+    workloads = [{key: value for key, value in row["workload"].items() if key != "batch_size"}
+                 for row in rows if isinstance(row.get("workload"), dict)]
+    return workloads[0] if workloads and all(w == workloads[0] for w in workloads) else None
 
 
 def other_workloads(changes: list[MetricChange]) -> list[MetricChange]:

@@ -801,7 +801,8 @@ def bench(model, prompts, dtype, device, max_new_tokens, batch_size, matrix_name
     request = BenchRequest(model, prompts, dtype, device, max_new_tokens, batch_size, matrix_names,
                            () if no_baselines else BASELINES, config_timeout, repeats)
     _check_bench_inputs(request)
-    rows = run_bench(request, (lambda name: None) if quiet else (lambda name: click.echo(f"bench: {name}", err=True)))
+    rows = run_bench(request, (lambda name: None) if quiet
+                     else (lambda name: click.echo(f"bench: {report.printable(name)}", err=True)))
     changes = bench_compare.compare(rows, baseline, rules) if baseline is not None else None
     if chosen_format(output_format, as_json) == "json":
         emit(report.to_json(rows if changes is None else {"rows": rows,

@@ -108,3 +108,53 @@ def test_bad_comparison_input_is_one_line_exit_2_before_any_run(cli, tmp_path, o
     baseline.write_text("[]")
     options = [str(baseline) if o == "{json}" else o for o in options]
     _one_line_exit_2(cli("bench", "--model", "random:tiny", *options), needle)
+
+
+def _fake_child(command, timeout, timeout_hint):
+    """A bench row without a process: evalrun's rows and transformers' baselines alike (tests/test_bench_figures.py)."""
+    from test_bench_figures import fake_result
+
+    result = fake_result(20.0)
+    if command[0] == "evalrun.hf_baseline":
+        return {"timings": result["timings"], "compiled_graphs": 0}, None
+    return {**result, "config": {"batch_size": 1, "max_new_tokens": 4, "dtype": "float32", "device": "cpu"}}, None
+
+
+def test_transformers_rows_of_a_baseline_of_another_workload_are_not_judged(cli, tmp_path, monkeypatch):
+    """Transformers' baseline rows carry no workload of their own: a baseline of another model (its evalrun rows named
+    other configs) compared them and said `regressed` (exit 1), or passed a slower bench. They are judged by their
+    bench's workload: refused, exit 2, as an evalrun row of another workload is."""
+    from evalrun import bench
+
+    monkeypatch.setattr(bench, "run_json_child", _fake_child)
+    workload = {"model": "other-model", "prompt_set": "p", "max_new_tokens": 4, "dtype": "float32", "device": "cpu",
+                "batch_size": 1}
+    baseline = tmp_path / "baseline.json"
+    baseline.write_text(json.dumps([{"config": "O0", "tokens_per_s": 500.0, "workload": workload},
+                                    {"config": "transformers eager", "tokens_per_s": 500.0},
+                                    {"config": "transformers static-compile", "tokens_per_s": 500.0}]))
+    code, out, err = cli("bench", "--model", "random:tiny", "--prompts", "smoke", "--max-new-tokens", "4", "--matrix",
+                         "none", "--compare", str(baseline), "--fail-on", "tokens_per_s:5%", "--json", "--quiet")
+    assert code == 2, err
+    assert "measured config 'transformers eager' on another workload (model differ)" in err.strip().splitlines()[-1]
+    assert {c["status"] for c in json.loads(out)["comparison"]} == {"missing", "other workload"}
+    same = tmp_path / "same.json"  # the same workload (batch size aside: transformers runs batch 1): judged
+    same.write_text(json.dumps([{"config": "O0", "tokens_per_s": 500.0, "workload": {**workload, "model": "m",
+                                                                                      "batch_size": 4}},
+                                {"config": "transformers eager", "tokens_per_s": 500.0}]))
+    code, out, err = cli("bench", "--model", "random:tiny", "--prompts", "smoke", "--max-new-tokens", "4", "--matrix",
+                         "none", "--compare", str(same), "--fail-on", "tokens_per_s:5%", "--quiet")
+    assert code == 1 and "transformers eager tokens_per_s -96.0% (allowed -5%)" in err, err
+
+
+def test_a_matrix_name_cannot_print_a_line_of_its_own_on_stderr(cli, monkeypatch):
+    """A knob's free text (server_config) is part of the row's name: the progress line printed it raw, so a newline
+    in it started a GitHub `::error::` workflow command of its own."""
+    from evalrun import bench
+
+    monkeypatch.setattr(bench, "run_json_child", lambda command, timeout, timeout_hint: (None, "evalrun: error: no"))
+    code, out, err = cli("bench", "--model", "random:tiny", "--prompts", "smoke", "--max-new-tokens", "4",
+                         "--no-baselines", "--matrix", "O0@openai:http://127.0.0.1:9/v1+server_config=a\n::error::x")
+    assert code == 2, err
+    assert not [line for line in err.splitlines() if line.startswith("::")], err
+    assert "bench: O0@openai:http://127.0.0.1:9/v1+server_config=a\\n::error::x" in err.splitlines()
