@@ -165,7 +165,8 @@ def run_matrix(common: list[str], matrix: list[tuple[str, list[str]]], baselines
                on_start: Callable[[str], None], timeout: float = 3600,
                baseline_options: list[str] | None = None, repeats: int = 1) -> list[BenchRow]:
     """Run every configuration and baseline in its own process, `repeats` rounds of all of them; failures become
-    rows with an error (a row that failed once is not run again)."""
+    rows with an error (a row that failed once is not run again). Interrupted (Ctrl-C), the rows measured so far are
+    kept: the running row and those never run say so in their error."""
     with tempfile.TemporaryDirectory() as directory:
         store = str(Path(directory) / "bench.db")
         children = [(name, ["evalrun", "run", "--json", "--quiet", "--store", store, *common, *options])
@@ -173,12 +174,20 @@ def run_matrix(common: list[str], matrix: list[tuple[str, list[str]]], baselines
         children += [(f"transformers {kind}", ["evalrun.hf_baseline", "--kind", kind, *(baseline_options or [])])
                      for kind in baselines]
         rows = [BenchRow(name) for name, _ in children]
-        for round_index in range(repeats):
-            for row, (name, command) in zip(rows, children):
-                if row.error is not None:
-                    continue
-                on_start(name if repeats == 1 else f"{name} (run {round_index + 1} of {repeats})")
-                row.add(*run_json_child(command, timeout, timeout_hint=TIMEOUT_HINT))
+        running = None
+        try:
+            for round_index in range(repeats):
+                for running, (name, command) in zip(rows, children):
+                    if running.error is not None:
+                        continue
+                    on_start(name if repeats == 1 else f"{name} (run {round_index + 1} of {repeats})")
+                    running.add(*run_json_child(command, timeout, timeout_hint=TIMEOUT_HINT))
+        except KeyboardInterrupt:
+            for row in rows:
+                if row is running:
+                    row.add(None, "interrupted (Ctrl-C) before its run finished")
+                elif not row.results:
+                    row.add(None, "not run: the bench was interrupted (Ctrl-C)")
     return rows
 
 

@@ -28,6 +28,17 @@ def test_worse_by_more_than_the_allowance_regresses_in_the_metrics_direction():
     assert {c.status for c in compare(ROWS, BASELINE, [])} <= {"reported", "missing"}
 
 
+def test_a_change_exactly_at_the_allowance_passes_whatever_the_rounding():
+    """7.3 -> 6.935 tokens/s is 5 % slower; in floating point -5.000000000000003 %, and it was `regressed`."""
+    rows = [{"config": "O0", "tokens_per_s": 6.935, "ttft_ms": 10.5}, {"config": "O2", "tokens_per_s": 6.934}]
+    baseline = {"O0": {"config": "O0", "tokens_per_s": 7.3, "ttft_ms": 10.0},
+                "O2": {"config": "O2", "tokens_per_s": 7.3}}
+    changes = compare(rows, baseline, [FailRule("tokens_per_s", 5), FailRule("ttft_ms", 5)])
+    assert [(c.config, c.metric, c.status) for c in changes] == [
+        ("O0", "tokens_per_s", "ok"), ("O0", "ttft_ms", "ok"), ("O2", "tokens_per_s", "regressed"),
+        ("O2", "ttft_ms", "missing")]
+
+
 @pytest.mark.parametrize("text,needle", [("speed:5%", "unknown metric 'speed'"), ("tokens_per_s:-1%", "percentage"),
                                          ("tokens_per_s:lots", "percentage"), ("tokens_per_s", "percentage")])
 def test_bad_rules_name_the_fix(text, needle):

@@ -122,3 +122,29 @@ def test_the_reference_row_named_in_the_header_is_printable_as_its_config_cell_i
     text = report.bench_table([{"config": "O0", "error": "boom"},
                                {"config": name, "identical_to": name, "identical_to_first": True}])
     assert len(text.splitlines()) == 4 and "identical to O0@openai:http://127.0.0.1:1/v1+served_model=a\\n::" in text
+
+
+def test_an_interrupted_bench_keeps_the_rows_it_measured(cli, monkeypatch):
+    """Ctrl-C in the second row threw the first row's figures away (a long bench lost every finished row); the
+    message said a run was stored as interrupted, where bench stores nothing. The rows measured are shown now, the
+    running one and those never run say so, exit 2."""
+    from evalrun import bench
+
+    answers = iter([(fake_result(10.0), None), KeyboardInterrupt()])
+
+    def child(command, timeout, timeout_hint):
+        answer = next(answers)
+        if isinstance(answer, BaseException):
+            raise answer
+        return answer
+
+    monkeypatch.setattr(bench, "run_json_child", child)
+    code, out, err = cli("bench", "--model", "random:tiny", "--prompts", "smoke", "--max-new-tokens", "4",
+                         "--matrix", "O0,O1", "--json", "--quiet")
+    rows = json.loads(out)
+    assert code == 2 and [row["config"] for row in rows] == ["O0", "O1", "transformers eager",
+                                                             "transformers static-compile"]
+    assert rows[0]["tokens_per_s"] == 10.0 and rows[0]["error"] is None
+    assert rows[1]["error"] == "interrupted (Ctrl-C) before its run finished"
+    assert {row["error"] for row in rows[2:]} == {"not run: the bench was interrupted (Ctrl-C)"}
+    assert err.strip().splitlines()[-1].startswith("evalrun: error: 3 of 4 bench configurations failed (O1, ")
