@@ -18,11 +18,11 @@ from pathlib import Path
 from typing import Any
 
 from .errors import ConfigError
+from .json_input import RepeatedKey, object_without_repeated_keys
 
 # A change exactly at the allowance passes: (now - before) / before in floating point lands a hair past it for some
 # figures (7.3 -> 6.935 tokens/s is -5.000000000000003 %). A billionth of a percent is far below any figure's noise.
 LIMIT_SLACK_PERCENT = 1e-9
-from .json_input import RepeatedKey, object_without_repeated_keys
 
 HIGHER_IS_BETTER = {"tokens_per_s": True, "ttft_ms": False, "first_request_ms": False, "compile_s": False,
                     "peak_memory_gib": False, "p50_ms": False, "p95_ms": False, "p99_ms": False}
@@ -128,8 +128,8 @@ def compare(rows: list[dict[str, Any]], baseline: dict[str, dict[str, Any]], rul
                 changes.append(MetricChange(row["config"], rule.metric, before, now, None, rule.percent, "missing"))
                 continue
             change = (now - before) / abs(before) * 100 * (1 if HIGHER_IS_BETTER[rule.metric] else -1)
-            regressed = change < -rule.percent - LIMIT_SLACK_PERCENT if rule.percent is not None else False
-            status = "reported" if rule.percent is None else "regressed" if regressed else "ok"
+            status = ("reported" if rule.percent is None
+                      else "regressed" if change < -rule.percent - LIMIT_SLACK_PERCENT else "ok")
             changes.append(MetricChange(row["config"], rule.metric, before, now, change, rule.percent, status))
     return changes
 
