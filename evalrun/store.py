@@ -178,7 +178,7 @@ class RunRecord:
                 "opt_level": self.config.get("opt_level"), "logits_digest": self.logits_digest}
 
 
-def _reason(error: BaseException) -> str:
+def damage_reason(error: BaseException) -> str:
     """Why a row could not be read, in a few words of one line."""
     if isinstance(error, RecursionError):
         return "JSON nested too deeply"
@@ -481,7 +481,7 @@ class Store:
         try:
             return run_from_row(row)
         except (TypeError, ValueError, KeyError, RecursionError) as error:
-            raise StoreError(f"{self.path}: run {str(row.get('id'))[:12]} is damaged ({_reason(error)}); "
+            raise StoreError(f"{self.path}: run {str(row.get('id'))[:12]} is damaged ({damage_reason(error)}); "
                              "`evalrun store check` lists what is wrong") from None
 
     def list_runs(self, limit: int | None = None) -> list[RunRecord]:
@@ -518,7 +518,7 @@ class Store:
         try:
             return self._read_results(run_id, names)
         except (StoreError, TypeError, ValueError, KeyError, RecursionError, sqlite3.DatabaseError) as error:
-            raise StoreError(f"{self.path}: run {run_id[:12]} is damaged ({_reason(error)}); "
+            raise StoreError(f"{self.path}: run {run_id[:12]} is damaged ({damage_reason(error)}); "
                              "`evalrun store check` lists what is wrong") from None
 
     def _read_results(self, run_id: str, names: tuple[str, ...] | None = None) -> list[PromptResult]:

@@ -13,7 +13,7 @@ from typing import Any, Callable, Iterable, Iterator
 
 from .errors import StoreError
 from .hashing import hash_bytes
-from .store import (REQUIRED_ARRAYS, SCHEMA_VERSION, Store, _reason, decode_array_row, digest_matches,
+from .store import (REQUIRED_ARRAYS, SCHEMA_VERSION, Store, damage_reason, decode_array_row, digest_matches,
                     result_from_row, results_problem, run_from_row)
 
 
@@ -24,7 +24,7 @@ def _unreadable(rows: Iterable[dict[str, Any]], parse: Callable[[dict[str, Any]]
         try:
             parse(row)
         except (TypeError, ValueError, KeyError, RecursionError) as error:
-            yield row, _reason(error)
+            yield row, damage_reason(error)
 
 
 def _list_the_first_ten(problems: list[str], found: Iterable[str], more: str) -> None:
@@ -147,7 +147,7 @@ def _check_complete_results(store: Store, problems: list[str]) -> None:
         try:
             problem = results_problem(store._read_results(str(run_id)))
         except (StoreError, TypeError, ValueError, KeyError, RecursionError) as error:
-            problem = _reason(error)
+            problem = damage_reason(error)
         if problem:
             found.append(f"run {str(run_id)[:12]}: {problem}")
     _list_the_first_ten(problems, found, "complete runs that cannot be read")
